@@ -1,0 +1,246 @@
+"""Functional normalizers: one function per normalizer, as ``F.softmax`` is to ``nn.Softmax``.
+
+Every function maps ``x`` to weights along ``dim`` under the shared rules of
+:mod:`attnorm.normalizers.base` (masks, -inf/+inf, fully masked rows, dtypes).
+``mask`` is a bool tensor broadcastable to ``x`` (True = may attend) or a
+:class:`attnorm.masks.StructuredMask`.  ``backend`` picks the implementation
+(``"torch"``, ``"triton"``, ``"auto"``; None = the global default).
+"""
+
+from __future__ import annotations
+
+from numbers import Real
+
+import torch
+from torch import Tensor
+
+from attnorm.masks import StructuredMask
+from attnorm.normalizers.base import normalize
+
+__all__ = [
+    "check_alpha",
+    "check_finite",
+    "check_k",
+    "check_temperature",
+    "entmax",
+    "scalable_softmax",
+    "self_adjusted_softmax",
+    "softmax",
+    "sparsemax",
+    "topk_softmax",
+]
+
+Mask = Tensor | StructuredMask | None
+Scalar = float | Tensor
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (Real, Tensor)):
+        raise TypeError(f"{name} must be a real number or a tensor, got {value!r}")
+    if isinstance(value, Tensor) and not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+
+
+def _values_checkable(value) -> bool:
+    # Learnable parameters are kept valid by their parametrisation; reading
+    # other tensors' values costs a device sync, which we accept off the GPU only.
+    return isinstance(value, Real) or (not value.requires_grad and value.device.type == "cpu")
+
+
+def check_temperature(temperature: Scalar) -> Scalar:
+    """Raise unless ``temperature`` is > 0 and finite."""
+    _check_number("temperature", temperature)
+    if _values_checkable(temperature):
+        bad = torch.as_tensor(temperature)
+        if not bool(((bad > 0) & torch.isfinite(bad)).all()):
+            raise ValueError(f"temperature must be > 0 and finite, got {_show(temperature)}")
+    return temperature
+
+
+def check_finite(name: str, value: Scalar) -> Scalar:
+    """Raise unless ``value`` is finite."""
+    _check_number(name, value)
+    if _values_checkable(value) and not bool(torch.isfinite(torch.as_tensor(value)).all()):
+        raise ValueError(f"{name} must be finite, got {_show(value)}")
+    return value
+
+
+def check_alpha(alpha: Scalar) -> Scalar:
+    """Raise unless ``alpha`` >= 1 and finite."""
+    _check_number("alpha", alpha)
+    if _values_checkable(alpha):
+        values = torch.as_tensor(alpha)
+        if not bool(((values >= 1) & torch.isfinite(values)).all()):
+            raise ValueError(f"alpha must be >= 1 and finite, got {_show(alpha)}")
+    return alpha
+
+
+def check_k(k: float) -> int | float:
+    """Raise unless ``k`` is an int >= 1 or a float fraction in (0, 1)."""
+    if isinstance(k, bool) or not isinstance(k, (int, float)):
+        raise TypeError(f"k must be an int >= 1 or a float in (0, 1), got {k!r}")
+    if isinstance(k, int) and k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if isinstance(k, float) and not 0 < k < 1:
+        raise ValueError(f"k given as a float is a fraction of the allowed positions and must be in (0, 1), got {k}")
+    return k
+
+
+def _show(value: Scalar) -> str:
+    if isinstance(value, Tensor):
+        return f"tensor with values {value.detach().flatten()[:8].tolist()}"
+    return repr(float(value))
+
+
+def softmax(x: Tensor, dim: int = -1, *, temperature: Scalar = 1.0, mask: Mask = None, backend: str | None = None) -> Tensor:
+    """Softmax with temperature: ``a_i = exp(x_i / T) / sum_j exp(x_j / T)`` over allowed positions.
+
+    Args:
+        x: scores.
+        dim: axis to normalise over.
+        temperature: T > 0 (float or tensor broadcastable to ``x``, constant along ``dim``).
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+
+    Returns:
+        Weights like ``x``; each row with an allowed position sums to 1.
+
+    Raises:
+        ValueError: temperature <= 0 or not finite; mask not broadcastable.
+        TypeError: non-floating ``x``, non-bool mask.
+    """
+    check_temperature(temperature)
+    return normalize("softmax", x, mask, dim, {"temperature": temperature}, backend)
+
+
+def scalable_softmax(
+    x: Tensor, dim: int = -1, *, s: Scalar = 0.43, bias: Scalar = 0.0, mask: Mask = None, backend: str | None = None
+) -> Tensor:
+    """Scalable-Softmax (Nakanishi, 2025, arXiv 2501.19399): ``softmax((s log n + bias) x)``.
+
+    ``n`` is the number of allowed positions in each row, so under a causal mask
+    query ``i`` uses ``n = i + 1`` and padded keys do not count.  The multiplier
+    grows with ``n`` and keeps attention from flattening toward ``1/n``.
+
+    Args:
+        x: scores.
+        dim: axis to normalise over.
+        s: scaling parameter (finite; float or tensor broadcastable to ``x``, constant along ``dim``).
+        bias: additive term of the multiplier (same rules as ``s``).
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+
+    Returns:
+        Weights like ``x``; rows sum to 1.
+
+    Raises:
+        ValueError: ``s`` or ``bias`` not finite; mask not broadcastable.
+    """
+    check_finite("s", s)
+    check_finite("bias", bias)
+    return normalize("scalable_softmax", x, mask, dim, {"s": s, "bias": bias}, backend)
+
+
+def self_adjusted_softmax(
+    x: Tensor, dim: int = -1, *, normalized: bool = True, mask: Mask = None, backend: str | None = None
+) -> Tensor:
+    """Self-Adjusted Softmax (Zheng et al., 2025, arXiv 2502.18277).
+
+    Plain: ``a_i = x_i * softmax(x)_i``.  Normalized (default):
+    ``a_i = (x_i - min(x_min, 0)) / (max(x_max, 0) - min(x_min, 0)) * softmax(x)_i``,
+    min and max over allowed positions (a row of zeros gives zeros).  The weights do
+    **not** sum to 1, and the plain variant can be negative.
+
+    Args:
+        x: scores.
+        dim: axis to normalise over.
+        normalized: use the min-max normalised factor (weights in [0, 1]).
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+
+    Returns:
+        Weights like ``x``.
+    """
+    if not isinstance(normalized, bool):
+        raise TypeError(f"normalized must be a bool, got {normalized!r}")
+    return normalize("self_adjusted_softmax", x, mask, dim, {"normalized": normalized}, backend)
+
+
+def sparsemax(x: Tensor, dim: int = -1, *, mask: Mask = None, backend: str | None = None) -> Tensor:
+    """Sparsemax (Martins & Astudillo, 2016): ``argmin_{p in simplex} ||p - x||^2``.
+
+    Solution ``a_i = max(x_i - tau, 0)`` with ``tau`` such that the row sums to 1;
+    positions below ``tau`` get exactly 0.  Backward saves only the output.
+
+    Args:
+        x: scores.
+        dim: axis to normalise over.
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+
+    Returns:
+        Sparse weights like ``x``; rows sum to 1.
+    """
+    return normalize("sparsemax", x, mask, dim, {}, backend)
+
+
+def entmax(x: Tensor, alpha: Scalar = 1.5, dim: int = -1, *, mask: Mask = None, backend: str | None = None) -> Tensor:
+    """alpha-entmax (Peters, Niculae & Martins, 2019, arXiv 1905.05702).
+
+    ``argmax_{p in simplex} p.x + H_alpha(p)`` with the Tsallis entropy ``H_alpha``;
+    solution ``a_i = [(alpha - 1) x_i - tau]_+^(1 / (alpha - 1))``.  alpha = 1 is
+    softmax, alpha = 2 sparsemax, alpha = 1.5 is solved exactly; other alpha by
+    bisection on ``tau`` followed by renormalisation (row sums exact to rounding).
+    ``alpha`` may be a tensor (e.g. one per head) and then receives a gradient.
+
+    Args:
+        x: scores.
+        alpha: >= 1 (float, or tensor broadcastable to ``x`` and constant along ``dim``).
+        dim: axis to normalise over.
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+
+    Returns:
+        Sparse weights like ``x``; rows sum to 1.
+
+    Raises:
+        ValueError: alpha < 1 or not finite.
+    """
+    check_alpha(alpha)
+    return normalize("entmax", x, mask, dim, {"alpha": alpha}, backend)
+
+
+def topk_softmax(
+    x: Tensor,
+    k: float,
+    dim: int = -1,
+    *,
+    temperature: Scalar = 1.0,
+    mask: Mask = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Softmax over the ``k`` largest allowed scores of each row, exactly 0 elsewhere.
+
+    ``k`` is an int >= 1, or a float in (0, 1): a fraction of the ``n`` allowed
+    positions, keeping ``max(1, ceil(k * n))``.  Ties at the k-th score are broken
+    by ``torch.topk`` so exactly ``min(k, n)`` positions are kept.
+
+    Args:
+        x: scores.
+        k: positions to keep (int) or fraction of allowed positions (float).
+        dim: axis to normalise over.
+        temperature: T > 0, as in :func:`softmax`.
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+
+    Returns:
+        Sparse weights like ``x``; rows sum to 1.
+
+    Raises:
+        ValueError: k < 1 or a float outside (0, 1); temperature <= 0.
+    """
+    check_k(k)
+    check_temperature(temperature)
+    return normalize("topk_softmax", x, mask, dim, {"k": k, "temperature": temperature}, backend)
+
+

@@ -1,0 +1,175 @@
+"""The Normalizer interface and the rules every normalizer shares.
+
+Every normalizer maps scores to weights along one axis.  The rules below are
+implemented once, here, and every normalizer (and every backend) obeys them:
+
+* ``dim``: any axis, negative or positive; any number of leading dims; L = 1 works.
+* ``mask``: a bool tensor broadcastable to ``scores`` (True = may attend, the
+  ``scaled_dot_product_attention`` convention) or a :class:`attnorm.masks.StructuredMask`.
+  A score of -inf counts as masked.  Masked positions get weight 0 and gradient 0;
+  a row with no allowed position gives zeros (never NaN).  A row holding +inf
+  scores puts all its mass uniformly on them (the limit of the finite case).
+  NaN scores propagate as NaN.
+* dtype: float16/bfloat16 are computed in float32 and returned in the input
+  dtype; float32 and float64 are computed as they are.
+* Tensor parameters (``s``, ``bias``, ``alpha``, ``temperature``) broadcast against
+  the scores and must be constant along ``dim``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnorm.kernels import dispatch
+from attnorm.masks import StructuredMask
+
+__all__ = ["Normalizer", "broadcast_param", "normalize"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_scores(scores: Any) -> None:
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
+    if not scores.dtype.is_floating_point:
+        raise TypeError(f"scores must be a floating-point tensor, got dtype {scores.dtype}")
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"dim must be an int, got {dim!r}")
+    size = max(ndim, 1)
+    if not -size <= dim < size:
+        raise IndexError(f"dim out of range: got {dim} for scores with {ndim} dims")
+    return dim % size
+
+
+def _check_mask(mask: Any, scores: Tensor) -> Tensor | StructuredMask | None:
+    if mask is None or isinstance(mask, StructuredMask):
+        return mask
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a bool tensor, a StructuredMask or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must have dtype torch.bool (True = may attend), got {mask.dtype}")
+    try:
+        shape = torch.broadcast_shapes(mask.shape, scores.shape)
+    except RuntimeError:
+        shape = None
+    if shape != scores.shape:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to scores of shape {tuple(scores.shape)}"
+        )
+    return mask
+
+
+def broadcast_param(name: str, value: Tensor, scores: Tensor, dim: int) -> Tensor:
+    """Reshape a tensor parameter so it broadcasts against scores moved to ``dim=-1``.
+
+    Raises:
+        ValueError: if ``value`` does not broadcast to ``scores`` or varies along ``dim``.
+    """
+    try:
+        shape = torch.broadcast_shapes(value.shape, scores.shape)
+    except RuntimeError:
+        shape = None
+    if shape != scores.shape:
+        raise ValueError(
+            f"{name} of shape {tuple(value.shape)} does not broadcast to scores of shape {tuple(scores.shape)}"
+        )
+    value = value.reshape((1,) * (scores.ndim - value.ndim) + tuple(value.shape))
+    if scores.ndim == 0:
+        return value
+    value = value.movedim(dim, -1)
+    if value.shape[-1] != 1:
+        raise ValueError(f"{name} must be constant along dim={dim}, got shape {tuple(value.shape)}")
+    return value
+
+
+def normalize(
+    op: str,
+    scores: Tensor,
+    mask: Tensor | StructuredMask | None,
+    dim: int,
+    params: dict[str, Any],
+    backend: str | None = None,
+) -> Tensor:
+    """Apply the row operation ``op`` along ``dim`` under the shared rules.
+
+    Args:
+        op: the kernel name (``"softmax"``, ``"scalable_softmax"``, ...).
+        scores: floating-point tensor of any shape.
+        mask: bool tensor broadcastable to ``scores``, a StructuredMask, or None.
+        dim: the axis to normalise over.
+        params: the op's parameters; python numbers or tensors broadcastable to ``scores``.
+        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None (the global default).
+
+    Returns:
+        Weights with the shape and dtype of ``scores``.
+    """
+    _check_scores(scores)
+    mask = _check_mask(mask, scores)
+    dim = _normalize_dim(dim, scores.ndim)
+    squeeze = scores.ndim == 0
+    shaped = scores.reshape(1) if squeeze else scores
+    x = shaped
+    last = x.ndim - 1
+    if isinstance(mask, StructuredMask) and (dim != last or x.ndim < 2):
+        mask = mask.materialize(x.shape, x.device)
+    compute_dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    x = x.to(compute_dtype).movedim(dim, -1)
+    if isinstance(mask, Tensor):
+        mask = mask.reshape((1,) * (scores.ndim - mask.ndim) + tuple(mask.shape))
+        mask = mask.reshape(1) if squeeze else mask
+        mask = mask.movedim(dim, -1)
+    row_params = {
+        name: broadcast_param(name, value, shaped, dim).to(compute_dtype)
+        if isinstance(value, Tensor)
+        else value
+        for name, value in params.items()
+    }
+    out = dispatch.run(op, x, mask, row_params, backend)
+    out = out.movedim(-1, dim).to(scores.dtype)
+    return out.reshape(()) if squeeze else out
+
+
+class Normalizer(nn.Module):
+    """Base class: an ``nn.Module`` mapping scores to attention weights.
+
+    Subclasses set ``kernel`` (the row operation in :mod:`attnorm.kernels`) and
+    implement :meth:`kernel_params`.  ``forward(scores, mask=None)`` applies the
+    shared rules described in this module's docstring.
+
+    Class attributes describe the normalizer for tables and for the attention
+    fast paths: ``sums_to_one`` (rows sum to 1) and ``sparse`` (can output exact zeros).
+    """
+
+    kernel: str = ""
+    sums_to_one: bool = True
+    sparse: bool = False
+
+    def __init__(self, dim: int = -1, backend: str | None = None) -> None:
+        super().__init__()
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"dim must be an int, got {dim!r}")
+        self.dim = dim
+        self.backend = dispatch.check_backend(backend)
+
+    def kernel_params(self) -> dict[str, Any]:
+        """The parameters passed to the row operation (numbers or tensors)."""
+        return {}
+
+    def forward(self, scores: Tensor, mask: Tensor | StructuredMask | None = None) -> Tensor:
+        return normalize(self.kernel, scores, mask, self.dim, self.kernel_params(), self.backend)
+
+    def _repr_fields(self) -> dict[str, Any]:
+        return {}
+
+    def extra_repr(self) -> str:
+        fields = dict(self._repr_fields())
+        fields["dim"] = self.dim
+        if self.backend is not None:
+            fields["backend"] = repr(self.backend)
+        return ", ".join(f"{key}={value}" for key, value in fields.items())

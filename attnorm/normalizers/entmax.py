@@ -1,0 +1,87 @@
+"""Sparse normalizers from the entmax family: sparsemax and alpha-entmax."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from attnorm import functional as F
+from attnorm.normalizers.base import Normalizer
+from attnorm.normalizers.scalable_softmax import head_shape
+
+
+class Sparsemax(Normalizer):
+    """Sparsemax (Martins & Astudillo, 2016): Euclidean projection onto the simplex.
+
+    Max weight is at least ``1 / support size``, independent of the row length.
+
+    Args:
+        dim: axis to normalise over.
+        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+    """
+
+    kernel = "sparsemax"
+    sparse = True
+
+
+class Entmax(Normalizer):
+    """alpha-entmax (Peters et al., 2019); learnable alpha per head (Correia et al., 2019).
+
+    alpha = 1 is softmax, alpha = 2 sparsemax, alpha = 1.5 is exact.  With
+    ``learnable=True``, alpha is parametrised as ``1 + sigmoid(alpha_logit)`` and so
+    stays in the open interval (1, 2); the initial ``alpha`` must lie there.
+
+    Args:
+        alpha: >= 1 (in (1, 2) when learnable).
+        learnable: train alpha (``alpha_logit`` is the ``nn.Parameter``).
+        num_heads: one alpha per head, broadcast over scores ``(..., H, Lq, Lk)``.
+        dim: axis to normalise over.
+        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+    """
+
+    kernel = "entmax"
+    sparse = True
+
+    def __init__(
+        self,
+        alpha: float = 1.5,
+        learnable: bool = False,
+        num_heads: int | None = None,
+        dim: int = -1,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(dim, backend)
+        F.check_alpha(alpha)
+        self.learnable = learnable
+        self.num_heads = num_heads
+        shape = head_shape(num_heads)
+        if learnable:
+            if not 1 < float(alpha) < 2:
+                raise ValueError(f"a learnable alpha is kept in (1, 2); the initial alpha must lie there, got {alpha}")
+            logit = math.log((alpha - 1) / (2 - alpha))
+            self.alpha_logit = nn.Parameter(torch.full(shape, logit))
+        elif shape:
+            self.register_buffer("_alpha", torch.full(shape, float(alpha)))
+        else:
+            self._alpha = float(alpha)
+
+    @property
+    def alpha(self) -> float | Tensor:
+        """The current alpha (a tensor when learnable or per head)."""
+        if self.learnable:
+            return 1 + torch.sigmoid(self.alpha_logit)
+        return self._alpha
+
+    def kernel_params(self) -> dict:
+        return {"alpha": self.alpha}
+
+    def _repr_fields(self) -> dict:
+        fields: dict = {}
+        if isinstance(self.alpha, float):
+            fields["alpha"] = self.alpha
+        fields["learnable"] = self.learnable
+        if self.num_heads is not None:
+            fields["num_heads"] = self.num_heads
+        return fields

@@ -1,0 +1,33 @@
+"""Self-Adjusted Softmax (SA-Softmax)."""
+
+from __future__ import annotations
+
+from attnorm.normalizers.base import Normalizer
+
+
+class SelfAdjustedSoftmax(Normalizer):
+    """SA-Softmax (Zheng et al., 2025, arXiv 2502.18277): ``x * softmax(x)`` or its min-max normalised form.
+
+    With ``normalized=True``: ``(x - min(x_min, 0)) / (max(x_max, 0) - min(x_min, 0)) * softmax(x)``.
+    The weights do **not** sum to 1; the plain variant can be negative.
+
+    Args:
+        normalized: use the min-max normalised factor.
+        dim: axis to normalise over.
+        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+    """
+
+    kernel = "self_adjusted_softmax"
+    sums_to_one = False
+
+    def __init__(self, normalized: bool = True, dim: int = -1, backend: str | None = None) -> None:
+        super().__init__(dim, backend)
+        if not isinstance(normalized, bool):
+            raise TypeError(f"normalized must be a bool, got {normalized!r}")
+        self.normalized = normalized
+
+    def kernel_params(self) -> dict:
+        return {"normalized": self.normalized}
+
+    def _repr_fields(self) -> dict:
+        return {"normalized": self.normalized}

@@ -1,0 +1,103 @@
+"""Build normalizers by name: ``attnorm.make("entmax:alpha=1.3")``."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+
+from attnorm.normalizers import (
+    Entmax,
+    Normalizer,
+    ScalableSoftmax,
+    SelfAdjustedSoftmax,
+    Softmax,
+    Sparsemax,
+    TopKSoftmax,
+)
+
+__all__ = ["available", "make", "register_normalizer"]
+
+_FACTORIES: dict[str, Callable[..., Normalizer]] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register_normalizer(name: str, factory: Callable[..., Normalizer], aliases: tuple[str, ...] = ()) -> None:
+    """Make ``factory`` buildable by ``make(name)`` and by each alias."""
+    _FACTORIES[name] = factory
+    for alias in aliases:
+        _ALIASES[alias] = name
+
+
+register_normalizer("softmax", Softmax)
+register_normalizer("ssmax", ScalableSoftmax, ("scalable_softmax", "scalable-softmax"))
+register_normalizer("sa_softmax", SelfAdjustedSoftmax, ("self_adjusted_softmax", "self-adjusted-softmax"))
+register_normalizer("sparsemax", Sparsemax)
+register_normalizer("entmax", Entmax, ("alpha_entmax", "entmax15"))
+register_normalizer("topk", TopKSoftmax, ("topk_softmax", "top-k"))
+
+
+def available() -> list[str]:
+    """Names accepted by :func:`make`: the short names first, then the aliases."""
+    return list(_FACTORIES) + list(_ALIASES)
+
+
+def _parse_value(text: str):
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """Split ``"name:key=value,key=value"`` into the name and keyword arguments."""
+    name, _, arguments = spec.partition(":")
+    kwargs = {}
+    for item in filter(None, (part.strip() for part in arguments.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"bad normalizer spec {spec!r}: expected 'name:key=value,...', got item {item!r}")
+        kwargs[key.strip()] = _parse_value(value)
+    return name.strip(), kwargs
+
+
+def make(spec: str | Normalizer, **overrides) -> Normalizer:
+    """Build a normalizer from a name or spec string.
+
+    Args:
+        spec: a name from :func:`available`, optionally with arguments:
+            ``"entmax:alpha=1.3"``, ``"topk:k=0.06"``, ``"ssmax:s=0.5,learnable=true"``.
+            A :class:`Normalizer` instance is returned as it is (when no overrides are given).
+        **overrides: keyword arguments that take precedence over the spec's.
+
+    Returns:
+        A new normalizer module.
+
+    Raises:
+        ValueError: unknown name, or an argument the normalizer does not take.
+    """
+    if isinstance(spec, Normalizer):
+        if overrides:
+            raise ValueError("overrides can only be given with a spec string, not a Normalizer instance")
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a string or a Normalizer, got {type(spec).__name__}")
+    name, kwargs = parse_spec(spec)
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in _FACTORIES:
+        raise ValueError(f"unknown normalizer {name!r}; available: {', '.join(available())}")
+    if key == "entmax15" or name.lower() == "entmax15":
+        kwargs.setdefault("alpha", 1.5)
+    kwargs.update(overrides)
+    factory = _FACTORIES[key]
+    try:
+        return factory(**kwargs)
+    except TypeError as error:
+        import inspect
+
+        valid = [p for p in inspect.signature(factory).parameters if p != "self"]
+        raise ValueError(f"bad arguments {sorted(kwargs)} for {key!r} ({error}); valid: {', '.join(valid)}") from error
