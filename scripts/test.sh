@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (first run only) and run the test suite with pytest; extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec "${PYTHON:-python3}" -m pytest -q "$@"
