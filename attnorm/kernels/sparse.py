@@ -27,6 +27,16 @@ def sum_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:
     return grad
 
 
+def _subtract_row_max(x: Tensor, allowed: Tensor) -> Tensor:
+    """``x`` minus its largest allowed score per row (0 for rows with none).
+
+    The maps are shift-invariant; working next to 0 keeps cumulative sums (and
+    entmax-1.5's variance) from cancelling catastrophically on large scores.
+    """
+    top = x.masked_fill(~allowed, -math.inf).amax(-1, keepdim=True)
+    return x - top.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+
+
 def _sorted_allowed(z: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
     """Allowed scores sorted in decreasing order (zeros after them) and the validity mask."""
     count = allowed.sum(-1, keepdim=True)
@@ -51,6 +61,7 @@ def _jvp_backward(grad: Tensor, gppr: Tensor) -> Tensor:
 class _Sparsemax(Function):
     @staticmethod
     def forward(ctx, x: Tensor, allowed: Tensor) -> Tensor:
+        x = _subtract_row_max(x, allowed)
         ordered, valid = _sorted_allowed(x, allowed)
         cumulative = ordered.cumsum(-1) - 1
         rank = torch.arange(1, x.shape[-1] + 1, device=x.device, dtype=x.dtype)
@@ -69,7 +80,7 @@ class _Sparsemax(Function):
 class _Entmax15(Function):
     @staticmethod
     def forward(ctx, x: Tensor, allowed: Tensor) -> Tensor:
-        z = x / 2
+        z = _subtract_row_max(x, allowed) / 2
         ordered, valid = _sorted_allowed(z, allowed)
         rank = torch.arange(1, x.shape[-1] + 1, device=x.device, dtype=x.dtype)
         mean = ordered.cumsum(-1) / rank
@@ -98,7 +109,7 @@ class _EntmaxBisect(Function):
     @staticmethod
     def forward(ctx, x: Tensor, allowed: Tensor, alpha: Tensor) -> Tensor:
         exponent = 1 / (alpha - 1)
-        z = (x * (alpha - 1)).masked_fill(~allowed, -math.inf)
+        z = (_subtract_row_max(x, allowed) * (alpha - 1)).masked_fill(~allowed, -math.inf)
         count = allowed.sum(-1, keepdim=True).clamp_min(1).to(x.dtype)
         top = z.amax(-1, keepdim=True).masked_fill(~allowed.any(-1, keepdim=True), 0.0)
         low = top - 1
