@@ -97,7 +97,9 @@ class _Entmax15(Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (out,) = ctx.saved_tensors
-        return _jvp_backward(grad, out.sqrt()), None
+        # sqrt has an infinite derivative at 0: keep it off the zeros so double backward has no 0 * inf.
+        gppr = torch.where(out > 0, out.clamp_min(torch.finfo(out.dtype).tiny).sqrt(), 0.0)
+        return _jvp_backward(grad, gppr), None
 
 
 def bisect_iterations(dtype: torch.dtype) -> int:
