@@ -150,7 +150,12 @@ def topk_row_count(k: float, n: Tensor) -> Tensor:
 @register("torch", "topk_softmax")
 def topk_softmax_rows(x: Tensor, mask, k: float = 1, temperature: float | Tensor = 1.0) -> Tensor:
     rows = sanitize(x, mask)
-    count = topk_row_count(k, rows.allowed.sum(-1, keepdim=True))
+    allowed = rows.allowed
+    if rows.posinf_rows is not None:
+        # A fraction k counts every allowed position, as for large finite scores;
+        # the kept ones are then the +inf positions.
+        allowed = sanitize(x.masked_fill(x == math.inf, 0.0), mask).allowed
+    count = topk_row_count(k, allowed.sum(-1, keepdim=True))
     largest = min(int(count.max()) if count.numel() else 0, x.shape[-1])
     if largest == 0:
         return torch.zeros_like(rows.x)
