@@ -112,6 +112,8 @@ def normalize(
     _check_scores(scores)
     mask = _check_mask(mask, scores)
     dim = _normalize_dim(dim, scores.ndim)
+    if scores.numel() == 0:
+        return scores.clone()  # nothing to normalise (e.g. no keys); row ops reduce over the last axis
     squeeze = scores.ndim == 0
     shaped = scores.reshape(1) if squeeze else scores
     x = shaped
