@@ -1,0 +1,41 @@
+"""Fused Triton kernels for every row operation (``backend="triton"``).
+
+Each op has a forward and a backward kernel and an autograd Function in its own
+module; this file registers them with :func:`attnorm.kernels.dispatch.register`.
+The kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
+Importing this package raises ImportError when triton is missing (the
+dispatcher then falls back to torch).
+
+======================== ================================ ==================
+op                        module                           autograd Function
+======================== ================================ ==================
+softmax                   :mod:`.softmax`                  SoftmaxFunction
+scalable_softmax          :mod:`.softmax`                  ScalableSoftmaxFunction
+self_adjusted_softmax     :mod:`.self_adjusted`            SelfAdjustedSoftmaxFunction
+sparsemax, entmax         :mod:`.entmax`                   EntmaxFunction
+topk_softmax              :mod:`.topk`                     TopKSoftmaxFunction
+======================== ================================ ==================
+
+Row layout, masks, parameters and block sizes: :mod:`.launch`; device helpers
+shared by the kernels (mask rules, +inf rows, row scans): :mod:`.blocks`.
+"""
+
+from __future__ import annotations
+
+import triton  # noqa: F401  (ImportError here tells the dispatcher Triton is unavailable)
+from torch import Tensor
+
+from attnorm.kernels.dispatch import register
+from attnorm.kernels.triton.softmax import ScalableSoftmaxFunction, SoftmaxFunction
+
+__all__ = ["scalable_softmax_rows", "softmax_rows"]
+
+
+@register("triton", "softmax")
+def softmax_rows(x: Tensor, mask, temperature: float | Tensor = 1.0) -> Tensor:
+    return SoftmaxFunction.apply(x, mask, temperature)
+
+
+@register("triton", "scalable_softmax")
+def scalable_softmax_rows(x: Tensor, mask, s: float | Tensor = 0.43, bias: float | Tensor = 0.0) -> Tensor:
+    return ScalableSoftmaxFunction.apply(x, mask, s, bias)

@@ -1,0 +1,102 @@
+"""Device helpers shared by the kernels: a block of a row under its mask, +inf rows, row scans.
+
+The shared mask rules of :mod:`attnorm.normalizers.base` live here once:
+``load_block`` marks a position allowed when it lies inside the row, passes the
+mask and is not -inf; ``keep_posinf`` rewrites a row holding +inf so that only
+its +inf positions are allowed, each with score 0 (every normaliser is then
+uniform over them, the limit of the finite case).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["keep_posinf", "load_block", "load_row_param", "scan_row"]
+
+
+@triton.jit
+def load_row_param(param, row):
+    """Row ``row``'s value of a parameter passed as ``(values, stride)``."""
+    values, stride = param
+    return tl.load(values + row * stride)
+
+
+@triton.jit
+def load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE):
+    """Scores of ``row`` at ``cols`` (in ``COMPUTE``) and whether each position is allowed.
+
+    ``masking`` is :class:`attnorm.kernels.triton.launch.MaskArgs` ``.args``; a
+    structured mask is evaluated from the row index, nothing is read for it but
+    one key length per row.
+    """
+    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal = (
+        masking
+    )
+    inside = cols < length
+    x = tl.load(X + row * x_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+    allowed = inside & (x != float("-inf"))
+    if MASK_KIND == 1:
+        permitted = tl.load(mask_ptr + row * mask_row_stride + cols * mask_col_stride, mask=inside, other=0)
+        allowed = allowed & (permitted != 0)
+    if CAUSAL:
+        allowed = allowed & (cols <= row % num_queries + diagonal)
+    if LENGTHS:
+        allowed = allowed & (cols < tl.load(lengths_ptr + (row // rows_per_batch) * lengths_stride))
+    return x, allowed
+
+
+@triton.jit
+def keep_posinf(x, allowed, posinf_row):
+    """Apply the +inf rule: in a +inf row only the +inf positions stay allowed.
+
+    Also zeroes the scores of positions that are not allowed, so later arithmetic
+    on them stays finite (results there are discarded).
+    """
+    posinf = allowed & (x == float("inf"))
+    allowed = tl.where(posinf_row, posinf, allowed)
+    x = tl.where(allowed & ~posinf, x, 0.0)
+    return x, allowed
+
+
+@triton.jit
+def scan_row(X, row, length, x_row_stride, masking, scale, BLOCK, ONLINE_SUM, MASK_KIND, CAUSAL, LENGTHS, COMPUTE):
+    """First pass over a long row: statistics of its allowed scores.
+
+    Returns ``(count, posinf_count, max_x, min_x, sum_x, sum_exp)`` where the
+    extrema and sum run over the allowed finite scores and, when ``ONLINE_SUM``,
+    ``sum_exp = sum exp(scale * (x - max_x))`` is accumulated online (``scale > 0``).
+    A row holding +inf is summarised as that rule sees it: ``count`` = number of
+    +inf positions, every score 0.
+    """
+    count = tl.zeros((), tl.int32)
+    posinf_count = tl.zeros((), tl.int32)
+    max_x = tl.full((), float("-inf"), COMPUTE)
+    min_x = tl.full((), float("inf"), COMPUTE)
+    sum_x = tl.zeros((), COMPUTE)
+    sum_exp = tl.zeros((), COMPUTE)
+    for start in range(0, length, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+        posinf = allowed & (x == float("inf"))
+        finite = allowed & ~posinf
+        count += tl.sum(allowed.to(tl.int32), 0)
+        posinf_count += tl.sum(posinf.to(tl.int32), 0)
+        block_max = tl.max(tl.where(finite, x, float("-inf")), 0)
+        min_x = tl.minimum(min_x, tl.min(tl.where(finite, x, float("inf")), 0))
+        sum_x += tl.sum(tl.where(finite, x, 0.0), 0)
+        if ONLINE_SUM:
+            new_max = tl.maximum(max_x, block_max)
+            rescale = tl.where(new_max == float("-inf"), 1.0, tl.exp(scale * (max_x - new_max)))
+            terms = tl.where(finite, tl.exp(scale * (x - new_max)), 0.0)
+            sum_exp = sum_exp * rescale + tl.sum(terms, 0)
+            max_x = new_max
+        else:
+            max_x = tl.maximum(max_x, block_max)
+    posinf_row = posinf_count > 0
+    count = tl.where(posinf_row, posinf_count, count)
+    max_x = tl.where(posinf_row, 0.0, max_x)
+    min_x = tl.where(posinf_row, 0.0, min_x)
+    sum_x = tl.where(posinf_row, 0.0, sum_x)
+    sum_exp = tl.where(posinf_row, posinf_count.to(COMPUTE), sum_exp)
+    return count, posinf_count, max_x, min_x, sum_x, sum_exp

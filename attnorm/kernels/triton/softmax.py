@@ -1,0 +1,241 @@
+"""Fused softmax (with temperature) and Scalable-Softmax, and the softmax-family backward.
+
+Forward, per row: ``y = softmax(m * x)`` over the allowed positions, with the
+multiplier ``m = 1 / temperature`` (softmax) or ``m = s * log(max(n, 1)) + bias``
+(Scalable-Softmax, ``n`` = allowed positions counted in the kernel).
+
+Backward, per row: with ``dz = y * (g - sum(y * g))``, ``dx = m * dz``;
+``d temperature = -m * sum(dz * log y)`` (needs only ``y``); ``d m = sum(dz * x)``
+and then ``d s = log(n) * d m``, ``d bias = d m``.  Scalable-Softmax's ``m`` can be 0,
+where ``y`` carries no information about ``x``, so when ``s`` or ``bias`` needs a
+gradient the input ``x`` is saved as well.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.autograd import Function
+
+from attnorm.kernels.triton import launch
+from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row_param, scan_row
+
+__all__ = ["ScalableSoftmaxFunction", "SoftmaxFunction", "softmax_family_backward"]
+
+_TEMPERATURE, _SCALABLE = 0, 1
+_NO_PARAM_GRAD, _TEMPERATURE_GRAD, _MULTIPLIER_GRAD = 0, 1, 2
+
+
+@triton.jit
+def _multiplier(first, second, count, VARIANT):
+    if VARIANT == 0:
+        return 1.0 / first
+    return first * tl.log(tl.maximum(count, 1).to(first.dtype)) + second
+
+
+@triton.jit
+def _softmax_forward_kernel(
+    X, OUT, GRAD_SCALE, LOG_COUNT, first_param, second_param, masking, length, x_row_stride, out_row_stride,
+    BLOCK: tl.constexpr, SINGLE: tl.constexpr, VARIANT: tl.constexpr,
+    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
+):
+    """``y = softmax(m * x)`` for one row; also writes ``m`` (0 in +inf rows) and ``log max(n, 1)``.
+
+    Bytes moved per row of L elements: single-block L*(in + out) + per-row scalars;
+    multi-pass adds one re-read of x (temperature, online max/sum) or two
+    (Scalable-Softmax: ``m`` needs ``n`` before the sum of exponentials).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    first = load_row_param(first_param, row).to(COMPUTE)
+    second = load_row_param(second_param, row).to(COMPUTE)
+    if SINGLE:
+        cols = tl.arange(0, BLOCK)
+        x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+        posinf_row = tl.sum((allowed & (x == float("inf"))).to(tl.int32), 0) > 0
+        x, allowed = keep_posinf(x, allowed, posinf_row)
+        count = tl.sum(allowed.to(tl.int32), 0)
+        multiplier = _multiplier(first, second, count, VARIANT)
+        z = tl.where(allowed, x * multiplier, float("-inf"))
+        top = tl.where(count > 0, tl.max(z, 0), 0.0)
+        e = tl.where(allowed, tl.exp(z - top), 0.0)
+        y = tl.where(allowed, e / tl.sum(e, 0), 0.0)
+        tl.store(OUT + row * out_row_stride + cols, y.to(OUT.dtype.element_ty), mask=cols < length)
+    else:
+        online = VARIANT == 0
+        scale = 1.0 / first
+        count, posinf_count, max_x, min_x, _, sum_exp = scan_row(
+            X, row, length, x_row_stride, masking, scale, BLOCK, online, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        )
+        posinf_row = posinf_count > 0
+        multiplier = _multiplier(first, second, count, VARIANT)
+        top = tl.where(multiplier >= 0, max_x, min_x) * multiplier
+        top = tl.where(count > 0, top, 0.0)
+        if not online:
+            sum_exp = tl.zeros((), COMPUTE)
+            for start in range(0, length, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                x, allowed = load_block(
+                    X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+                )
+                x, allowed = keep_posinf(x, allowed, posinf_row)
+                sum_exp += tl.sum(tl.where(allowed, tl.exp(x * multiplier - top), 0.0), 0)
+        for start in range(0, length, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+            x, allowed = keep_posinf(x, allowed, posinf_row)
+            y = tl.where(allowed, tl.exp(x * multiplier - top) / sum_exp, 0.0)
+            tl.store(OUT + row * out_row_stride + cols, y.to(OUT.dtype.element_ty), mask=cols < length)
+    tl.store(GRAD_SCALE + row, tl.where(posinf_row, 0.0, multiplier))
+    tl.store(LOG_COUNT + row, tl.log(tl.maximum(count, 1).to(COMPUTE)))
+
+
+@triton.jit
+def _block_sums(y, g, x, PARAM_GRAD):
+    """Partial sums of one block: ``sum(y g)`` and the two sums a parameter gradient expands into."""
+    y_g = tl.sum(y * g, 0)
+    if PARAM_GRAD == 1:
+        log_y = tl.where(y > 0, tl.log(y), 0.0)
+        return y_g, tl.sum(y * g * log_y, 0), tl.sum(y * log_y, 0), 0
+    if PARAM_GRAD == 2:
+        on = y > 0
+        x_on = tl.where(on, x, 0.0)
+        posinf = tl.sum((on & (x == float("inf"))).to(tl.int32), 0)
+        return y_g, tl.sum(tl.where(on, y * g * x_on, 0.0), 0), tl.sum(tl.where(on, y * x_on, 0.0), 0), posinf
+    return y_g, 0.0, 0.0, 0
+
+
+@triton.jit
+def _softmax_backward_kernel(
+    Y, G, X, DX, GRAD_SCALE, PARAM_GRAD_OUT, length, y_row_stride, g_row_stride, x_row_stride, dx_row_stride,
+    BLOCK: tl.constexpr, SINGLE: tl.constexpr, PARAM_GRAD: tl.constexpr, COMPUTE: tl.constexpr,
+):
+    """``dx = m * y * (g - sum(y g))`` and the per-row parameter gradient.
+
+    ``PARAM_GRAD`` 1: ``-m * sum(dz log y)`` (temperature); 2: ``sum(dz x)`` (the
+    Scalable-Softmax multiplier; reads x, zero in +inf rows).  Bytes moved per row:
+    single-block L*(y + g + dx) (+ L*x for ``PARAM_GRAD`` 2); multi-pass re-reads y and g once.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    scale = tl.load(GRAD_SCALE + row)
+    x = tl.zeros((BLOCK,), COMPUTE)
+    if SINGLE:
+        cols = tl.arange(0, BLOCK)
+        inside = cols < length
+        y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+        g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+        if PARAM_GRAD == 2:
+            x = tl.load(X + row * x_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+        y_g, with_g, without_g, posinf = _block_sums(y, g, x, PARAM_GRAD)
+        tl.store(DX + row * dx_row_stride + cols, (scale * y * (g - y_g)).to(DX.dtype.element_ty), mask=inside)
+    else:
+        y_g = tl.zeros((), COMPUTE)
+        with_g = tl.zeros((), COMPUTE)
+        without_g = tl.zeros((), COMPUTE)
+        posinf = tl.zeros((), tl.int32)
+        for start in range(0, length, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < length
+            y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+            g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+            if PARAM_GRAD == 2:
+                x = tl.load(X + row * x_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+            block_y_g, block_with_g, block_without_g, block_posinf = _block_sums(y, g, x, PARAM_GRAD)
+            y_g += block_y_g
+            with_g += block_with_g
+            without_g += block_without_g
+            posinf += block_posinf
+        for start in range(0, length, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < length
+            y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+            g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+            tl.store(DX + row * dx_row_stride + cols, (scale * y * (g - y_g)).to(DX.dtype.element_ty), mask=inside)
+    # sum(dz * v) = sum(y g v) - sum(y g) * sum(y v)
+    param_grad = with_g - y_g * without_g
+    if PARAM_GRAD == 1:
+        tl.store(PARAM_GRAD_OUT + row, -scale * param_grad)
+    if PARAM_GRAD == 2:
+        tl.store(PARAM_GRAD_OUT + row, tl.where(posinf > 0, 0.0, param_grad))
+
+
+def _forward(x: Tensor, mask, variant: int, first, second) -> tuple[Tensor, Tensor, Tensor]:
+    rows = launch.rows_view(x)
+    count, length = rows.shape
+    out = launch.empty(tuple(rows.shape), x.dtype, x.device)
+    grad_scale = launch.row_stats(count, x)
+    log_count = launch.row_stats(count, x)
+    masking = launch.mask_args(mask, x)
+    config = launch.block_config(length)
+    _softmax_forward_kernel[(count,)](
+        rows, out, grad_scale, log_count, launch.row_param(first, x), launch.row_param(second, x), masking.args,
+        length, rows.stride(0), out.stride(0),
+        BLOCK=config.block, SINGLE=config.single, VARIANT=variant, COMPUTE=launch.compute_dtype(x),
+        num_warps=config.num_warps, **masking.constants,
+    )
+    return out.reshape(x.shape), grad_scale, log_count
+
+
+def softmax_family_backward(
+    out: Tensor, grad: Tensor, grad_scale: Tensor, x: Tensor | None, param_grad: int
+) -> tuple[Tensor, Tensor | None]:
+    """Run the backward kernel; returns ``dx`` and the per-row parameter gradient (or None).
+
+    ``param_grad``: 0 none, 1 temperature, 2 the Scalable-Softmax multiplier (needs ``x``).
+    """
+    y = launch.rows_view(out)
+    g = launch.rows_view(grad)
+    count, length = y.shape
+    saved_x = y if x is None else launch.rows_view(x)
+    dx = launch.empty(tuple(y.shape), out.dtype, out.device)
+    per_row = launch.row_stats(count, out) if param_grad else grad_scale
+    config = launch.block_config(length)
+    _softmax_backward_kernel[(count,)](
+        y, g, saved_x, dx, grad_scale, per_row, length, y.stride(0), g.stride(0), saved_x.stride(0), dx.stride(0),
+        BLOCK=config.block, SINGLE=config.single, PARAM_GRAD=param_grad, COMPUTE=launch.compute_dtype(out),
+        num_warps=config.num_warps,
+    )
+    return dx.reshape(out.shape), per_row if param_grad else None
+
+
+class SoftmaxFunction(Function):
+    """``softmax(x / temperature)``; ``temperature`` a number or a tensor of shape ``(..., 1)``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, mask, temperature: float | Tensor) -> Tensor:
+        out, grad_scale, _ = _forward(x, mask, _TEMPERATURE, temperature, 0.0)
+        ctx.save_for_backward(out, grad_scale)
+        ctx.temperature = launch.ParamSpec.of(temperature)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out, grad_scale = ctx.saved_tensors
+        wants_temperature = ctx.needs_input_grad[2]
+        param_grad = _TEMPERATURE_GRAD if wants_temperature else _NO_PARAM_GRAD
+        dx, per_row = softmax_family_backward(out, grad, grad_scale, None, param_grad)
+        d_temperature = launch.param_grad(per_row, out, ctx.temperature) if wants_temperature else None
+        return dx, None, d_temperature
+
+
+class ScalableSoftmaxFunction(Function):
+    """``softmax((s * log n + bias) * x)``; ``s`` and ``bias`` numbers or tensors of shape ``(..., 1)``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, mask, s: float | Tensor, bias: float | Tensor) -> Tensor:
+        out, grad_scale, log_count = _forward(x, mask, _SCALABLE, s, bias)
+        wants_params = any(isinstance(value, Tensor) and value.requires_grad for value in (s, bias))
+        ctx.save_for_backward(out, grad_scale, log_count, x if wants_params else None)
+        ctx.params = (launch.ParamSpec.of(s), launch.ParamSpec.of(bias))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out, grad_scale, log_count, x = ctx.saved_tensors
+        wants_s, wants_bias = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        param_grad = _MULTIPLIER_GRAD if wants_s or wants_bias else _NO_PARAM_GRAD
+        dx, d_multiplier = softmax_family_backward(out, grad, grad_scale, x, param_grad)
+        s, bias = ctx.params
+        d_s = launch.param_grad(d_multiplier * log_count, out, s) if wants_s else None
+        d_bias = launch.param_grad(d_multiplier, out, bias) if wants_bias else None
+        return dx, None, d_s, d_bias
