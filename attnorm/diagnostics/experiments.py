@@ -157,7 +157,9 @@ def _distance_measures(ns: Sequence[int], samples: int, generator: torch.Generat
     measures: dict[str, Measure] = {}
     for n in ns:
         measures[f"true_{n}"] = lambda w, v, n=n: selection_distance(w, v, n)
-        measures[f"random_{n}"] = lambda w, v, n=n: random_selection_distance(w, v, n, samples, generator=generator)
+        measures[f"random_{n}"] = lambda w, v, n=n: random_selection_distance(
+            w, v, n, samples=samples, generator=generator
+        )
     return measures
 
 

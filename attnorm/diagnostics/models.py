@@ -15,6 +15,7 @@ __all__ = [
     "is_causal_model",
     "load_model",
     "max_length",
+    "special_tokens",
     "token_windows",
 ]
 
@@ -71,6 +72,20 @@ def is_causal_model(model: nn.Module) -> bool:
     return any(getattr(module, "is_causal", False) is True for module in model.modules())
 
 
+def special_tokens(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids a tokenizer puts before and after a single text (``[CLS]``, ``[SEP]`` for BERT; none for GPT-2).
+
+    Read off by encoding a probe word with and without special tokens.
+    """
+    probe = "attention"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    raise ValueError(f"cannot locate the text between the special tokens of {type(tokenizer).__name__}")
+
+
 def token_windows(tokenizer, text: str, length: int, count: int) -> Tensor:
     """Cut ``text`` into ``count`` consecutive, non-overlapping windows of exactly ``length`` token ids.
 
@@ -90,16 +105,13 @@ def token_windows(tokenizer, text: str, length: int, count: int) -> Tensor:
     Raises:
         ValueError: the text does not fill a single window, or ``length`` leaves no room for text.
     """
-    specials = tokenizer.num_special_tokens_to_add(pair=False)
-    content = length - specials
+    prefix, suffix = special_tokens(tokenizer)
+    content = length - len(prefix) - len(suffix)
     if content < 1:
-        raise ValueError(f"length must exceed the {specials} special tokens, got {length}")
+        raise ValueError(f"length must exceed the {len(prefix) + len(suffix)} special tokens, got {length}")
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     available = len(ids) // content
     if available < 1:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {content}")
-    windows = [
-        tokenizer.build_inputs_with_special_tokens(ids[start * content : (start + 1) * content])
-        for start in range(min(count, available))
-    ]
+    windows = [prefix + ids[start * content : (start + 1) * content] + suffix for start in range(min(count, available))]
     return torch.tensor(windows, dtype=torch.long)

@@ -104,7 +104,8 @@ def test_effective_tokens_ordering(values):
     weights = torch.softmax(torch.tensor(values, dtype=torch.float64), dim=-1)
     perplexity = effective_tokens(weights).item()
     participation = effective_tokens(weights, order=2).item()
-    assert 1 - 1e-9 <= participation <= perplexity + 1e-9 <= len(values) + 1e-9
+    assert 1 - 1e-9 <= participation <= perplexity + 1e-9
+    assert perplexity <= len(values) + 1e-9
     assert -1e-12 <= normalized_entropy(weights).item() <= 1 + 1e-12
 
 
