@@ -1,0 +1,54 @@
+"""SA-Softmax: x * softmax(x), or its min-max normalised factor; rows need not sum to 1."""
+
+from __future__ import annotations
+
+import torch
+
+import attnorm
+from attnorm import functional as F
+
+
+def test_plain_variant_is_x_times_softmax():
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    out = attnorm.SelfAdjustedSoftmax(normalized=False)(x)
+    torch.testing.assert_close(out, x * torch.softmax(x, dim=-1))
+
+
+def test_plain_variant_can_be_negative_and_rows_do_not_sum_to_one():
+    out = F.self_adjusted_softmax(torch.tensor([-1.0, 0.0, 2.0]), normalized=False)
+    assert out[0] < 0
+    assert not torch.isclose(out.sum(), torch.tensor(1.0))
+    assert not attnorm.SelfAdjustedSoftmax.sums_to_one
+
+
+def test_normalized_factor_is_min_max_with_zero_included():
+    x = torch.tensor([[2.0, -1.0, 0.5], [3.0, 1.0, 2.0], [-3.0, -1.0, -2.0]], dtype=torch.float64)
+    softmax = torch.softmax(x, dim=-1)
+    # low = min(x_min, 0), high = max(x_max, 0)
+    factors = torch.tensor([[1.0, 0.0, 0.5], [1.0, 1 / 3, 2 / 3], [0.0, 2 / 3, 1 / 3]], dtype=torch.float64)
+    torch.testing.assert_close(attnorm.SelfAdjustedSoftmax()(x), factors * softmax)
+
+
+def test_normalized_weights_lie_in_unit_interval():
+    x = 5 * torch.randn(50, 20, dtype=torch.float64)
+    out = attnorm.SelfAdjustedSoftmax()(x)
+    assert (out >= 0).all() and (out <= 1).all()
+
+
+def test_zero_row_gives_zeros():
+    out = attnorm.SelfAdjustedSoftmax()(torch.zeros(2, 5))
+    assert (out == 0).all()
+
+
+def test_min_and_max_are_taken_over_allowed_positions_only():
+    x = torch.tensor([2.0, -100.0, 1.0], dtype=torch.float64)
+    mask = torch.tensor([True, False, True])
+    out = attnorm.SelfAdjustedSoftmax()(x, mask=mask)
+    softmax = torch.softmax(torch.tensor([2.0, 1.0], dtype=torch.float64), dim=-1)
+    torch.testing.assert_close(out, torch.stack([softmax[0], torch.tensor(0.0).double(), 0.5 * softmax[1]]))
+
+
+def test_length_one_row_keeps_positive_scores_and_zeroes_the_rest():
+    x = torch.tensor([[2.5], [-1.0], [0.0]])
+    torch.testing.assert_close(attnorm.SelfAdjustedSoftmax()(x), torch.tensor([[1.0], [0.0], [0.0]]))
+    torch.testing.assert_close(attnorm.SelfAdjustedSoftmax(normalized=False)(x), x)
