@@ -174,4 +174,12 @@ class Normalizer(nn.Module):
         fields["dim"] = self.dim
         if self.backend is not None:
             fields["backend"] = repr(self.backend)
-        return ", ".join(f"{key}={value}" for key, value in fields.items())
+        return ", ".join(f"{key}={_format_field(value)}" for key, value in fields.items())
+
+
+def _format_field(value: Any) -> str:
+    """A parameter for ``extra_repr``: tensors (learnable or per head) show their current values."""
+    if not isinstance(value, Tensor):
+        return str(value)
+    values = [float(f"{item:.4g}") for item in value.detach().flatten().tolist()]
+    return str(values[0]) if value.ndim == 0 else str(values)

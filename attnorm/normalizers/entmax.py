@@ -78,10 +78,7 @@ class Entmax(Normalizer):
         return {"alpha": self.alpha}
 
     def _repr_fields(self) -> dict:
-        fields: dict = {}
-        if isinstance(self.alpha, float):
-            fields["alpha"] = self.alpha
-        fields["learnable"] = self.learnable
+        fields: dict = {"alpha": self.alpha, "learnable": self.learnable}
         if self.num_heads is not None:
             fields["num_heads"] = self.num_heads
         return fields

@@ -65,10 +65,7 @@ class ScalableSoftmax(Normalizer):
         return {"s": self.s, "bias": self.bias}
 
     def _repr_fields(self) -> dict:
-        fields: dict = {}
-        if isinstance(self.s, float):
-            fields.update(s=self.s, bias=self.bias)
-        fields.update(learnable=self.learnable)
+        fields: dict = {"s": self.s, "bias": self.bias, "learnable": self.learnable}
         if self.num_heads is not None:
             fields["num_heads"] = self.num_heads
         return fields
