@@ -1,0 +1,81 @@
+"""Structured masks (attnorm.masks): causal and key-padding masks, their combination and validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnorm
+from attnorm.masks import StructuredMask
+
+
+@pytest.mark.parametrize("diagonal", [-2, 0, 1, 3])
+def test_causal_mask_lets_query_i_attend_keys_up_to_i_plus_diagonal(diagonal):
+    queries, keys = 4, 6
+    allowed = attnorm.causal_mask(diagonal).materialize(torch.Size([2, queries, keys]))
+    expected = torch.tensor([[key - query <= diagonal for key in range(keys)] for query in range(queries)])
+    assert torch.equal(allowed.expand(2, queries, keys), expected.expand(2, queries, keys))
+
+
+def test_key_padding_mask_keeps_the_first_lengths_keys_of_each_batch_row():
+    lengths = torch.tensor([0, 2, 5])
+    allowed = attnorm.key_padding_mask(lengths).materialize(torch.Size([3, 2, 4, 5]))
+    for batch, length in enumerate(lengths.tolist()):
+        expected = torch.tensor([key < length for key in range(5)])
+        assert torch.equal(allowed[batch].expand(2, 4, 5), expected.expand(2, 4, 5))
+
+
+def test_combined_masks_intersect():
+    lengths_a, lengths_b = torch.tensor([3, 5]), torch.tensor([4, 2])
+    shape = torch.Size([2, 3, 5, 5])
+    combined = attnorm.causal_mask(1) & attnorm.key_padding_mask(lengths_a) & attnorm.key_padding_mask(lengths_b)
+    combined = combined & attnorm.causal_mask(0)
+    expected = (
+        attnorm.causal_mask(0).materialize(shape)
+        & attnorm.key_padding_mask(lengths_a).materialize(shape)
+        & attnorm.key_padding_mask(lengths_b).materialize(shape)
+    )
+    assert torch.equal(combined.materialize(shape), expected)
+
+
+def test_zero_length_rows_and_rows_before_the_diagonal_give_zeros():
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    mask = attnorm.causal_mask(-1) & attnorm.key_padding_mask(torch.tensor([0, 4]))
+    out = attnorm.Softmax()(x, mask=mask)
+    assert (out[0] == 0).all() and (out[1, 0] == 0).all()
+    torch.testing.assert_close(out[1, 1:].sum(-1), torch.ones(2))
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert torch.isfinite(grad).all()
+
+
+def test_single_length_broadcasts_over_the_batch():
+    x = torch.randn(3, 2, 6)
+    out = attnorm.Sparsemax()(x, mask=attnorm.key_padding_mask(torch.tensor([4])))
+    assert (out[..., 4:] == 0).all()
+    torch.testing.assert_close(out[..., :4], attnorm.Sparsemax()(x[..., :4]))
+
+
+@pytest.mark.parametrize(
+    ("call", "exception", "pattern"),
+    [
+        (lambda: attnorm.causal_mask(1.0), TypeError, r"diagonal.*1\.0"),
+        (lambda: attnorm.causal_mask(True), TypeError, r"diagonal.*True"),
+        (lambda: attnorm.key_padding_mask(torch.tensor([1.5, 2.0])), TypeError, r"lengths.*float"),
+        (lambda: attnorm.key_padding_mask(torch.tensor([[1, 2]])), TypeError, r"lengths.*\(1, 2\)"),
+        (lambda: attnorm.key_padding_mask(torch.tensor([3, -1])), ValueError, r"lengths.*\[3, -1\]"),
+        (
+            lambda: attnorm.Softmax()(torch.randn(3, 2, 4), mask=attnorm.key_padding_mask(torch.tensor([2, 3]))),
+            ValueError,
+            r"key_lengths.*\(2,\)",
+        ),
+        (lambda: attnorm.Softmax()(torch.randn(4), mask=attnorm.causal_mask()), ValueError, r"at least 2 dims.*\(4,\)"),
+    ],
+)
+def test_bad_structured_masks_raise(call, exception, pattern):
+    with pytest.raises(exception, match=pattern):
+        call()
+
+
+def test_and_with_a_bool_tensor_is_not_supported():
+    with pytest.raises(TypeError):
+        StructuredMask(causal_diagonal=0) & torch.ones(2, 2, dtype=torch.bool)
