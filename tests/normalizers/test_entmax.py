@@ -118,3 +118,16 @@ def test_learnable_alpha_receives_a_gradient_per_head():
     (module(torch.randn(3, 2, 4, 6)) * torch.randn(3, 2, 4, 6)).sum().backward()
     assert module.alpha_logit.grad.shape == (2, 1, 1)
     assert (module.alpha_logit.grad != 0).all()
+
+
+def test_learnable_alpha_gradients_under_masks_with_fully_masked_rows():
+    module = attnorm.Entmax(alpha=1.6, learnable=True, num_heads=2).double()
+    x = torch.randn(2, 2, 3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mask = attnorm.causal_mask(-1) & attnorm.key_padding_mask(torch.tensor([5, 3]))  # query 0 sees nothing
+    allowed = mask.materialize(x.shape)
+    assert away_from_kinks(module.alpha.detach(), x.masked_fill(~allowed, -1e9))
+    logit = module.alpha_logit.detach().clone().requires_grad_(True)
+    fn = lambda scores, alpha_logit: functional_call(module, {"alpha_logit": alpha_logit}, (scores,), {"mask": mask})
+    assert gradcheck(fn, (x.requires_grad_(True), logit))
+    x_grad, logit_grad = torch.autograd.grad(fn(x, logit), (x, logit), torch.randn(2, 2, 3, 5, dtype=torch.float64))
+    assert (x_grad[~allowed.expand(x.shape)] == 0).all() and torch.isfinite(logit_grad).all()

@@ -92,3 +92,13 @@ def test_learnable_parameters_receive_gradients_per_head():
 def test_s_zero_and_bias_one_is_plain_softmax():
     x = torch.randn(4, 9, dtype=torch.float64)
     torch.testing.assert_close(F.scalable_softmax(x, s=0.0, bias=1.0), torch.softmax(x, dim=-1))
+
+
+def test_learnable_gradients_are_finite_with_fully_masked_rows():
+    module = attnorm.ScalableSoftmax(learnable=True, num_heads=2)
+    x = torch.randn(1, 2, 3, 4, requires_grad=True)
+    out = module(x, mask=attnorm.causal_mask(-1))  # query 0 sees no key
+    assert (out[:, :, 0] == 0).all()
+    out.sum().backward()
+    assert torch.isfinite(module.s.grad).all() and torch.isfinite(module.bias.grad).all()
+    assert (x.grad[:, :, 0] == 0).all()
