@@ -5,6 +5,7 @@ Every normalizer maps attention scores to weights with one interface
 """
 
 from attnorm import functional
+from attnorm.attention import attention
 from attnorm.kernels.dispatch import get_backend, set_backend, use_backend
 from attnorm.masks import StructuredMask, causal_mask, key_padding_mask
 from attnorm.normalizers import (
@@ -30,6 +31,7 @@ __all__ = [
     "StructuredMask",
     "TopKSoftmax",
     "__version__",
+    "attention",
     "available",
     "causal_mask",
     "functional",
