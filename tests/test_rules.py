@@ -161,6 +161,13 @@ def test_any_number_of_leading_dims_and_length_one(case, shape):
     torch.testing.assert_close(case.build()(x), case.reference(x), rtol=1e-9, atol=1e-12)
 
 
+def test_zero_dim_scores_are_a_row_of_one(case):
+    x = torch.tensor(-0.75, dtype=torch.float64)
+    out = case.build()(x)
+    assert out.shape == ()
+    torch.testing.assert_close(out, case.reference(x.reshape(1))[0])
+
+
 def test_masked_dim_other_than_last(case):
     x = random_scores(5, 2, 4)
     mask = random_mask(5, 1, 1)
