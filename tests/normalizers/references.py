@@ -79,11 +79,6 @@ def topk_softmax_reference(x: Tensor, k: float, temperature: float = 1.0) -> Ten
     return torch.softmax((x / temperature).masked_fill(x < kth_largest, -math.inf), dim=-1)
 
 
-def jacobian(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-    """Autograd Jacobian ``d fn(x)_i / d x_j`` of a map on one row."""
-    return torch.autograd.functional.jacobian(fn, x)
-
-
 @dataclass(frozen=True)
 class Case:
     """A normalizer configuration, how to build it, its functional form and its reference.
