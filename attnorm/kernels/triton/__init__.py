@@ -26,9 +26,10 @@ import triton  # noqa: F401  (ImportError here tells the dispatcher Triton is un
 from torch import Tensor
 
 from attnorm.kernels.dispatch import register
+from attnorm.kernels.triton.entmax import EntmaxFunction
 from attnorm.kernels.triton.softmax import ScalableSoftmaxFunction, SoftmaxFunction
 
-__all__ = ["scalable_softmax_rows", "softmax_rows"]
+__all__ = ["entmax_rows", "scalable_softmax_rows", "softmax_rows", "sparsemax_rows"]
 
 
 @register("triton", "softmax")
@@ -39,3 +40,13 @@ def softmax_rows(x: Tensor, mask, temperature: float | Tensor = 1.0) -> Tensor:
 @register("triton", "scalable_softmax")
 def scalable_softmax_rows(x: Tensor, mask, s: float | Tensor = 0.43, bias: float | Tensor = 0.0) -> Tensor:
     return ScalableSoftmaxFunction.apply(x, mask, s, bias)
+
+
+@register("triton", "sparsemax")
+def sparsemax_rows(x: Tensor, mask) -> Tensor:
+    return EntmaxFunction.apply(x, mask, 2.0)
+
+
+@register("triton", "entmax")
+def entmax_rows(x: Tensor, mask, alpha: float | Tensor = 1.5) -> Tensor:
+    return EntmaxFunction.apply(x, mask, alpha)

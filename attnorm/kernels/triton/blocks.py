@@ -63,14 +63,15 @@ def keep_posinf(x, allowed, posinf_row):
 def scan_row(X, row, length, x_row_stride, masking, scale, BLOCK, ONLINE_SUM, MASK_KIND, CAUSAL, LENGTHS, COMPUTE):
     """First pass over a long row: statistics of its allowed scores.
 
-    Returns ``(count, posinf_count, max_x, min_x, sum_x, sum_exp)`` where the
-    extrema and sum run over the allowed finite scores and, when ``ONLINE_SUM``,
+    Returns ``(count, posinf_count, nan_count, max_x, min_x, sum_x, sum_exp)`` where
+    the extrema and sum run over the allowed finite scores and, when ``ONLINE_SUM``,
     ``sum_exp = sum exp(scale * (x - max_x))`` is accumulated online (``scale > 0``).
     A row holding +inf is summarised as that rule sees it: ``count`` = number of
     +inf positions, every score 0.
     """
     count = tl.zeros((), tl.int32)
     posinf_count = tl.zeros((), tl.int32)
+    nan_count = tl.zeros((), tl.int32)
     max_x = tl.full((), float("-inf"), COMPUTE)
     min_x = tl.full((), float("inf"), COMPUTE)
     sum_x = tl.zeros((), COMPUTE)
@@ -82,6 +83,7 @@ def scan_row(X, row, length, x_row_stride, masking, scale, BLOCK, ONLINE_SUM, MA
         finite = allowed & ~posinf
         count += tl.sum(allowed.to(tl.int32), 0)
         posinf_count += tl.sum(posinf.to(tl.int32), 0)
+        nan_count += tl.sum((allowed & (x != x)).to(tl.int32), 0)
         block_max = tl.max(tl.where(finite, x, float("-inf")), 0)
         min_x = tl.minimum(min_x, tl.min(tl.where(finite, x, float("inf")), 0))
         sum_x += tl.sum(tl.where(finite, x, 0.0), 0)
@@ -99,4 +101,5 @@ def scan_row(X, row, length, x_row_stride, masking, scale, BLOCK, ONLINE_SUM, MA
     min_x = tl.where(posinf_row, 0.0, min_x)
     sum_x = tl.where(posinf_row, 0.0, sum_x)
     sum_exp = tl.where(posinf_row, posinf_count.to(COMPUTE), sum_exp)
-    return count, posinf_count, max_x, min_x, sum_x, sum_exp
+    nan_count = tl.where(posinf_row, 0, nan_count)
+    return count, posinf_count, nan_count, max_x, min_x, sum_x, sum_exp

@@ -64,7 +64,7 @@ def _softmax_forward_kernel(
     else:
         online = VARIANT == 0
         scale = 1.0 / first
-        count, posinf_count, max_x, min_x, _, sum_exp = scan_row(
+        count, posinf_count, _, max_x, min_x, _, sum_exp = scan_row(
             X, row, length, x_row_stride, masking, scale, BLOCK, online, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
         )
         posinf_row = posinf_count > 0
