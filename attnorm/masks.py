@@ -47,13 +47,19 @@ class StructuredMask:
     def materialize(self, shape: torch.Size, device: torch.device | str | None = None) -> Tensor:
         """The equivalent bool mask, broadcastable to scores of ``shape`` (..., Lq, Lk)."""
         if len(shape) < 2:
-            raise ValueError(f"a structured mask needs scores with at least 2 dims (..., Lq, Lk), got shape {tuple(shape)}")
+            raise ValueError(
+                f"a structured mask needs scores with at least 2 dims (..., Lq, Lk), got shape {tuple(shape)}"
+            )
         lq, lk = shape[-2], shape[-1]
         allowed = torch.ones(lq, lk, dtype=torch.bool, device=device)
         if self.causal_diagonal is not None:
-            allowed = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(self.causal_diagonal)
+            allowed = allowed.tril(self.causal_diagonal)
         if self.key_lengths is None:
             return allowed
+        if len(shape) < 3:
+            raise ValueError(
+                f"key_lengths needs scores shaped (B, ..., Lq, Lk) with a batch axis, got shape {tuple(shape)}"
+            )
         lengths = self.key_lengths.to(device)
         if lengths.ndim != 1 or lengths.shape[0] not in (1, shape[0]):
             raise ValueError(
@@ -76,7 +82,9 @@ def key_padding_mask(lengths: Tensor) -> StructuredMask:
     """Key-padding mask: batch row ``b`` attends only its first ``lengths[b]`` keys."""
     lengths = torch.as_tensor(lengths)
     if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or lengths.ndim != 1:
-        raise TypeError(f"lengths must be a 1-D integer tensor, got dtype {lengths.dtype} and shape {tuple(lengths.shape)}")
+        raise TypeError(
+            f"lengths must be a 1-D integer tensor, got dtype {lengths.dtype} and shape {tuple(lengths.shape)}"
+        )
     if (lengths < 0).any():
         raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
     return StructuredMask(key_lengths=lengths)

@@ -90,8 +90,6 @@ def make(spec: str | Normalizer, **overrides) -> Normalizer:
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in _FACTORIES:
         raise ValueError(f"unknown normalizer {name!r}; available: {', '.join(available())}")
-    if key == "entmax15" or name.lower() == "entmax15":
-        kwargs.setdefault("alpha", 1.5)
     kwargs.update(overrides)
     factory = _FACTORIES[key]
     try:

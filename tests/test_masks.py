@@ -79,3 +79,9 @@ def test_bad_structured_masks_raise(call, exception, pattern):
 def test_and_with_a_bool_tensor_is_not_supported():
     with pytest.raises(TypeError):
         StructuredMask(causal_diagonal=0) & torch.ones(2, 2, dtype=torch.bool)
+
+
+def test_key_padding_needs_a_batch_axis():
+    # On (Lq, Lk) scores axis 0 holds queries, not batch rows: refuse rather than pad per query.
+    with pytest.raises(ValueError, match=r"key_lengths needs scores shaped \(B, \.\.\., Lq, Lk\).*\(2, 4\)"):
+        attnorm.Softmax()(torch.randn(2, 4), mask=attnorm.key_padding_mask(torch.tensor([2, 3])))

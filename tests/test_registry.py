@@ -164,7 +164,7 @@ def test_extra_repr_shows_the_parameters(module, shown):
         (lambda: attnorm.ScalableSoftmax(learnable=True), {"s", "bias"}, True),
         (lambda: attnorm.ScalableSoftmax(num_heads=3), {"s", "bias"}, False),
         (lambda: attnorm.Entmax(alpha=1.4, learnable=True, num_heads=3), {"alpha_logit"}, True),
-        (lambda: attnorm.Entmax(alpha=1.4, num_heads=3), {"_alpha"}, False),
+        (lambda: attnorm.Entmax(alpha=1.4, num_heads=3), {"fixed_alpha"}, False),
         (lambda: attnorm.Softmax(), set(), False),
         (lambda: attnorm.TopKSoftmax(3), set(), False),
     ],

@@ -63,16 +63,16 @@ class Entmax(Normalizer):
             logit = math.log((alpha - 1) / (2 - alpha))
             self.alpha_logit = nn.Parameter(torch.full(shape, logit))
         elif shape:
-            self.register_buffer("_alpha", torch.full(shape, float(alpha)))
+            self.register_buffer("fixed_alpha", torch.full(shape, float(alpha)))
         else:
-            self._alpha = float(alpha)
+            self.fixed_alpha = float(alpha)
 
     @property
     def alpha(self) -> float | Tensor:
         """The current alpha (a tensor when learnable or per head)."""
         if self.learnable:
             return 1 + torch.sigmoid(self.alpha_logit)
-        return self._alpha
+        return self.fixed_alpha
 
     def kernel_params(self) -> dict:
         return {"alpha": self.alpha}

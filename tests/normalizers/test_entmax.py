@@ -56,7 +56,7 @@ def test_per_head_alpha_broadcasts_and_a_head_with_alpha_one_is_softmax():
     alphas = [1.0, 1.3, 1.5, 2.0]
     x = torch.randn(2, 4, 3, 8, dtype=torch.float64)  # (B, H, Lq, Lk)
     module = attnorm.Entmax(alpha=1.5, num_heads=4).double()
-    module._alpha.copy_(torch.tensor(alphas, dtype=torch.float64).reshape(4, 1, 1))
+    module.fixed_alpha.copy_(torch.tensor(alphas, dtype=torch.float64).reshape(4, 1, 1))
     out = module(x)
     for head, alpha in enumerate(alphas):
         torch.testing.assert_close(out[:, head], entmax_reference(x[:, head], alpha), rtol=1e-9, atol=1e-12)
