@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from attnorm.normalizers import Normalizer, Softmax
-from attnorm.registry import make
 
 __all__ = ["AttentionRecord", "capture"]
 
@@ -36,7 +35,7 @@ class AttentionRecord:
 def capture(
     model: nn.Module,
     inputs: Tensor | Mapping[str, Tensor],
-    normalizer: Normalizer | str | None = None,
+    normalizer: Normalizer | str | Callable[[int], Normalizer] | None = None,
 ) -> list[AttentionRecord]:
     """Run ``model`` once and return every attention layer's weights and q, k, v.
 
@@ -48,15 +47,16 @@ def capture(
         model: a Hugging Face model.
         inputs: ``input_ids`` ``(B, L)``, or the keyword arguments of ``model(...)``
             (e.g. a tokenizer's output).
-        normalizer: the attention normalizer (a Normalizer or a spec string such as
-            ``"entmax:alpha=1.5"``); None uses :class:`~attnorm.Softmax`, the models' own map.
+        normalizer: the attention normalizer: a Normalizer (shared by all layers), a spec
+            string such as ``"entmax:alpha=1.5"`` or a factory ``layer_idx -> Normalizer``;
+            None uses :class:`~attnorm.Softmax`, the models' own map.
 
     Returns:
         One :class:`AttentionRecord` per attention call, in layer order.
     """
     from attnorm.integrations.transformers import patch
 
-    normalizer = Softmax() if normalizer is None else make(normalizer)
+    normalizer = Softmax() if normalizer is None else normalizer
     if isinstance(inputs, Tensor):
         inputs = {"input_ids": inputs}
     records: list[AttentionRecord] = []

@@ -89,7 +89,7 @@ def head_measures(run: ModelRun, normalizer: str, length: int, measures: dict[st
     positions = _query_positions(length, is_causal_model(run.model), run.queries)
     totals: dict[str, list[Tensor]] = {}
     for window in windows:
-        for record in capture(run.model, window[None], make(normalizer)):
+        for record in capture(run.model, window[None], normalizer):
             weights = record.weights[..., positions, :]
             for name, measure in measures.items():
                 per_head = torch.nanmean(measure(weights, record.value).to(torch.float64), dim=(0, 2))

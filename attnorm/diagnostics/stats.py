@@ -32,30 +32,37 @@ def _as_sample(name: str, values) -> np.ndarray:
     return sample
 
 
-def _log_paths_inside(n: int, m: int, bound: int) -> float:
-    """log of the number of monotone lattice paths (0,0) -> (n,m) with ``|i m - j n| < bound`` throughout.
+def _log_paths_reaching(n: int, m: int, bound: int) -> float:
+    """log of the number of monotone lattice paths (0,0) -> (n,m) that reach ``|i m - j n| >= bound``.
 
-    In row ``i`` the allowed ``j`` form one interval, so a row of the path-count table
-    is a cumulative sum of the previous row over that interval.  Rows are rescaled to
-    keep the counts in float range; the scale is carried in ``log_scale``.
+    Two path counts are carried row by row: paths that stayed strictly inside the band
+    (``inside``) and paths that have reached its edge (``reached``).  Within a row a
+    cell's count is the cell's left neighbour plus what arrives from the row below, so
+    each row is a cumulative sum.  Counting the reaching paths directly (rather than
+    ``total - inside``) keeps tiny p-values accurate.  Rows are rescaled to stay in
+    float range; the scale is carried in ``log_scale``.
     """
-    previous = np.zeros(m + 1)
-    previous[0] = 1.0
-    log_scale = 0.0
     columns = np.arange(m + 1)
+    inside = np.zeros(m + 1)
+    reached = np.zeros(m + 1)
+    inside[0] = 1.0  # a virtual row below (0, 0) holding the start
+    log_scale = 0.0
     for i in range(n + 1):
-        inside = np.flatnonzero(np.abs(i * m - columns * n) < bound)
-        if inside.size == 0:
-            return -math.inf
-        low, high = inside[0], inside[-1] + 1
-        current = np.zeros(m + 1)
-        current[low:high] = np.cumsum(previous[low:high])  # paths from the left plus paths from below
-        peak = current.max()
-        if peak <= 0:
-            return -math.inf
-        previous = current / peak
+        outside = np.abs(i * m - columns * n) >= bound
+        # Inside cells form one interval per row: inside counts are a cumulative sum over it.
+        new_inside = np.where(outside, 0.0, inside)
+        band = np.flatnonzero(~outside)
+        if band.size:
+            low, high = band[0], band[-1] + 1
+            new_inside[low:high] = np.cumsum(inside[low:high])
+        # An edge cell receives every path from below; an inside cell only the paths that already reached.
+        from_left_inside = np.concatenate([[0.0], new_inside[:-1]])
+        arriving = np.where(outside, inside + reached + from_left_inside, reached)
+        new_reached = np.cumsum(arriving)
+        peak = max(new_inside.max(), new_reached.max())
+        inside, reached = new_inside / peak, new_reached / peak
         log_scale += math.log(peak)
-    return math.log(previous[m]) + log_scale if previous[m] > 0 else -math.inf
+    return math.log(reached[m]) + log_scale if reached[m] > 0 else -math.inf
 
 
 def ks_two_sample(sample_a, sample_b) -> KSResult:
@@ -63,7 +70,7 @@ def ks_two_sample(sample_a, sample_b) -> KSResult:
 
     The p-value counts the lattice paths of the pooled ordering whose empirical
     distribution functions stay closer than the observed ``D`` (Hodges, 1958):
-    ``p = 1 - #paths(max |i/n - j/m| < D) / C(n + m, n)``.  It is exact for samples
+    ``p = #paths(max |i/n - j/m| >= D) / C(n + m, n)``.  It is exact for samples
     without ties (continuous data); NaN values are dropped.
 
     Args:
@@ -87,8 +94,8 @@ def ks_two_sample(sample_a, sample_b) -> KSResult:
         return KSResult(0.0, 1.0)
     bound = round(statistic * n * m)  # D n m = |i m - j n| at the maximising point: an integer
     log_total = math.lgamma(n + m + 1) - math.lgamma(n + 1) - math.lgamma(m + 1)
-    inside = math.exp(_log_paths_inside(n, m, bound) - log_total)
-    return KSResult(statistic, float(min(1.0, max(0.0, 1.0 - inside))))
+    pvalue = math.exp(_log_paths_reaching(n, m, bound) - log_total)
+    return KSResult(statistic, float(min(1.0, pvalue)))
 
 
 @dataclass(frozen=True)
