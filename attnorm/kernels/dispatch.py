@@ -8,7 +8,9 @@ shape ``(..., 1)`` broadcastable to ``x``), and returns weights shaped like ``x`
 
 Backends:
 
-* ``"torch"``: pure PyTorch, every device; the fast exact CPU path lives here.
+* ``"torch"``: pure PyTorch, every device.  CPU tensors take the fast exact path
+  of :mod:`attnorm.kernels.cpu`, which falls back, row by row, to the reference
+  in :mod:`attnorm.kernels.reference` (also what other devices run).
 * ``"triton"``: fused Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 * ``"auto"`` (default): Triton for CUDA tensors when Triton imports, else torch.
 
@@ -31,6 +33,7 @@ BACKENDS = ("auto", "torch", "triton")
 RowOp = Callable[..., Tensor]
 _REGISTRY: dict[str, dict[str, RowOp]] = {"torch": {}, "triton": {}}
 _default_backend = "auto"
+_torch_ops_loaded = False
 
 
 def check_backend(backend: str | None) -> str | None:
@@ -83,6 +86,16 @@ def _triton_ops() -> dict[str, RowOp]:
     return _REGISTRY["triton"]
 
 
+def _torch_ops() -> dict[str, RowOp]:
+    global _torch_ops_loaded
+    if not _torch_ops_loaded:
+        # Imports the reference first, then registers the fast CPU ops over it, even
+        # when the reference module was imported (and registered) on its own before.
+        import attnorm.kernels.cpu  # noqa: F401
+        _torch_ops_loaded = True
+    return _REGISTRY["torch"]
+
+
 def _triton_usable(x: Tensor) -> bool:
     return x.is_cuda and bool(_triton_ops())
 
@@ -95,11 +108,11 @@ def resolve(op: str, x: Tensor, backend: str | None) -> RowOp:
     if backend == "triton":
         ops = _triton_ops()
         if op not in ops:
-            raise RuntimeError(f"backend='triton' was requested but no Triton kernel for {op!r} is available (is triton installed?)")
+            raise RuntimeError(
+                f"backend='triton' was requested but no Triton kernel for {op!r} is available (is triton installed?)"
+            )
         return ops[op]
-    if op not in _REGISTRY["torch"]:
-        import attnorm.kernels.reference  # noqa: F401  (registers the torch row ops)
-    return _REGISTRY["torch"][op]
+    return _torch_ops()[op]
 
 
 def run(op: str, x: Tensor, mask: Any, params: dict[str, Any], backend: str | None = None) -> Tensor:
