@@ -27,9 +27,18 @@ from torch import Tensor
 
 from attnorm.kernels.dispatch import register
 from attnorm.kernels.triton.entmax import EntmaxFunction
+from attnorm.kernels.triton.self_adjusted import SelfAdjustedSoftmaxFunction
 from attnorm.kernels.triton.softmax import ScalableSoftmaxFunction, SoftmaxFunction
+from attnorm.kernels.triton.topk import TopKSoftmaxFunction
 
-__all__ = ["entmax_rows", "scalable_softmax_rows", "softmax_rows", "sparsemax_rows"]
+__all__ = [
+    "entmax_rows",
+    "scalable_softmax_rows",
+    "self_adjusted_softmax_rows",
+    "softmax_rows",
+    "sparsemax_rows",
+    "topk_softmax_rows",
+]
 
 
 @register("triton", "softmax")
@@ -42,6 +51,11 @@ def scalable_softmax_rows(x: Tensor, mask, s: float | Tensor = 0.43, bias: float
     return ScalableSoftmaxFunction.apply(x, mask, s, bias)
 
 
+@register("triton", "self_adjusted_softmax")
+def self_adjusted_softmax_rows(x: Tensor, mask, normalized: bool = True) -> Tensor:
+    return SelfAdjustedSoftmaxFunction.apply(x, mask, normalized)
+
+
 @register("triton", "sparsemax")
 def sparsemax_rows(x: Tensor, mask) -> Tensor:
     return EntmaxFunction.apply(x, mask, 2.0)
@@ -50,3 +64,8 @@ def sparsemax_rows(x: Tensor, mask) -> Tensor:
 @register("triton", "entmax")
 def entmax_rows(x: Tensor, mask, alpha: float | Tensor = 1.5) -> Tensor:
     return EntmaxFunction.apply(x, mask, alpha)
+
+
+@register("triton", "topk_softmax")
+def topk_softmax_rows(x: Tensor, mask, k: int | float = 1, temperature: float | Tensor = 1.0) -> Tensor:
+    return TopKSoftmaxFunction.apply(x, mask, k, temperature)
