@@ -40,7 +40,7 @@ def _softmax_forward_kernel(
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, VARIANT: tl.constexpr,
     MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
 ):
-    """``y = softmax(m * x)`` for one row; also writes ``m`` (0 in +inf rows) and ``log max(n, 1)``.
+    """``y = softmax(m * x)`` for one row; writes ``m`` (0 in +inf rows) and, for Scalable-Softmax, ``log max(n, 1)``.
 
     Bytes moved per row of L elements: single-block L*(in + out) + per-row scalars;
     multi-pass adds one re-read of x (temperature, online max/sum) or two
@@ -87,7 +87,8 @@ def _softmax_forward_kernel(
             y = tl.where(allowed, tl.exp(x * multiplier - top) / sum_exp, 0.0)
             tl.store(OUT + row * out_row_stride + cols, y.to(OUT.dtype.element_ty), mask=cols < length)
     tl.store(GRAD_SCALE + row, tl.where(posinf_row, 0.0, multiplier))
-    tl.store(LOG_COUNT + row, tl.log(tl.maximum(count, 1).to(COMPUTE)))
+    if VARIANT == 1:
+        tl.store(LOG_COUNT + row, tl.log(tl.maximum(count, 1).to(COMPUTE)))
 
 
 @triton.jit
@@ -160,11 +161,12 @@ def _softmax_backward_kernel(
 
 
 def _forward(x: Tensor, mask, variant: int, first, second) -> tuple[Tensor, Tensor, Tensor]:
+    """Run the forward kernel: weights, per-row ``m`` and per-row ``log n`` (Scalable-Softmax only)."""
     rows = launch.rows_view(x)
     count, length = rows.shape
     out = launch.empty(tuple(rows.shape), x.dtype, x.device)
     grad_scale = launch.row_stats(count, x)
-    log_count = launch.row_stats(count, x)
+    log_count = launch.row_stats(count, x) if variant == _SCALABLE else grad_scale
     masking = launch.mask_args(mask, x)
     config = launch.block_config(length)
     _softmax_forward_kernel[(count,)](
