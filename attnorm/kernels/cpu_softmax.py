@@ -53,15 +53,15 @@ class _ScaledSoftmax(Function):
         out, x, scale_tensor = ctx.saved_tensors
         scale = ctx.scale if scale_tensor is None else scale_tensor
         grad_z = torch.ops.aten._softmax_backward_data(grad, out, -1, out.dtype)
-        grad_scale = None
-        if ctx.needs_input_grad[1]:
-            # d/d scale of softmax(scale * x) = sum_j grad_z_j x_j; masked and
-            # underflowed positions have grad_z = 0 but x may be +-inf there.
-            finite_x = torch.where(out > 0, x, 0.0)
-            grad_scale = sum_to_shape((grad_z * finite_x).sum(-1, keepdim=True), scale.shape)
-        if not (isinstance(scale, float) and scale == 1.0):
-            grad_z.mul_(scale)
-        return grad_z, grad_scale, None
+        if scale_tensor is None:
+            if not (isinstance(scale, float) and scale == 1.0):
+                grad_z.mul_(scale)
+            return grad_z, None, None
+        # d/d scale of softmax(scale * x) = sum_j grad_z_j x_j; masked and
+        # underflowed positions have grad_z = 0 but x may be +-inf there.
+        finite_x = torch.where(out > 0, x, 0.0)
+        grad_scale = sum_to_shape((grad_z * finite_x).sum(-1, keepdim=True), scale.shape)
+        return grad_z * scale, grad_scale, None
 
 
 def scaled_softmax(x: Tensor, scale: float | Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -185,7 +185,7 @@ def _work_buffers(x: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor | None
 
 def _per_row(value: float | Tensor, shape: torch.Size, rows: int) -> float | Tensor:
     if isinstance(value, Tensor):
-        return value.detach().expand(*shape[:-1], 1).reshape(rows, 1)
+        return value.expand(*shape[:-1], 1).reshape(rows, 1)
     return value
 
 
@@ -217,17 +217,20 @@ class _Entmax(Function):
         exponent = 1 / scale
         top = scores.amax(-1, keepdim=True)
         bad = ~torch.isfinite(top)
-        tau = top - exponent  # f(tau) >= 0: the top score alone has mass 1 there
+        # Thresholds are solved relative to the row maximum, where float32 resolves
+        # them finely even for scores offset by thousands.
+        top = top.masked_fill(bad, 0.0)
+        low = -exponent * torch.ones_like(top)  # the top score alone has mass 1 at top - 1/(alpha-1)
         widest = float(exponent.max()) if isinstance(exponent, Tensor) else exponent
-        if widest > 2:  # alpha < 1.5: the bound top - 1 / (alpha - 1) lets in many candidates
-            tau = _tighten(scores, tau, scale, exponent)
-        candidates = pack_candidates(scores, tau.masked_fill(bad, math.inf), False, above)
-        values = candidates.values
+        if widest > 2:  # alpha < 1.5: that bound lets in many candidates
+            low = _tighten(scores, top, low, scale, exponent)
+        # A few ulps of slack keep the rounded absolute bound below the threshold.
+        bound = top + low - 4 * torch.finfo(x.dtype).eps * top.abs()
+        candidates = pack_candidates(scores, bound.masked_fill(bad, math.inf), False, above)
+        values = candidates.values - top
         # Above the root: each of the n candidates has mass <= 1 / n there.
         finite = (values > -math.inf).sum(-1, keepdim=True).clamp_min(1).to(x.dtype)
-        high = top - finite.pow(-scale) / scale
-        # Rows without candidates (the bad ones) keep a finite, unused threshold.
-        low, high = tau.masked_fill(bad, 0.0), high.masked_fill(bad, 0.0)
+        high = -finite.pow(-scale) / scale
         eps = torch.finfo(x.dtype).eps
         tau = entmax_threshold(values, low, high, scale, exponent, 100, 16 * eps)
         weights = _power(((values - tau) * scale).clamp_min_(0), exponent)
@@ -268,24 +271,25 @@ class _Entmax(Function):
         return grad_x, None, grad_alpha
 
 
-def _tighten(scores: Tensor, tau: Tensor, scale: float | Tensor, exponent: float | Tensor) -> Tensor:
-    """A higher lower bound on the entmax threshold, from the rows' block maxima (p >= 1 rows).
+def _tighten(scores: Tensor, top: Tensor, low: Tensor, scale: float | Tensor, exponent: float | Tensor) -> Tensor:
+    """A higher lower bound on the entmax threshold (relative to ``top``), from block maxima.
 
     The threshold of the problem restricted to any subset of a row's scores is at
-    most the row's threshold, and Newton iterates on it (convex for p >= 1) stay
-    below it; the block maxima are a subset that holds most of the support.
+    most the row's threshold, and for ``p >= 1`` (convex) Newton iterates from below
+    stay below it; the maxima of 8 interleaved blocks are a subset holding most of
+    the support.  Rows with ``p < 1`` keep ``low``.
     """
     rows_count, length = scores.shape
     blocks = length // _BLOCKS
     if blocks < 2:
-        return tau
-    block_max = scores[:, : blocks * _BLOCKS].view(rows_count, _BLOCKS, blocks).amax(1)
-    subset_tau = tau
+        return low
+    block_max = scores[:, : blocks * _BLOCKS].view(rows_count, _BLOCKS, blocks).amax(1) - top
+    subset_low = low
     for _ in range(3):
-        subset_tau = subset_tau + _newton_step(block_max, subset_tau, scale, exponent)[0]
-    tighter = torch.maximum(tau, subset_tau)
+        subset_low = subset_low + _newton_step(block_max, subset_low, scale, exponent)[0]
+    tighter = torch.maximum(low, subset_low)
     if isinstance(exponent, Tensor):
-        return torch.where(exponent >= 1, tighter, tau)
+        return torch.where(exponent >= 1, tighter, low)
     return tighter
 
 
@@ -331,7 +335,9 @@ class _TopKSoftmax(Function):
         chosen = min(largest, candidates.values.shape[-1])
         top_values, top_slots = candidates.values.topk(chosen, dim=-1)
         kept = (torch.arange(chosen, device=x.device) < count) & (top_values > -math.inf) & ~bad
-        weights = masked_softmax(top_values * _per_row(scale, x.shape, rows_count), kept)
+        # Shifting by the row maximum first keeps float32 logits exact for large offsets.
+        logits = (top_values - top_values[:, :1]) * _per_row(scale, x.shape, rows_count)
+        weights = masked_softmax(logits, kept)
         if out is None:
             out = scores
         out.zero_()
