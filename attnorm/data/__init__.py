@@ -12,9 +12,7 @@ SAMPLE_TEXT_PATH = Path(__file__).with_name("sample.txt")
 def read_sample_text() -> str:
     """Return the bundled sample text.
 
-    Returns
-    -------
-    str
+    Returns:
         The contents of ``attnorm/data/sample.txt`` (UTF-8).
     """
     return SAMPLE_TEXT_PATH.read_text(encoding="utf-8")
