@@ -162,7 +162,7 @@ def _allowed_counts(mask: Tensor | StructuredMask | None, q: Tensor, lk: int) ->
     if mask is None:
         return None
     if isinstance(mask, Tensor):
-        return mask.sum(-1, keepdim=True)
+        return _count_true(mask)
     count = None
     if mask.causal_diagonal is not None:
         rows = torch.arange(q.shape[-2], device=q.device)
@@ -171,6 +171,15 @@ def _allowed_counts(mask: Tensor | StructuredMask | None, q: Tensor, lk: int) ->
         lengths = _batch_lengths(mask.key_lengths, q)
         count = lengths.clamp(max=lk) if count is None else torch.minimum(count, lengths)
     return count
+
+
+def _count_true(mask: Tensor) -> Tensor:
+    """``mask.sum(-1, keepdim=True)`` a few rows at a time: a whole-tensor sum first copies the mask to int64."""
+    if mask.ndim < 2:
+        return mask.sum(-1, keepdim=True)
+    rows = max(1, _MIN_BLOCK_BYTES // (8 * mask[..., 0, :].numel()))
+    blocks = [mask[..., start : start + rows, :].sum(-1, keepdim=True) for start in range(0, mask.shape[-2], rows)]
+    return torch.cat(blocks, dim=-2)
 
 
 def _batch_lengths(lengths: Tensor, q: Tensor) -> Tensor:
@@ -199,13 +208,15 @@ def _logit_multiplier(normalizer: Normalizer, mask, additive: Tensor | None, q: 
     return ssmax_scale(count.to(compute_dtype), s, bias)
 
 
-def _row_attends(mask, additive: Tensor | None, counts: Tensor | None) -> Tensor | None:
+def _row_attends(mask, additive: Tensor | None, q: Tensor, lk: int) -> Tensor | None:
     """Bool ``(..., Lq, 1)``: rows with at least one allowed key; None when all rows have one."""
     if additive is not None:
         return ~torch.isneginf(additive).all(-1, keepdim=True)
-    if isinstance(mask, StructuredMask) and mask.key_lengths is None and (mask.causal_diagonal or 0) >= 0:
+    if isinstance(mask, Tensor):
+        return mask.any(-1, keepdim=True)
+    if mask is None or (mask.key_lengths is None and (mask.causal_diagonal or 0) >= 0):
         return None
-    return None if counts is None else counts > 0
+    return _allowed_counts(mask, q, lk) > 0
 
 
 def _rows(x: Tensor | None, start: int, stop: int) -> Tensor | None:
@@ -225,7 +236,7 @@ def _scaled_sdpa(q, k, v, multiplier: Multiplier, mask, additive, scale: float, 
     if groups > 1 and not _SDPA_HAS_GQA:
         k, v, groups = _repeat_heads(k, groups), _repeat_heads(v, groups), 1
     lq, lk = q.shape[-2], k.shape[-2]
-    attends = _row_attends(mask, additive, _allowed_counts(mask, q, lk))
+    attends = _row_attends(mask, additive, q, lk)
     factor = multiplier if isinstance(multiplier, Tensor) else None
     if factor is None:
         scale *= multiplier

@@ -1,0 +1,308 @@
+"""attnorm.attention against float64 references built from the formulas.
+
+The reference computes ``scale * q k^T (+ additive mask)`` in float64, applies each
+normalizer's independent reference (``tests/normalizers/references.py``: torch.softmax,
+the ``entmax`` package, explicit top-k) to the allowed keys of every row, and
+multiplies by ``v``.  Both routes of :func:`attnorm.attention` are checked: the
+logit-scaling SDPA route (softmax, Scalable-Softmax), also with tiny row blocks so
+that blocking, the banded causal masks and the output assembly are exercised, and
+the materialised route (every other normalizer, ``return_weights=True``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from normalizers.references import CASES, Case, reference_masked, scalable_softmax_reference
+from torch.profiler import ProfilerActivity, profile
+
+import attnorm
+from attnorm import causal_mask, key_padding_mask
+
+attention_module = importlib.import_module("attnorm.attention")
+
+B, H, D = 2, 3, 8
+
+
+def qkv(lq: int, lk: int, dtype=torch.float64, heads: int = H, kv_heads: int = H, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, heads, lq, D, generator=generator, dtype=dtype)
+    k = torch.randn(B, kv_heads, lk, D, generator=generator, dtype=dtype)
+    v = torch.randn(B, kv_heads, lk, D + 2, generator=generator, dtype=dtype)
+    return q, k, v
+
+
+def reference_attention(case: Case, q, k, v, allowed, additive=None, scale=None):
+    """Float64 ``reference(scale q k^T + additive on allowed keys) @ v`` and the weights."""
+    q, k, v = q.double(), k.double(), v.double()
+    if q.ndim >= 3:
+        groups = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale
+    allowed = allowed.expand(scores.shape)
+    if additive is not None:
+        allowed = allowed & (additive != -math.inf)
+        scores = scores + additive.double().masked_fill(additive == -math.inf, 0.0)
+    weights = reference_masked(case, scores, allowed)
+    return weights @ v, weights
+
+
+def allowed_of(lq: int, lk: int, diagonal: int | None = None, lengths: list[int] | None = None):
+    allowed = torch.ones(lq, lk, dtype=torch.bool)
+    if diagonal is not None:
+        allowed = allowed.tril(diagonal)
+    if lengths is not None:
+        allowed = allowed & (torch.arange(lk) < torch.tensor(lengths)[:, None, None, None])
+    return allowed
+
+
+def mask_kinds(lq: int, lk: int):
+    """(id, attention kwargs, allowed bool mask, additive mask) for the mask conventions."""
+    generator = torch.Generator().manual_seed(1)
+    random_bool = torch.rand(B, 1, lq, lk, generator=generator) > 0.4
+    random_bool[0, 0, 1] = False  # one fully masked row
+    additive = torch.randn(B, H, lq, lk, generator=generator, dtype=torch.float64)
+    additive = additive.masked_fill(torch.rand(B, H, lq, lk, generator=generator) < 0.3, -math.inf)
+    lengths = [lk, max(1, lk - 4)]
+    return [
+        ("none", {}, allowed_of(lq, lk), None),
+        ("is_causal", {"is_causal": True}, allowed_of(lq, lk, 0), None),
+        ("bool", {"attn_mask": random_bool}, random_bool, None),
+        ("padding", {"attn_mask": key_padding_mask(torch.tensor(lengths))}, allowed_of(lq, lk, None, lengths), None),
+        (
+            "causal_bottom_right&padding",
+            {"attn_mask": causal_mask(lk - lq) & key_padding_mask(torch.tensor(lengths))},
+            allowed_of(lq, lk, lk - lq, lengths),
+            None,
+        ),
+        ("causal_diag-2", {"attn_mask": causal_mask(-2)}, allowed_of(lq, lk, -2), None),
+        ("causal_diag3", {"attn_mask": causal_mask(3)}, allowed_of(lq, lk, 3), None),
+        ("additive", {"attn_mask": additive}, allowed_of(lq, lk), additive),
+    ]
+
+
+SHAPES = [(8, 8), (7, 11), (12, 5)]
+FAST_CASES = [case for case in CASES if case.name.startswith(("softmax", "ssmax"))]
+
+
+@pytest.fixture(params=["one_block", "tiny_blocks"])
+def blocks(request, monkeypatch):
+    """Run the SDPA route with its default blocks, or with blocks of one or two query rows."""
+    if request.param == "tiny_blocks":
+        monkeypatch.setattr(attention_module, "_MIN_BLOCK_BYTES", 1)
+        monkeypatch.setattr(attention_module, "_BLOCKS_PER_Q", 10**9)
+    return request.param
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=repr)
+@pytest.mark.parametrize("lq,lk", SHAPES)
+def test_sdpa_route_matches_float64_reference_under_every_mask(case, lq, lk, blocks):
+    q, k, v = qkv(lq, lk)
+    for name, kwargs, allowed, additive in mask_kinds(lq, lk):
+        expected, _ = reference_attention(case, q, k, v, allowed, additive)
+        out = attnorm.attention(q, k, v, case.build(), **kwargs)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10, msg=f"mask {name}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+@pytest.mark.parametrize("lq,lk", SHAPES)
+def test_materialised_route_matches_float64_reference_under_every_mask(case, lq, lk):
+    q, k, v = qkv(lq, lk)
+    for name, kwargs, allowed, additive in mask_kinds(lq, lk):
+        expected, expected_weights = reference_attention(case, q, k, v, allowed, additive)
+        out, weights = attnorm.attention(q, k, v, case.build(), return_weights=True, **kwargs)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10, msg=f"mask {name}")
+        torch.testing.assert_close(weights, expected_weights, rtol=1e-10, atol=1e-10, msg=f"weights, mask {name}")
+        if case not in FAST_CASES:
+            torch.testing.assert_close(attnorm.attention(q, k, v, case.build(), **kwargs), out, rtol=0, atol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lq=st.integers(1, 9),
+    lk=st.integers(1, 9),
+    diagonal=st.one_of(st.none(), st.integers(-10, 10)),
+    lengths=st.one_of(st.none(), st.lists(st.integers(0, 9), min_size=B, max_size=B)),
+    rows_per_block=st.integers(1, 9),
+)
+def test_scalable_softmax_structured_masks(lq, lk, diagonal, lengths, rows_per_block):
+    """Any causal diagonal and key lengths (0 included), any block size: n counts the allowed keys."""
+    if diagonal is None and lengths is None:
+        diagonal = 0
+    mask = causal_mask(diagonal) if diagonal is not None else None
+    if lengths is not None:
+        padding = key_padding_mask(torch.tensor(lengths))
+        mask = padding if mask is None else mask & padding
+    q, k, v = qkv(lq, lk)
+    expected, _ = reference_attention(FAST_CASES[1], q, k, v, allowed_of(lq, lk, diagonal, lengths))
+    row_bytes = 2 * B * H * (2 * D + 2) * 8
+    original = attention_module._MIN_BLOCK_BYTES, attention_module._BLOCKS_PER_Q
+    attention_module._MIN_BLOCK_BYTES, attention_module._BLOCKS_PER_Q = rows_per_block * row_bytes, 10**9
+    try:
+        out = attnorm.attention(q, k, v, FAST_CASES[1].build(), attn_mask=mask)
+    finally:
+        attention_module._MIN_BLOCK_BYTES, attention_module._BLOCKS_PER_Q = original
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=repr)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_grouped_query_attention(case, is_causal, blocks):
+    q, k, v = qkv(6, 6, heads=6, kv_heads=2)
+    expected, _ = reference_attention(case, q, k, v, allowed_of(6, 6, 0 if is_causal else None))
+    out = attnorm.attention(q, k, v, case.build(), is_causal=is_causal)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_per_head_learnable_scalable_softmax_gradients(blocks):
+    """Gradients of q, k, v, s and bias through the SDPA route equal float64 autograd of the formula."""
+    lq, lk = 7, 9
+    q, k, v = (t.requires_grad_() for t in qkv(lq, lk))
+    normalizer = attnorm.ScalableSoftmax(s=0.5, bias=0.2, learnable=True, num_heads=H).double()
+    with torch.no_grad():
+        normalizer.s.copy_(torch.tensor([0.3, 0.5, 0.9]).view(H, 1, 1))
+    allowed = allowed_of(lq, lk, lk - lq, [lk, 4]).expand(B, H, lq, lk)
+    cotangent = torch.randn(B, H, lq, D + 2, dtype=torch.float64)
+    mask = causal_mask(lk - lq) & key_padding_mask(torch.tensor([lk, 4]))
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+    got = torch.autograd.grad((out * cotangent).sum(), (q, k, v, normalizer.s, normalizer.bias))
+
+    s, bias = (p.detach().clone().requires_grad_() for p in (normalizer.s, normalizer.bias))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(D)
+    multiplier = s * torch.log(allowed.sum(-1, keepdim=True).double()) + bias
+    weights = torch.softmax((multiplier * scores).masked_fill(~allowed, -math.inf), dim=-1)
+    expected = torch.autograd.grad(((weights @ v) * cotangent).sum(), (q, k, v, s, bias))
+    for name, actual, wanted in zip(("q", "k", "v", "s", "bias"), got, expected, strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=1e-9, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("normalizer", ["softmax:temperature=0.5", "ssmax", "sparsemax"])
+def test_gradcheck(normalizer, blocks):
+    q, k, v = (t[:, :1, :, :4].detach().requires_grad_() for t in qkv(5, 6, seed=3))
+    mask = causal_mask(1) & key_padding_mask(torch.tensor([6, 4]))
+    check = lambda *inputs: attnorm.attention(*inputs, normalizer, attn_mask=mask)
+    assert torch.autograd.gradcheck(check, (q, k, v), fast_mode=True)
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "ssmax", "entmax", "sa_softmax"])
+def test_fully_masked_rows_give_zeros_and_zero_gradient(normalizer, blocks):
+    q, k, v = (t.requires_grad_() for t in qkv(6, 6))
+    mask = torch.ones(B, 1, 6, 6, dtype=torch.bool)
+    mask[:, :, 2] = False
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+    assert torch.isfinite(out).all()
+    assert (out[:, :, 2] == 0).all()
+    out.sum().backward()
+    assert (q.grad[:, :, 2] == 0).all()
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+    additive = torch.zeros(6, 6, dtype=torch.float64).index_fill(0, torch.tensor([4]), -math.inf)
+    assert (attnorm.attention(q, k, v, normalizer, attn_mask=additive)[:, :, 4] == 0).all()
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "ssmax", "sparsemax"])
+def test_nan_in_a_query_propagates_to_its_row_only(normalizer):
+    q, k, v = qkv(5, 5)
+    q[0, 1, 3, 0] = math.nan
+    out = attnorm.attention(q, k, v, normalizer, is_causal=True)
+    assert out[0, 1, 3].isnan().all()
+    assert not out[0, 1, :3].isnan().any() and not out[1].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", [CASES[1], CASES[5]], ids=repr)
+def test_low_precision_inputs(dtype, case):
+    q, k, v = qkv(9, 9, dtype=dtype)
+    expected, _ = reference_attention(case, q, k, v, allowed_of(9, 9, 0))
+    out = attnorm.attention(q, k, v, case.build(), is_causal=True)
+    assert out.dtype == dtype
+    tolerance = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_defaults_spec_strings_and_scale():
+    q, k, v = qkv(4, 6)
+    softmax_case = FAST_CASES[0]
+    expected, _ = reference_attention(
+        Case("softmax", None, None, lambda x: torch.softmax(x, -1)), q, k, v, allowed_of(4, 6), scale=0.3
+    )
+    torch.testing.assert_close(attnorm.attention(q, k, v, scale=0.3), expected)
+    torch.testing.assert_close(attnorm.attention(q, k, v, "softmax", scale=0.3), expected)
+    expected, _ = reference_attention(softmax_case, q, k, v, allowed_of(4, 6))
+    torch.testing.assert_close(attnorm.attention(q, k, v, "softmax:temperature=0.7"), expected)
+    expected, _ = reference_attention(
+        Case("ssmax", None, None, lambda x: scalable_softmax_reference(x, 0.43)), q, k, v, allowed_of(4, 6)
+    )
+    torch.testing.assert_close(attnorm.attention(q, k, v, "ssmax"), expected)
+
+
+def test_unbatched_and_three_dim_inputs():
+    q, k, v = (t[0, 0] for t in qkv(5, 7))  # (L, D)
+    expected, _ = reference_attention(FAST_CASES[1], q, k, v, allowed_of(5, 7, 0))
+    torch.testing.assert_close(attnorm.attention(q, k, v, FAST_CASES[1].build(), is_causal=True), expected)
+    q, k, v = (t[:, 0] for t in qkv(5, 7))  # (B, L, D)
+    expected, _ = reference_attention(FAST_CASES[1], q, k, v, allowed_of(5, 7, None, [7, 3])[:, 0])
+    mask = key_padding_mask(torch.tensor([7, 3]))
+    torch.testing.assert_close(attnorm.attention(q, k, v, FAST_CASES[1].build(), attn_mask=mask), expected)
+
+
+def test_dropout_is_applied_to_the_weights():
+    q, k, v = qkv(16, 16)
+    torch.manual_seed(0)
+    dropped = attnorm.attention(q, k, v, "sparsemax", dropout_p=0.5)
+    assert torch.isfinite(dropped).all()
+    assert not torch.allclose(dropped, attnorm.attention(q, k, v, "sparsemax"))
+
+
+def peak_allocated_bytes(run) -> int:
+    """Peak of the bytes torch's CPU allocator holds during ``run()``, above what it held before."""
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        run()
+    events = [event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"]
+    held = torch.tensor([event.nbytes() for event in sorted(events, key=lambda event: event.start_ns())])
+    return int(held.cumsum(0).max())
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        {"is_causal": True},
+        {"attn_mask": causal_mask(3) & key_padding_mask(torch.tensor([1000, 600]))},
+        {"attn_mask": torch.ones(B, 1, 1024, 1024, dtype=torch.bool).tril()},
+    ],
+    ids=["is_causal", "structured", "bool"],
+)
+def test_scalable_softmax_route_never_holds_a_score_matrix(mask):
+    """Peak extra memory of the SDPA route stays below half of ONE head's (Lq x Lk) float32 scores."""
+    q, k, v = (t.float() for t in qkv(1024, 1024))
+    v = v[..., :D]  # CPU flash attention needs Dv == D (SDPA's math fallback would hold the scores itself)
+    one_head_scores = 1024 * 1024 * 4
+    fast = peak_allocated_bytes(lambda: attnorm.attention(q, k, v, attnorm.ScalableSoftmax(num_heads=H), **mask))
+    materialised = peak_allocated_bytes(lambda: attnorm.attention(q, k, v, attnorm.Sparsemax(), **mask))
+    assert fast < one_head_scores // 2
+    assert materialised > B * H * one_head_scores  # the measurement does see score matrices
+
+
+def test_errors_name_the_argument():
+    q, k, v = qkv(4, 4)
+    with pytest.raises(ValueError, match="is_causal"):
+        attnorm.attention(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match="dim"):
+        attnorm.attention(q, k, v, attnorm.Softmax(dim=-2))
+    with pytest.raises(ValueError, match="heads"):
+        attnorm.attention(q, k[:, :2], v[:, :2])
+    with pytest.raises(ValueError, match="Lk"):
+        attnorm.attention(q, k, v[..., :3, :])
+    with pytest.raises(TypeError, match="attn_mask"):
+        attnorm.attention(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="dropout_p"):
+        attnorm.attention(q, k, v, dropout_p=1.0)
+    with pytest.raises(TypeError, match="normalizer"):
+        attnorm.attention(q, k, v, torch.softmax)
+    with pytest.raises(ValueError, match="key_lengths"):
+        attnorm.attention(q, k, v, "ssmax", attn_mask=key_padding_mask(torch.tensor([4, 4, 4])))
