@@ -63,43 +63,43 @@ def keep_posinf(x, allowed, posinf_row):
 def scan_row(X, row, length, x_row_stride, masking, scale, BLOCK, ONLINE_SUM, MASK_KIND, CAUSAL, LENGTHS, COMPUTE):
     """First pass over a long row: statistics of its allowed scores.
 
-    Returns ``(count, posinf_count, nan_count, max_x, min_x, sum_x, sum_exp)`` where
-    the extrema and sum run over the allowed finite scores and, when ``ONLINE_SUM``,
-    ``sum_exp = sum exp(scale * (x - max_x))`` is accumulated online (``scale > 0``).
-    A row holding +inf is summarised as that rule sees it: ``count`` = number of
-    +inf positions, every score 0.
+    Returns ``(count, posinf_count, nan_count, max_x, min_x, sum_below_max, sum_exp)``:
+    ``count`` allowed positions, of which ``posinf_count`` hold +inf and ``nan_count``
+    NaN; extrema of the allowed finite scores; ``sum(x - max_x)`` over them
+    (accumulated against the running max, so large scores do not cancel); and,
+    when ``ONLINE_SUM``, ``sum exp(scale * (x - max_x))`` (``scale > 0``).  In a row
+    holding +inf the statistics are those of the +inf rule (every score 0; the
+    sum of exponentials counts the +inf positions).
     """
     count = tl.zeros((), tl.int32)
     posinf_count = tl.zeros((), tl.int32)
     nan_count = tl.zeros((), tl.int32)
     max_x = tl.full((), float("-inf"), COMPUTE)
     min_x = tl.full((), float("inf"), COMPUTE)
-    sum_x = tl.zeros((), COMPUTE)
+    sum_below_max = tl.zeros((), COMPUTE)
     sum_exp = tl.zeros((), COMPUTE)
     for start in range(0, length, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
         posinf = allowed & (x == float("inf"))
         finite = allowed & ~posinf
+        seen = (count - posinf_count).to(COMPUTE)
         count += tl.sum(allowed.to(tl.int32), 0)
         posinf_count += tl.sum(posinf.to(tl.int32), 0)
         nan_count += tl.sum((allowed & (x != x)).to(tl.int32), 0)
-        block_max = tl.max(tl.where(finite, x, float("-inf")), 0)
+        new_max = tl.maximum(max_x, tl.max(tl.where(finite, x, float("-inf")), 0))
         min_x = tl.minimum(min_x, tl.min(tl.where(finite, x, float("inf")), 0))
-        sum_x += tl.sum(tl.where(finite, x, 0.0), 0)
+        rebase = tl.where(seen > 0, seen * (max_x - new_max), 0.0)
+        sum_below_max += rebase + tl.sum(tl.where(finite, x - new_max, 0.0), 0)
         if ONLINE_SUM:
-            new_max = tl.maximum(max_x, block_max)
             rescale = tl.where(new_max == float("-inf"), 1.0, tl.exp(scale * (max_x - new_max)))
             terms = tl.where(finite, tl.exp(scale * (x - new_max)), 0.0)
             sum_exp = sum_exp * rescale + tl.sum(terms, 0)
-            max_x = new_max
-        else:
-            max_x = tl.maximum(max_x, block_max)
+        max_x = new_max
     posinf_row = posinf_count > 0
-    count = tl.where(posinf_row, posinf_count, count)
     max_x = tl.where(posinf_row, 0.0, max_x)
     min_x = tl.where(posinf_row, 0.0, min_x)
-    sum_x = tl.where(posinf_row, 0.0, sum_x)
+    sum_below_max = tl.where(posinf_row, 0.0, sum_below_max)
     sum_exp = tl.where(posinf_row, posinf_count.to(COMPUTE), sum_exp)
     nan_count = tl.where(posinf_row, 0, nan_count)
-    return count, posinf_count, nan_count, max_x, min_x, sum_x, sum_exp
+    return count, posinf_count, nan_count, max_x, min_x, sum_below_max, sum_exp

@@ -2,8 +2,9 @@
 
 Forward, per row: ``y_i = [z_i - tau]_+^p`` with ``z = (alpha - 1) x``,
 ``p = 1 / (alpha - 1)`` and ``tau`` such that ``sum(y) = 1`` (Peters, Niculae &
-Martins, 2019).  ``tau`` is found by Newton's method on
-``F(tau) = ||[z - tau]_+||_p = 1``, safeguarded by the bracket
+Martins, 2019), computed on scores shifted by their max (the map is
+shift-invariant; large scores then do not cancel).  ``tau`` is found by Newton's
+method on ``F(tau) = ||[z - tau]_+||_p = 1``, safeguarded by the bracket
 ``[max z - 1, max z - n^(1 - alpha)]`` (bisection when a step leaves it).  For
 ``p >= 1`` (alpha <= 2) ``F`` is convex, so Newton started below the root climbs to
 it monotonically; the start is the larger of two lower bounds, ``max z - 1`` and
@@ -68,8 +69,17 @@ def _block_sums(z, allowed, tau, power, softmax_row):
 
 
 @triton.jit
+def _load_z(X, row, cols, length, x_row_stride, masking, posinf_row, top, multiplier,
+            MASK_KIND, CAUSAL, LENGTHS, COMPUTE):
+    """``z = (alpha - 1) (x - max x)`` for one block of a long row, and its allowed positions."""
+    x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+    x, allowed = keep_posinf(x, allowed, posinf_row)
+    return (x - top) * multiplier, allowed
+
+
+@triton.jit
 def _row_sums(
-    X, row, length, x_row_stride, masking, multiplier, posinf_row, tau, power, softmax_row,
+    X, row, length, x_row_stride, masking, posinf_row, top, multiplier, tau, power, softmax_row,
     BLOCK, MASK_KIND, CAUSAL, LENGTHS, COMPUTE,
 ):
     """:func:`_block_sums` over a long row, streamed from memory."""
@@ -79,9 +89,9 @@ def _row_sums(
     support_z = tl.zeros((), COMPUTE)
     for start in range(0, length, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
-        x, allowed = keep_posinf(x, allowed, posinf_row)
-        block_mass, block_slope, block_support, block_z = _block_sums(x * multiplier, allowed, tau, power, softmax_row)
+        z, allowed = _load_z(X, row, cols, length, x_row_stride, masking, posinf_row, top, multiplier,
+                             MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+        block_mass, block_slope, block_support, block_z = _block_sums(z, allowed, tau, power, softmax_row)
         mass += block_mass
         slope += block_slope
         support += block_support
@@ -120,29 +130,32 @@ def _entmax_forward_kernel(
         x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
         posinf_row = tl.sum((allowed & (x == float("inf"))).to(tl.int32), 0) > 0
         x, allowed = keep_posinf(x, allowed, posinf_row)
-        z = x * multiplier
         count = tl.sum(allowed.to(tl.int32), 0)
-        nan_row = tl.sum((allowed & (z != z)).to(tl.int32), 0) > 0
-        z_max = tl.max(tl.where(allowed, z, float("-inf")), 0)
+        nan_row = tl.sum((allowed & (x != x)).to(tl.int32), 0) > 0
+        top = tl.max(tl.where(allowed, x, float("-inf")), 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        z = (x - top) * multiplier
         z_sum = tl.sum(tl.where(allowed, z, 0.0), 0)
     else:
-        count, posinf_count, nan_count, max_x, _, sum_x, _ = scan_row(
+        count, posinf_count, nan_count, top, _, sum_below_max, _ = scan_row(
             X, row, length, x_row_stride, masking, 1.0, BLOCK, False, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
         )
         posinf_row = posinf_count > 0
+        count = tl.where(posinf_row, posinf_count, count)
         nan_row = nan_count > 0
-        z_max = max_x * multiplier
-        z_sum = sum_x * multiplier
+        top = tl.where(top == float("-inf"), 0.0, top)
+        z_sum = sum_below_max * multiplier
+    # Scores are shifted so that max z = 0: the bracket is [-1, -n^(1 - alpha)].
     n = tl.maximum(count, 1).to(COMPUTE)
-    low = z_max - 1
-    high = z_max - tl.exp2((1 - alpha) * tl.log2(n))
+    low = tl.full((), -1.0, COMPUTE)
+    high = -tl.exp2((1 - alpha) * tl.log2(n))
     hoelder = (z_sum - tl.exp2((2 - alpha) * tl.log2(n))) / n
-    tau = tl.where(softmax_row, z_max, tl.where(power >= 1, tl.maximum(low, hoelder), low))
+    tau = tl.where(softmax_row, 0.0, tl.where(power >= 1, tl.maximum(low, hoelder), low))
     if SINGLE:
         mass, slope, support, support_z = _block_sums(z, allowed, tau, power, softmax_row)
     else:
         mass, slope, support, support_z = _row_sums(
-            X, row, length, x_row_stride, masking, multiplier, posinf_row, tau, power, softmax_row,
+            X, row, length, x_row_stride, masking, posinf_row, top, multiplier, tau, power, softmax_row,
             BLOCK, MASK_KIND, CAUSAL, LENGTHS, COMPUTE,
         )
     iteration = 0
@@ -168,7 +181,7 @@ def _entmax_forward_kernel(
                 mass, slope, support, support_z = _block_sums(z, allowed, tau, power, softmax_row)
             else:
                 mass, slope, support, support_z = _row_sums(
-                    X, row, length, x_row_stride, masking, multiplier, posinf_row, tau, power, softmax_row,
+                    X, row, length, x_row_stride, masking, posinf_row, top, multiplier, tau, power, softmax_row,
                     BLOCK, MASK_KIND, CAUSAL, LENGTHS, COMPUTE,
                 )
     exact_tau = (support_z - 1) / tl.maximum(support, 1).to(COMPUTE)
@@ -179,9 +192,9 @@ def _entmax_forward_kernel(
     else:
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
-            x, allowed = keep_posinf(x, allowed, posinf_row)
-            y = _weights(x * multiplier, allowed, tau, power, softmax_row, exact_tau, total, nan_row)
+            z, allowed = _load_z(X, row, cols, length, x_row_stride, masking, posinf_row, top, multiplier,
+                                 MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+            y = _weights(z, allowed, tau, power, softmax_row, exact_tau, total, nan_row)
             tl.store(OUT + row * out_row_stride + cols, y.to(OUT.dtype.element_ty), mask=cols < length)
     tl.store(GRAD_SCALE + row, tl.where(posinf_row, 0.0, 1.0))
 

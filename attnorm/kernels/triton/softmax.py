@@ -68,6 +68,7 @@ def _softmax_forward_kernel(
             X, row, length, x_row_stride, masking, scale, BLOCK, online, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
         )
         posinf_row = posinf_count > 0
+        count = tl.where(posinf_row, posinf_count, count)
         multiplier = _multiplier(first, second, count, VARIANT)
         top = tl.where(multiplier >= 0, max_x, min_x) * multiplier
         top = tl.where(count > 0, top, 0.0)

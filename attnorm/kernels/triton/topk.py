@@ -8,6 +8,8 @@ keeping the largest key ``t`` with ``count(key >= t) >= k``.  All scores above
 torch reference breaks ties as ``torch.topk`` does, which may pick other tied
 positions).  ``k`` is an int, or a fraction: ``max(1, ceil(k * n))`` of the ``n``
 allowed positions, counted in the kernel (computed in float64 as the reference does).
+In a row holding +inf, ``n`` still counts every allowed position and the kept ones
+are (at most all of) the +inf positions.
 
 The backward is softmax's on the kept set (:func:`.softmax.softmax_family_backward`).
 """
@@ -111,8 +113,9 @@ def _topk_forward_kernel(
         cols = tl.arange(0, BLOCK)
         x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
         posinf_row = tl.sum((allowed & (x == float("inf"))).to(tl.int32), 0) > 0
+        count = tl.sum(allowed.to(tl.int32), 0)
         x, allowed = keep_posinf(x, allowed, posinf_row)
-        keep = _keep_count(tl.sum(allowed.to(tl.int32), 0), k, IS_FRACTION)
+        keep = tl.minimum(_keep_count(count, k, IS_FRACTION), tl.sum(allowed.to(tl.int32), 0))
         keys = _order_keys(x, allowed, KEY, KEY_BITS)
         threshold = _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, keys, True, BLOCK,
                              MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
@@ -130,7 +133,7 @@ def _topk_forward_kernel(
             X, row, length, x_row_stride, masking, 1.0, BLOCK, False, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
         )
         posinf_row = posinf_count > 0
-        keep = _keep_count(count, k, IS_FRACTION)
+        keep = tl.minimum(_keep_count(count, k, IS_FRACTION), tl.where(posinf_row, posinf_count, count))
         threshold = _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, 0, False, BLOCK,
                              MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
         top = max_x * scale
