@@ -62,6 +62,17 @@ def _save(plt, figure, path: Path) -> Path:
     return path
 
 
+def _log_ticks(axis, values: Sequence[float], which: str = "x") -> None:
+    """Log axis with exactly ``values`` as plain tick labels (matplotlib's minor labels overlap)."""
+    from matplotlib.ticker import NullLocator
+
+    values = sorted(set(values))
+    target = axis.xaxis if which == "x" else axis.yaxis
+    getattr(axis, f"set_{which}scale")("log")
+    getattr(axis, f"set_{which}ticks")(values, [f"{value:g}" for value in values])
+    target.set_minor_locator(NullLocator())
+
+
 def _by_normalizer(rows: Sequence[dict]) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
     for row in rows:
@@ -83,9 +94,12 @@ def plot_summary(rows: Sequence[dict], path: Path) -> Path:
         lengths, maxima = _mean_by_length(group, "max_weight")
         right.plot(lengths, maxima, marker="o", label=normalizer)
     lengths = sorted({row["length"] for row in rows})
-    right.plot(lengths, [1 / length for length in lengths], "k:", label="1/L")
-    left.set(xscale="log", xlabel="L (tokens)", ylabel="normalized entropy H / log L", title="Attention entropy")
-    right.set(xscale="log", yscale="log", xlabel="L (tokens)", ylabel="mean max weight", title="Lemma 1: max weight")
+    start = max(row["max_weight"] for row in rows if row["length"] == lengths[0])
+    right.plot(lengths, [start * lengths[0] / length for length in lengths], "k:", label="slope -1 (1/L)")
+    left.set(xlabel="L (tokens)", ylabel="normalized entropy H / log L", title="Attention entropy")
+    right.set(yscale="log", xlabel="L (tokens)", ylabel="mean max weight", title="Lemma 1: max weight")
+    _log_ticks(left, lengths)
+    _log_ticks(right, lengths)
     left.legend(fontsize=7)
     right.legend(fontsize=7)
     return _save(plt, figure, path)
@@ -112,8 +126,9 @@ def plot_distance(rows: Sequence[dict], critical: Sequence[dict], path: Path) ->
                 right.axvline(found, color=color, linestyle=":", linewidth=1)
     fixed_n = next((row["top_n"] for row in rows if row["sweep"] == "length"), None)
     fixed_length = next((row["length"] for row in rows if row["sweep"] == "top_n"), None)
-    left.set(xscale="log", yscale="log", xlabel="L (tokens)", ylabel="mean ||s - a_j x_j||",
+    left.set(yscale="log", xlabel="L (tokens)", ylabel="mean ||s - a_j x_j||",
              title=f"Distance vs L, N = {fixed_n} (dashed: random N-set)")
+    _log_ticks(left, [row["length"] for row in rows if row["sweep"] == "length"] or [1])
     right.set(xscale="log", yscale="log", xlabel="N / L", ylabel="mean ||s - a_j x_j||",
               title=f"Distance vs N, L = {fixed_length} (dotted: critical N)")
     left.legend(fontsize=7)
@@ -133,8 +148,8 @@ def plot_separability(rows: Sequence[dict], path: Path) -> Path:
             axis.plot([row["top_n"] for row in chosen], [row["separable_fraction"] for row in chosen],
                       styles[position % len(styles)], color=f"C{index}", label=label, markersize=4)
     axis.axhspan(0.70, 0.85, color="grey", alpha=0.15, label="paper (GPT-2): 0.70-0.85")
-    axis.set(xscale="log", ylim=(0, 1.05), xlabel="N (top-N set size)", ylabel="N_s / N",
-             title="Theorem 2: separable fraction")
+    axis.set(ylim=(0, 1.05), xlabel="N (top-N set size)", ylabel="N_s / N", title="Theorem 2: separable fraction")
+    _log_ticks(axis, [row["top_n"] for row in rows])
     axis.legend(fontsize=6)
     return _save(plt, figure, path)
 

@@ -130,3 +130,17 @@ def test_causality_and_max_length_from_configs():
                                 max_position_embeddings=32, vocab_size=50))
     assert is_causal_model(gpt2) and not is_causal_model(bert)
     assert (max_length(gpt2), max_length(bert)) == (64, 32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", ["summary", "distance", "separability", "gradient"])
+def test_quick_command_under_a_minute(tmp_path, experiment):
+    import time
+
+    pytest.importorskip("attnorm.integrations.transformers")
+    started = time.perf_counter()
+    assert main([experiment, "--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert time.perf_counter() - started < 60
+    with (tmp_path / f"{experiment}.csv").open() as handle:
+        assert len(list(csv.DictReader(handle))) > 0
+    assert (tmp_path / f"{experiment}.png").read_bytes().startswith(b"\x89PNG")
