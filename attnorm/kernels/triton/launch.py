@@ -140,8 +140,8 @@ def mask_args(mask: Tensor | StructuredMask | None, x: Tensor) -> MaskArgs:
     each row and tests ``j <= q + diagonal`` and ``j < key_lengths[b]``.
 
     Raises:
-        ValueError: a structured mask on scores with fewer than 2 dims, or key_lengths
-            not of shape ``(B,)`` / ``(1,)``.
+        ValueError: a structured mask on scores with fewer than 2 dims, key_lengths on
+            scores without a batch axis (fewer than 3 dims) or not of shape ``(B,)`` / ``(1,)``.
     """
     length = x.shape[-1] if x.ndim else 1
     placeholder = x
@@ -159,6 +159,10 @@ def mask_args(mask: Tensor | StructuredMask | None, x: Tensor) -> MaskArgs:
     lengths, lengths_stride = placeholder, 0
     if mask.key_lengths is not None:
         lengths = mask.key_lengths
+        if x.ndim < 3:
+            raise ValueError(
+                f"key_lengths needs scores shaped (B, ..., Lq, Lk) with a batch axis, got shape {tuple(x.shape)}"
+            )
         if lengths.ndim != 1 or lengths.shape[0] not in (1, x.shape[0]):
             raise ValueError(
                 f"key_lengths must have shape (B,) with B = scores.shape[0] = {x.shape[0]}, got {tuple(lengths.shape)}"
