@@ -83,8 +83,8 @@ def _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, keys, SING
                               MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
     threshold = tl.where(found >= keep, threshold, key_min)
     one = tl.full((), 1, KEY)
-    for bit in range(KEY_BITS - 2, -1, -1):
-        candidate = threshold + (one << bit)
+    for step in range(KEY_BITS - 1):
+        candidate = threshold + (one << (one * (KEY_BITS - 2 - step)))
         found = tl.zeros((), tl.int32)
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
