@@ -6,18 +6,22 @@ The kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
 Importing this package raises ImportError when triton is missing (the
 dispatcher then falls back to torch).
 
-======================== ================================ ==================
-op                        module                           autograd Function
-======================== ================================ ==================
-softmax                   :mod:`.softmax`                  SoftmaxFunction
-scalable_softmax          :mod:`.softmax`                  ScalableSoftmaxFunction
-self_adjusted_softmax     :mod:`.self_adjusted`            SelfAdjustedSoftmaxFunction
-sparsemax, entmax         :mod:`.entmax`                   EntmaxFunction
-topk_softmax              :mod:`.topk`                     TopKSoftmaxFunction
-======================== ================================ ==================
+====================== ====================== ===========================
+op                     module                 autograd Function
+====================== ====================== ===========================
+softmax                :mod:`.softmax`        SoftmaxFunction
+scalable_softmax       :mod:`.softmax`        ScalableSoftmaxFunction
+self_adjusted_softmax  :mod:`.self_adjusted`  SelfAdjustedSoftmaxFunction
+sparsemax, entmax      :mod:`.entmax`         EntmaxFunction
+topk_softmax           :mod:`.topk`           TopKSoftmaxFunction
+====================== ====================== ===========================
 
-Row layout, masks, parameters and block sizes: :mod:`.launch`; device helpers
-shared by the kernels (mask rules, +inf rows, row scans): :mod:`.blocks`.
+Every rule of :mod:`attnorm.normalizers.base` (masks, -inf/+inf, fully masked
+rows, NaN) is applied inside the kernels, with no fallback to torch.  A row of up
+to :data:`.launch.SINGLE_BLOCK_MAX` elements is read once and written once; longer
+rows are streamed in several passes.  Row layout, masks, parameters and block
+sizes: :mod:`.launch`; device helpers shared by the kernels (mask rules, +inf
+rows, row scans): :mod:`.blocks`; bytes each kernel moves: :mod:`attnorm.kernels.traffic`.
 """
 
 from __future__ import annotations

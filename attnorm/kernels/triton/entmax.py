@@ -117,8 +117,11 @@ def _entmax_forward_kernel(
 ):
     """alpha-entmax of one row (see the module docstring for the method).
 
-    Bytes moved per row of L elements: single-block L*(in + out) + a per-row gate;
-    multi-pass reads x once per Newton iteration (typically 3-8) plus twice more.
+    Bytes moved (:func:`attnorm.kernels.traffic.bytes_moved`): a single-block row
+    reads x and writes y once, ``L * (in + out)``, plus one per-row gate; every
+    Newton step works on the row held in registers.  A multi-pass row reads x once
+    per Newton step (1-6 for alpha <= 2, up to ~25 bisection-safeguarded ones above)
+    plus twice (statistics, write).
     """
     row = tl.program_id(0).to(tl.int64)
     alpha = load_row_param(alpha_param, row).to(COMPUTE)
@@ -203,11 +206,15 @@ def _entmax_forward_kernel(
 def _backward_block_sums(y, g, alpha, beta, ALPHA_GRAD):
     """``sum(gppr g)``, ``sum(gppr)`` and, for the alpha gradient, ``sum(g S)``, ``sum(S)``."""
     gppr = _power(y, 2 - alpha)
+    gppr_g = tl.sum(gppr * g, 0)
+    entropy_g = tl.zeros_like(gppr_g)
+    entropy_sum = tl.zeros_like(gppr_g)
     if ALPHA_GRAD:
         on = y > 0
         entropy_term = tl.where(on, y * (beta - tl.log(tl.where(on, y, 1.0))), 0.0)
-        return tl.sum(gppr * g, 0), tl.sum(gppr, 0), tl.sum(entropy_term * g, 0), tl.sum(entropy_term, 0)
-    return tl.sum(gppr * g, 0), tl.sum(gppr, 0), 0.0, 0.0
+        entropy_g = tl.sum(entropy_term * g, 0)
+        entropy_sum = tl.sum(entropy_term, 0)
+    return gppr_g, tl.sum(gppr, 0), entropy_g, entropy_sum
 
 
 @triton.jit
@@ -217,8 +224,9 @@ def _entmax_backward_kernel(
 ):
     """Closed-form entmax backward for one row (formulas in the module docstring).
 
-    Bytes moved per row: single-block L*(y + g + dx) + per-row scalars; multi-pass
-    re-reads y and g once.
+    Bytes moved: a single-block row reads y and g and writes dx once,
+    ``3 * L * itemsize``, plus the per-row gate (and alpha's gradient); a multi-pass
+    row re-reads y and g once.
     """
     row = tl.program_id(0).to(tl.int64)
     alpha = load_row_param(alpha_param, row).to(COMPUTE)

@@ -31,10 +31,11 @@ __all__ = ["SelfAdjustedSoftmaxFunction"]
 @triton.jit
 def _factor(x, low, high, NORMALIZED):
     """``phi(x)``: ``x`` or its min-max normalised form (0 when the span is 0)."""
+    factor = x
     if NORMALIZED:
         span = high - low
-        return tl.where(span > 0, (x - low) / tl.where(span > 0, span, 1.0), 0.0)
-    return x
+        factor = tl.where(span > 0, (x - low) / tl.where(span > 0, span, 1.0), 0.0)
+    return factor
 
 
 @triton.jit
@@ -55,8 +56,9 @@ def _self_adjusted_forward_kernel(
 ):
     """SA-Softmax of one row; writes ``lse``, ``low``, ``high`` and the gate for the backward.
 
-    Bytes moved per row of L elements: single-block L*(in + out) + 4 per-row scalars;
-    multi-pass re-reads x once (online max and sum, then the write).
+    Bytes moved (:func:`attnorm.kernels.traffic.bytes_moved`): a single-block row
+    reads x and writes the output once, ``L * (in + out)``, plus 4 per-row scalars;
+    a multi-pass row re-reads x once (online max and sum, then the write).
     """
     row = tl.program_id(0).to(tl.int64)
     if SINGLE:
@@ -139,8 +141,9 @@ def _self_adjusted_backward_kernel(
 ):
     """SA-Softmax backward of one row (formula in the module docstring).
 
-    Bytes moved per row: single-block L*(x + g + dx) + 4 per-row scalars (+ the bool
-    mask if one was given); multi-pass re-reads x and g once.
+    Bytes moved: a single-block row reads x and g and writes dx once,
+    ``3 * L * itemsize``, plus 4 per-row scalars (and the bool mask, if one was
+    given); a multi-pass row re-reads x and g once.
     """
     row = tl.program_id(0).to(tl.int64)
     lse = tl.load(LSE + row)

@@ -29,9 +29,12 @@ _NO_PARAM_GRAD, _TEMPERATURE_GRAD, _MULTIPLIER_GRAD = 0, 1, 2
 
 @triton.jit
 def _multiplier(first, second, count, VARIANT):
+    """``1 / temperature`` (VARIANT 0) or ``s * log(max(n, 1)) + bias`` (VARIANT 1)."""
     if VARIANT == 0:
-        return 1.0 / first
-    return first * tl.log(tl.maximum(count, 1).to(first.dtype)) + second
+        multiplier = 1.0 / first
+    else:
+        multiplier = first * tl.log(tl.maximum(count, 1).to(first.dtype)) + second
+    return multiplier
 
 
 @triton.jit
@@ -42,9 +45,10 @@ def _softmax_forward_kernel(
 ):
     """``y = softmax(m * x)`` for one row; writes ``m`` (0 in +inf rows) and, for Scalable-Softmax, ``log max(n, 1)``.
 
-    Bytes moved per row of L elements: single-block L*(in + out) + per-row scalars;
-    multi-pass adds one re-read of x (temperature, online max/sum) or two
-    (Scalable-Softmax: ``m`` needs ``n`` before the sum of exponentials).
+    Bytes moved (:func:`attnorm.kernels.traffic.bytes_moved`): a single-block row
+    reads x and writes y once, ``L * (in + out)`` bytes, plus 4 (8 for float64) per
+    per-row scalar; a multi-pass row re-reads x once (temperature: online max and
+    sum) or twice (Scalable-Softmax: ``m`` needs ``n`` before the sum of exponentials).
     """
     row = tl.program_id(0).to(tl.int64)
     first = load_row_param(first_param, row).to(COMPUTE)
@@ -62,7 +66,7 @@ def _softmax_forward_kernel(
         y = tl.where(allowed, e / tl.sum(e, 0), 0.0)
         tl.store(OUT + row * out_row_stride + cols, y.to(OUT.dtype.element_ty), mask=cols < length)
     else:
-        online = VARIANT == 0
+        online = VARIANT == 0  # temperature: m is known up front, so max and sum go online
         scale = 1.0 / first
         count, posinf_count, _, max_x, min_x, _, sum_exp = scan_row(
             X, row, length, x_row_stride, masking, scale, BLOCK, online, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
@@ -94,17 +98,26 @@ def _softmax_forward_kernel(
 
 @triton.jit
 def _block_sums(y, g, x, PARAM_GRAD):
-    """Partial sums of one block: ``sum(y g)`` and the two sums a parameter gradient expands into."""
+    """Partial sums of one block: ``sum(y g)``, ``sum(y g v)``, ``sum(y v)`` and +inf scores on the support.
+
+    ``v = log y`` for the temperature gradient, ``v = x`` for the multiplier's
+    (``sum(dz v) = sum(y g v) - sum(y g) sum(y v)``); both taken where ``y > 0``.
+    """
     y_g = tl.sum(y * g, 0)
+    y_g_v = tl.zeros_like(y_g)
+    y_v = tl.zeros_like(y_g)
+    posinf = tl.zeros((), tl.int32)
     if PARAM_GRAD == 1:
         log_y = tl.where(y > 0, tl.log(y), 0.0)
-        return y_g, tl.sum(y * g * log_y, 0), tl.sum(y * log_y, 0), 0
+        y_g_v = tl.sum(y * g * log_y, 0)
+        y_v = tl.sum(y * log_y, 0)
     if PARAM_GRAD == 2:
         on = y > 0
         x_on = tl.where(on, x, 0.0)
+        y_g_v = tl.sum(tl.where(on, y * g * x_on, 0.0), 0)
+        y_v = tl.sum(tl.where(on, y * x_on, 0.0), 0)
         posinf = tl.sum((on & (x == float("inf"))).to(tl.int32), 0)
-        return y_g, tl.sum(tl.where(on, y * g * x_on, 0.0), 0), tl.sum(tl.where(on, y * x_on, 0.0), 0), posinf
-    return y_g, 0.0, 0.0, 0
+    return y_g, y_g_v, y_v, posinf
 
 
 @triton.jit
@@ -115,8 +128,9 @@ def _softmax_backward_kernel(
     """``dx = m * y * (g - sum(y g))`` and the per-row parameter gradient.
 
     ``PARAM_GRAD`` 1: ``-m * sum(dz log y)`` (temperature); 2: ``sum(dz x)`` (the
-    Scalable-Softmax multiplier; reads x, zero in +inf rows).  Bytes moved per row:
-    single-block L*(y + g + dx) (+ L*x for ``PARAM_GRAD`` 2); multi-pass re-reads y and g once.
+    Scalable-Softmax multiplier; reads x, zero in +inf rows).  Bytes moved: a
+    single-block row reads y and g and writes dx once, ``3 * L * itemsize`` (plus x
+    for ``PARAM_GRAD`` 2) and the per-row scalars; a multi-pass row re-reads y and g once.
     """
     row = tl.program_id(0).to(tl.int64)
     scale = tl.load(GRAD_SCALE + row)
@@ -128,12 +142,12 @@ def _softmax_backward_kernel(
         g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
         if PARAM_GRAD == 2:
             x = tl.load(X + row * x_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
-        y_g, with_g, without_g, posinf = _block_sums(y, g, x, PARAM_GRAD)
+        y_g, y_g_v, y_v, posinf = _block_sums(y, g, x, PARAM_GRAD)
         tl.store(DX + row * dx_row_stride + cols, (scale * y * (g - y_g)).to(DX.dtype.element_ty), mask=inside)
     else:
         y_g = tl.zeros((), COMPUTE)
-        with_g = tl.zeros((), COMPUTE)
-        without_g = tl.zeros((), COMPUTE)
+        y_g_v = tl.zeros((), COMPUTE)
+        y_v = tl.zeros((), COMPUTE)
         posinf = tl.zeros((), tl.int32)
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -142,10 +156,10 @@ def _softmax_backward_kernel(
             g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
             if PARAM_GRAD == 2:
                 x = tl.load(X + row * x_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
-            block_y_g, block_with_g, block_without_g, block_posinf = _block_sums(y, g, x, PARAM_GRAD)
+            block_y_g, block_y_g_v, block_y_v, block_posinf = _block_sums(y, g, x, PARAM_GRAD)
             y_g += block_y_g
-            with_g += block_with_g
-            without_g += block_without_g
+            y_g_v += block_y_g_v
+            y_v += block_y_v
             posinf += block_posinf
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -153,8 +167,7 @@ def _softmax_backward_kernel(
             y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
             g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
             tl.store(DX + row * dx_row_stride + cols, (scale * y * (g - y_g)).to(DX.dtype.element_ty), mask=inside)
-    # sum(dz * v) = sum(y g v) - sum(y g) * sum(y v)
-    param_grad = with_g - y_g * without_g
+    param_grad = y_g_v - y_g * y_v  # sum(dz v)
     if PARAM_GRAD == 1:
         tl.store(PARAM_GRAD_OUT + row, -scale * param_grad)
     if PARAM_GRAD == 2:

@@ -103,8 +103,10 @@ def _topk_forward_kernel(
 ):
     """Top-k softmax of one row; also writes ``1 / temperature`` (0 in +inf rows) for the backward.
 
-    Bytes moved per row of L elements: single-block L*(in + out) + a per-row scalar;
-    multi-pass reads x KEY_BITS + 3 times (radix search, sums, write).
+    Bytes moved (:func:`attnorm.kernels.traffic.bytes_moved`): a single-block row
+    reads x and writes y once, ``L * (in + out)``, plus a per-row scalar; the radix
+    search runs on the keys in registers.  A multi-pass row reads x KEY_BITS + 3
+    times (statistics, one pass per key bit, sums, write).
     """
     row = tl.program_id(0).to(tl.int64)
     scale = 1.0 / load_row_param(temperature_param, row).to(COMPUTE)
