@@ -37,7 +37,7 @@ __all__ = ["attention"]
 # A block of query rows is sized so its temporaries (scaled queries, its output and
 # its mask) stay under max(_MIN_BLOCK_BYTES, q.nbytes / _BLOCKS_PER_Q).
 _MIN_BLOCK_BYTES = 1 << 20
-_BLOCKS_PER_Q = 16
+_BLOCKS_PER_Q = 8
 _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
 Multiplier = float | Tensor
@@ -219,11 +219,11 @@ def _row_attends(mask, additive: Tensor | None, q: Tensor, lk: int) -> Tensor | 
     return _allowed_counts(mask, q, lk) > 0
 
 
-def _rows(x: Tensor | None, start: int, stop: int) -> Tensor | None:
-    """Rows ``start:stop`` along dim -2 of a tensor that broadcasts over query rows."""
+def _take_rows(x: Tensor | None, start: int, stop: int, order: Tensor | None = None) -> Tensor | None:
+    """Query rows ``start:stop`` (or the rows listed in ``order``) of a tensor that broadcasts over rows."""
     if x is None or x.ndim < 2 or x.shape[-2] == 1:
         return x
-    return x[..., start:stop, :]
+    return x[..., start:stop, :] if order is None else x.index_select(-2, order)
 
 
 def _scaled_sdpa(q, k, v, multiplier: Multiplier, mask, additive, scale: float, dropout_p: float, groups: int):
@@ -231,7 +231,8 @@ def _scaled_sdpa(q, k, v, multiplier: Multiplier, mask, additive, scale: float, 
 
     A scalar multiplier goes into SDPA's ``scale``; a tensor one scales a block of
     query rows at a time.  Under a causal mask a block ``[start, stop)`` reaches keys
-    ``[0, stop + diagonal)``; its mask is a view of one 1-D buffer (see :func:`_causal_band`).
+    ``[0, stop + diagonal)`` only, and its mask is a view of one 1-D buffer
+    (see :func:`_causal_band`).  Rows with no allowed key are set to zero.
     """
     if groups > 1 and not _SDPA_HAS_GQA:
         k, v, groups = _repeat_heads(k, groups), _repeat_heads(v, groups), 1
@@ -243,23 +244,34 @@ def _scaled_sdpa(q, k, v, multiplier: Multiplier, mask, additive, scale: float, 
     scale_additive = additive is not None and (factor is not None or multiplier != 1)
     block = _block_rows(q, v, mask, additive if scale_additive else None, factor is not None)
     band = _causal_band(mask, lq, q) if isinstance(mask, StructuredMask) else None
+    extra = {"enable_gqa": True} if groups > 1 else {}
     out = None
     for start in range(0, lq, block):
         stop = min(start + block, lq)
-        q_rows, added = q[..., start:stop, :], _rows(additive, start, stop)
+        keys, sdpa_mask, is_causal, order = _block_mask(mask, band, start, stop, lk, q)
+        q_rows = _take_rows(q, start, stop, order)
         if factor is not None:
-            q_rows = (q_rows * _rows(factor, start, stop)).to(q.dtype)
-        if scale_additive:
-            added = added * (multiplier if factor is None else _rows(factor, start, stop))
-        rows_out = _sdpa_rows(q_rows, k, v, mask, added, band, start, scale, dropout_p, groups)
-        rows_attend = _rows(attends, start, stop)
+            q_rows = (q_rows * _take_rows(factor, start, stop, order)).to(q.dtype)
+        if additive is not None:
+            added = _take_rows(additive, start, stop)
+            if scale_additive:
+                added = added * (multiplier if factor is None else _take_rows(factor, start, stop))
+            sdpa_mask = added.to(q.dtype)
+        rows_out = F.scaled_dot_product_attention(
+            q_rows, k[..., :keys, :], v[..., :keys, :], attn_mask=sdpa_mask, dropout_p=dropout_p,
+            is_causal=is_causal, scale=scale, **extra,
+        )
+        rows_attend = _take_rows(attends, start, stop, order)
         if rows_attend is not None:
             rows_out = torch.where(rows_attend, rows_out, 0.0)
-        if stop - start == lq:
+        if order is None and stop - start == lq:
             return rows_out
         if out is None:
             out = rows_out.new_empty(*rows_out.shape[:-2], lq, rows_out.shape[-1])
-        out[..., start:stop, :] = rows_out
+        if order is None:
+            out[..., start:stop, :] = rows_out
+        else:
+            out.index_copy_(-2, order, rows_out)
     return out
 
 
@@ -299,42 +311,33 @@ def _causal_band(mask: StructuredMask, lq: int, q: Tensor) -> Tensor | None:
     return band
 
 
-def _sdpa_rows(q_rows, k, v, mask, additive, band, start: int, scale: float, dropout_p: float, groups: int) -> Tensor:
-    """SDPA for the query rows ``start:start + len(q_rows)`` (``q_rows`` already holds them)."""
-    stop, lk = start + q_rows.shape[-2], k.shape[-2]
-    keys, sdpa_mask, is_causal, reverse = lk, None, False, False
-    if additive is not None:
-        sdpa_mask = additive.to(q_rows.dtype)
-    elif isinstance(mask, Tensor):
-        sdpa_mask = _rows(mask, start, stop)
-    elif isinstance(mask, StructuredMask):
-        diagonal, lengths = mask.causal_diagonal, mask.key_lengths
-        if diagonal is not None:
-            keys = max(1, min(lk, stop + diagonal))  # rows whose keys all lie beyond are zeroed by the caller
-        if lengths is not None:
-            sdpa_mask = _structured_rows(mask, q_rows, start, stop, keys)
-        elif diagonal is not None and start + diagonal < keys - 1 and stop + diagonal > 0:
-            if start == 0 and diagonal == 0:
-                is_causal = True
-            else:
-                rows, offset = stop - start, band.shape[0] // 2 - stop - diagonal
-                sdpa_mask = band.as_strided((rows, keys), (1, 1), band.storage_offset() + offset)
-                reverse = True
-    if reverse:
-        q_rows = q_rows.flip(-2)
-    extra = {"enable_gqa": True} if groups > 1 else {}
-    out = F.scaled_dot_product_attention(
-        q_rows, k[..., :keys, :], v[..., :keys, :], attn_mask=sdpa_mask, dropout_p=dropout_p,
-        is_causal=is_causal, scale=scale, **extra,
-    )
-    return out.flip(-2) if reverse else out
+def _block_mask(mask, band: Tensor | None, start: int, stop: int, lk: int, q: Tensor):
+    """(keys reached, SDPA mask, is_causal, row order) for query rows ``start:stop``.
+
+    The row order is None (rows in order) or the row indices ``stop - 1, ..., start``
+    when the mask is a band view, which needs the rows reversed.
+    """
+    if not isinstance(mask, StructuredMask):
+        return lk, _take_rows(mask, start, stop), False, None
+    diagonal, lengths = mask.causal_diagonal, mask.key_lengths
+    # Rows whose keys all lie beyond ``keys`` have no allowed key and are zeroed by the caller.
+    keys = lk if diagonal is None else max(1, min(lk, stop + diagonal))
+    if lengths is not None:
+        return keys, _structured_rows(mask, start, stop, keys, q), False, None
+    if diagonal is None or start + diagonal >= keys - 1 or stop + diagonal <= 0:
+        return keys, None, False, None
+    if start == 0 and diagonal == 0:
+        return keys, None, True, None
+    offset = band.shape[0] // 2 - stop - diagonal
+    view = band.as_strided((stop - start, keys), (1, 1), band.storage_offset() + offset)
+    return keys, view, False, torch.arange(stop - 1, start - 1, -1, device=q.device)
 
 
-def _structured_rows(mask: StructuredMask, q_rows: Tensor, start: int, stop: int, keys: int) -> Tensor:
+def _structured_rows(mask: StructuredMask, start: int, stop: int, keys: int, q: Tensor) -> Tensor:
     """Bool mask (True = may attend) of query rows ``start:stop`` and the first ``keys`` keys."""
-    key_index = torch.arange(keys, device=q_rows.device)
-    allowed = key_index < _batch_lengths(mask.key_lengths, q_rows)  # (B, 1, ..., keys)
+    key_index = torch.arange(keys, device=q.device)
+    allowed = key_index < _batch_lengths(mask.key_lengths, q)  # (B, 1, ..., keys)
     if mask.causal_diagonal is not None:
-        rows = torch.arange(start, stop, device=q_rows.device)[:, None]
-        allowed = allowed & (key_index <= rows + mask.causal_diagonal)  # (B, 1, ..., rows, keys)
+        rows = torch.arange(start, stop, device=q.device)[:, None]
+        allowed = allowed & (key_index <= rows + mask.causal_diagonal)  # (B, 1, rows, keys)
     return allowed

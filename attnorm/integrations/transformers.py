@@ -8,7 +8,7 @@ through :func:`attnorm.attention` with the given normalizer::
     with patch(model, "ssmax"):          # or an instance, or a factory layer_idx -> Normalizer
         logits = model(**batch).logits   # the original implementation is back after the block
 
-How it plugs in: transformers (>= 4.53) looks the attention function up by
+How it plugs in: transformers (>= 4.54) looks the attention function up by
 ``config._attn_implementation`` in its ``AttentionInterface`` registry, and builds
 the attention masks with the function registered under the same name in
 ``masking_utils.AttentionMaskInterface``.  A name without a mask function gets no
@@ -40,7 +40,7 @@ from attnorm.registry import make
 __all__ = ["ATTN_IMPLEMENTATION", "AttnormPatch", "Recorder", "attnorm_attention_forward", "patch"]
 
 ATTN_IMPLEMENTATION = "attnorm"
-MIN_TRANSFORMERS = "4.53"
+MIN_TRANSFORMERS = "4.54"
 NORMALIZER_ATTR = "attnorm_normalizer"
 _STATE_ATTR = "_attnorm_layer"
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
@@ -115,9 +115,11 @@ def attnorm_attention_forward(
 def _register() -> None:
     """Register the attention and mask functions under ``"attnorm"`` (once)."""
     try:
-        from transformers import AttentionInterface
+        from transformers import AttentionInterface, PreTrainedModel
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    except ImportError as error:
+
+        PreTrainedModel.set_attn_implementation  # noqa: B018  (public since the same releases)
+    except (ImportError, AttributeError) as error:
         import importlib.metadata
 
         try:
@@ -125,8 +127,8 @@ def _register() -> None:
         except importlib.metadata.PackageNotFoundError:
             found = "not installed"
         raise ImportError(
-            f"attnorm.integrations.transformers needs transformers >= {MIN_TRANSFORMERS} "
-            f"(AttentionInterface and masking_utils.AttentionMaskInterface); found {found}"
+            f"attnorm.integrations.transformers needs transformers >= {MIN_TRANSFORMERS} (AttentionInterface, "
+            f"masking_utils.AttentionMaskInterface, PreTrainedModel.set_attn_implementation); found {found}"
         ) from error
     AttentionInterface.register(ATTN_IMPLEMENTATION, attnorm_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
@@ -214,7 +216,7 @@ def patch(model: nn.Module, normalizer: NormalizerSpec, *, recorder: Recorder | 
         An :class:`AttnormPatch`; ``remove()`` it (or use it as a context manager) to restore the model.
 
     Raises:
-        ImportError: transformers older than 4.53.
+        ImportError: transformers older than 4.54.
         ValueError: no attention layer routed through the registry, or the model refused the switch.
         RuntimeError: the model is already patched.
         TypeError: a factory returned something other than a Normalizer.

@@ -260,7 +260,7 @@ def test_errors(monkeypatch):
     integration._register.cache_clear()
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)
     try:
-        with pytest.raises(ImportError, match="transformers >= 4.53"):
+        with pytest.raises(ImportError, match="transformers >= 4.54"):
             patch(tiny_gpt2(), "softmax")
     finally:
         monkeypatch.undo()
