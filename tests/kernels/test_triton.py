@@ -101,8 +101,11 @@ def grid(dtypes: tuple[torch.dtype, ...]) -> list:
 
 
 def make_scores(length: int, seed: int = 0) -> torch.Tensor:
+    # Distinct multiples of 1/8 in every row: exact in float16 and bfloat16, so top-k has no
+    # ties to break (the kernel and torch.topk may break them differently).
     generator = torch.Generator().manual_seed(seed)
-    x = 2 * torch.randn(BATCH, HEADS, QUERIES, length, generator=generator)
+    ranks = torch.rand(BATCH, HEADS, QUERIES, length, generator=generator).argsort(-1)
+    x = (ranks - length // 2) / 8
     x[0, 0, 1, ::3] = -math.inf  # -inf scores count as masked
     x[1, 1, 2] = -math.inf  # a fully masked row
     x[1, 0, 0, [3, 7]] = math.inf  # a +inf row: uniform over its +inf positions
