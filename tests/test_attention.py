@@ -160,16 +160,19 @@ def test_grouped_query_attention(case, is_causal, blocks):
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
 
 
-def test_per_head_learnable_scalable_softmax_gradients(blocks):
+@pytest.mark.parametrize("lengths", [None, [9, 4]], ids=["causal", "causal&padding"])
+def test_per_head_learnable_scalable_softmax_gradients(lengths, blocks):
     """Gradients of q, k, v, s and bias through the SDPA route equal float64 autograd of the formula."""
     lq, lk = 7, 9
     q, k, v = (t.requires_grad_() for t in qkv(lq, lk))
     normalizer = attnorm.ScalableSoftmax(s=0.5, bias=0.2, learnable=True, num_heads=H).double()
     with torch.no_grad():
         normalizer.s.copy_(torch.tensor([0.3, 0.5, 0.9]).view(H, 1, 1))
-    allowed = allowed_of(lq, lk, lk - lq, [lk, 4]).expand(B, H, lq, lk)
+    allowed = allowed_of(lq, lk, lk - lq, lengths).expand(B, H, lq, lk)
     cotangent = torch.randn(B, H, lq, D + 2, dtype=torch.float64)
-    mask = causal_mask(lk - lq) & key_padding_mask(torch.tensor([lk, 4]))
+    mask = causal_mask(lk - lq)
+    if lengths is not None:
+        mask = mask & key_padding_mask(torch.tensor(lengths))
     out = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
     got = torch.autograd.grad((out * cotangent).sum(), (q, k, v, normalizer.s, normalizer.bias))
 
@@ -182,11 +185,18 @@ def test_per_head_learnable_scalable_softmax_gradients(blocks):
         torch.testing.assert_close(actual, wanted, rtol=1e-9, atol=1e-10, msg=name)
 
 
+GRADIENT_MASKS = {
+    "is_causal": {"is_causal": True},
+    "causal_diag1": {"attn_mask": causal_mask(1)},
+    "causal_diag1&padding": {"attn_mask": causal_mask(1) & key_padding_mask(torch.tensor([6, 4]))},
+}
+
+
+@pytest.mark.parametrize("mask", GRADIENT_MASKS.values(), ids=GRADIENT_MASKS)
 @pytest.mark.parametrize("normalizer", ["softmax:temperature=0.5", "ssmax", "sparsemax"])
-def test_gradcheck(normalizer, blocks):
+def test_gradcheck(normalizer, mask, blocks):
     q, k, v = (t[:, :1, :, :4].detach().requires_grad_() for t in qkv(5, 6, seed=3))
-    mask = causal_mask(1) & key_padding_mask(torch.tensor([6, 4]))
-    check = lambda *inputs: attnorm.attention(*inputs, normalizer, attn_mask=mask)
+    check = lambda *inputs: attnorm.attention(*inputs, normalizer, **mask)
     assert torch.autograd.gradcheck(check, (q, k, v), fast_mode=True)
 
 

@@ -207,7 +207,7 @@ def patch(model: nn.Module, normalizer: NormalizerSpec, *, recorder: Recorder | 
             factory ``layer_idx -> Normalizer`` (e.g. per-layer learnable parameters).
             Each layer's normalizer becomes its submodule ``attnorm_normalizer``, so
             ``model.parameters()``, optimizers and ``state_dict`` see it.
-        recorder: called once per attention call as
+        recorder: called once per call of a patched layer as
             ``recorder(layer_idx, query, key, value, weights)`` with query ``(B, H, Lq, D)``,
             key and value ``(B, H, Lk, D)`` after any KV-head repetition and weights
             ``(B, H, Lq, Lk)`` (materialised for the call; tensors keep their autograd graph).
@@ -244,6 +244,8 @@ def patch(model: nn.Module, normalizer: NormalizerSpec, *, recorder: Recorder | 
 def _layer_normalizer(normalizer: NormalizerSpec, layer_idx: int) -> Normalizer:
     if isinstance(normalizer, (Normalizer, str)):
         return make(normalizer)
+    if isinstance(normalizer, type):
+        raise TypeError(f"pass an instance ({normalizer.__name__}()), a spec string or a factory, not the class")
     if callable(normalizer):
         built = normalizer(layer_idx)
         if not isinstance(built, Normalizer):

@@ -217,6 +217,8 @@ def test_shared_instance_and_factory_type_check(gpt2):
     original = gpt2.config._attn_implementation
     with pytest.raises(TypeError, match="factory"):
         patch(gpt2, lambda layer_idx: "softmax")
+    with pytest.raises(TypeError, match="class"):
+        patch(gpt2, attnorm.Sparsemax)
     assert gpt2.config._attn_implementation == original
     assert not hasattr(gpt2.transformer.h[0].attn, integration.NORMALIZER_ATTR)
 
