@@ -92,7 +92,9 @@ def _show(value: Scalar) -> str:
     return repr(float(value))
 
 
-def softmax(x: Tensor, dim: int = -1, *, temperature: Scalar = 1.0, mask: Mask = None, backend: str | None = None) -> Tensor:
+def softmax(
+    x: Tensor, dim: int = -1, *, temperature: Scalar = 1.0, mask: Mask = None, backend: str | None = None
+) -> Tensor:
     """Softmax with temperature: ``a_i = exp(x_i / T) / sum_j exp(x_j / T)`` over allowed positions.
 
     Args:

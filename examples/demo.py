@@ -77,6 +77,7 @@ def needle_table(gap: float = 3.0) -> None:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    print(f"attnorm {attnorm.__version__}, torch {torch.__version__}, normalizers: {', '.join(attnorm.available()[:6])}\n")
+    names = ", ".join(attnorm.available()[:6])
+    print(f"attnorm {attnorm.__version__}, torch {torch.__version__}, normalizers: {names}\n")
     head_table()
     needle_table()
