@@ -7,12 +7,10 @@ op is vectorised there), so positions are first handled in groups: a row of leng
 ``L`` is viewed as ``size`` contiguous stripes of ``groups = L / size``, and group
 ``j`` holds positions ``j, j + groups, ..., j + (size - 1) * groups``.  One
 vectorised ``amax`` over the stripes gives every group's maximum; only the groups
-whose maximum passes the bound are gathered, and :meth:`Candidates.narrow` then
-keeps their single positions above the bound.
-
-Candidates are ragged: ``N`` entries of ``size`` positions, each with its row, so
-no row is padded to the longest one; per-row sums go through ``index_add_``.
-When most groups pass, the candidates are the whole ``(R, L)`` matrix instead.
+whose maximum passes the bound are gathered (a ragged list of groups), and
+:meth:`Candidates.narrow` then keeps their single positions above the bound,
+padded to the longest row for the threshold iterations.  When most groups pass,
+the candidates are the whole ``(R, L)`` matrix instead.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["Candidates", "group_maxima", "pack_groups"]
+__all__ = ["Candidates", "finite_count", "group_maxima", "pack_groups", "top_groups"]
 
 
 def _group_size(length: int) -> int:
@@ -39,13 +37,20 @@ def group_maxima(scores: Tensor) -> Tensor:
 
 
 class Candidates(NamedTuple):
-    """Candidate positions of a ``(R, L)`` matrix.
+    """Candidate positions of a ``(R, L)`` matrix, in one of three layouts.
+
+    * whole: ``values`` is the ``(R, L)`` matrix itself; ``flat`` and ``row`` are None.
+    * ragged: ``N`` entries of ``size`` positions: ``values`` and ``flat`` (the flat
+      index ``row * L + column``) are ``(N, size)``, ``row`` is ``(N,)`` and sorted.
+      Nothing is padded; per-row sums go through ``index_add_``.
+    * padded: ``values`` and ``flat`` are ``(R, width)``, each row's candidates first,
+      then padding (``flat`` -1, ``values`` -inf); ``row`` is None.  Per-row
+      arithmetic is plain broadcasting, which is what the threshold iterations need.
 
     Attributes:
-        values: ``(N, size)`` values at the candidate positions; or, when ``row`` is
-            None, the whole ``(R, L)`` matrix (every position is a candidate).
-        flat: ``(N, size)`` flat index ``row * L + column`` of each position, or None.
-        row: ``(N,)`` row of each entry, sorted, or None.
+        values: the scores at the candidate positions.
+        flat: their flat indices, or None (whole layout).
+        row: the row of each ragged entry, or None.
         rows_count: ``R``.
     """
 
@@ -61,52 +66,58 @@ class Candidates(NamedTuple):
         return per_row[self.row]
 
     def row_sum(self, values: Tensor) -> Tensor:
-        """Per-row sums, shape ``(R, 1)``, of a tensor aligned with ``values``."""
+        """Per-row sums, shape ``(R, 1)``, of a tensor aligned with ``values`` (0 on padding)."""
         if self.row is None:
             return values.sum(-1, keepdim=True)
         return values.new_zeros(self.rows_count).index_add_(0, self.row, values.sum(-1)).unsqueeze(-1)
 
     def take(self, tensor: Tensor) -> Tensor:
-        """The entries of another tensor shaped like the scores, at the candidate positions."""
-        if self.row is None:
+        """The entries of another tensor shaped like the scores at the candidate positions (0 on padding)."""
+        if self.flat is None:
             return tensor.reshape(self.values.shape)
+        index = self.flat if self.row is not None else self.flat.clamp_min(0)
         if tensor.is_contiguous():
-            return tensor.reshape(-1)[self.flat]
-        return tensor[torch.unravel_index(self.flat, tensor.shape)]  # e.g. an expanded gradient
+            taken = tensor.reshape(-1)[index]
+        else:  # e.g. an expanded gradient: index it without materialising it
+            taken = tensor[torch.unravel_index(index, tensor.shape)]
+        return taken if self.row is not None else taken.masked_fill(self.flat < 0, 0.0)
+
+    def positions(self, slots: Tensor) -> Tensor:
+        """Flat indices of the entries ``values.gather(1, slots)`` (whole or padded layout)."""
+        if self.flat is None:
+            rows, length = self.values.shape
+            return slots + torch.arange(rows, device=slots.device).unsqueeze(1) * length
+        return self.flat.gather(1, slots)
 
     def scatter(self, values: Tensor, out: Tensor) -> Tensor:
         """Write ``values`` (aligned with ``self.values``) into the 2-D ``out``, zeros elsewhere."""
-        if self.row is None:
+        if self.flat is None:
             return out.copy_(values)
         out.zero_()
-        out.view(-1)[self.flat] = values
+        if self.row is not None:
+            out.view(-1)[self.flat] = values
+        else:
+            real = self.flat >= 0
+            out.view(-1)[self.flat[real]] = values[real]
         return out
 
     def narrow(self, bound: Tensor, inclusive: bool) -> Candidates:
-        """Single positions whose value is above (or, if ``inclusive``, at) the per-row ``bound``."""
+        """The single positions at values above (or, if ``inclusive``, at) the per-row ``bound``, padded."""
         compare = torch.ge if inclusive else torch.gt
-        entry, member = compare(self.values, self.per_entry(bound)).nonzero(as_tuple=True)
-        if self.row is None:
-            row, flat = entry, entry * self.values.shape[-1] + member
-        else:
-            row, flat = self.row[entry], self.flat[entry, member]
-        return Candidates(self.values[entry, member].unsqueeze(1), flat.unsqueeze(1), row, self.rows_count)
-
-    def padded(self, fill: float) -> tuple[Tensor, Tensor]:
-        """Single-position candidates laid out as ``(R, width)`` rows: values (``fill`` after
-        each row's last) and flat positions (-1 there)."""
-        if self.row is None:
-            rows, length = self.values.shape
-            flat = torch.arange(rows * length, device=self.values.device).view(rows, length)
-            return self.values, flat
-        counts = torch.bincount(self.row, minlength=self.rows_count)
-        width = max(int(counts.max()), 1) if self.row.numel() else 1
-        slot = torch.arange(self.row.numel(), device=self.row.device) - (counts.cumsum(0) - counts)[self.row]
-        values = self.values.new_full((self.rows_count, width), fill)
-        values[self.row, slot] = self.values[:, 0]
-        flat = self.flat.new_full((self.rows_count, width), -1)
-        flat[self.row, slot] = self.flat[:, 0]
-        return values, flat
+        hit = compare(self.values, self.per_entry(bound))
+        if self.flat is not None and self.row is None:
+            hit &= self.flat >= 0
+        entry, member = hit.nonzero(as_tuple=True)
+        row = entry if self.row is None else self.row[entry]
+        flat = entry * self.values.shape[-1] + member if self.flat is None else self.flat[entry, member]
+        counts = torch.bincount(row, minlength=self.rows_count)
+        width = max(int(counts.max()), 1) if row.numel() else 1
+        slot = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
+        values = self.values.new_full((self.rows_count, width), -math.inf)
+        values[row, slot] = self.values[entry, member]
+        padded_flat = flat.new_full((self.rows_count, width), -1)
+        padded_flat[row, slot] = flat
+        return Candidates(values, padded_flat, None, self.rows_count)
 
 
 def pack_groups(scores: Tensor, hit: Tensor) -> Candidates:
@@ -128,3 +139,19 @@ def pack_groups(scores: Tensor, hit: Tensor) -> Candidates:
 def finite_count(candidates: Candidates) -> Tensor:
     """Per-row number of candidates above -inf, shape ``(R, 1)``, at least 1."""
     return candidates.row_sum((candidates.values > -math.inf).to(candidates.values.dtype)).clamp_min(1)
+
+
+def top_groups(scores: Tensor, block_max: Tensor, count: int) -> Candidates:
+    """The ``count`` groups with the largest maxima in each row of ``scores`` (R, L), padded layout.
+
+    A row's ``count`` largest scores lie in those groups: a score in any other group
+    is below ``count`` group maxima, that is below ``count`` other scores (ties at the
+    boundary aside, which ``torch.topk`` breaks either way).
+    """
+    rows_count, length = scores.shape
+    groups = block_max.shape[-1]
+    size = length // groups
+    chosen = block_max.topk(count, dim=-1).indices  # (R, count)
+    starts = torch.arange(rows_count, device=scores.device).unsqueeze(1) * length + chosen
+    flat = (starts.unsqueeze(-1) + torch.arange(size, device=scores.device) * groups).view(rows_count, -1)
+    return Candidates(scores.view(-1)[flat], flat, None, rows_count)

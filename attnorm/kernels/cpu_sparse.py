@@ -5,9 +5,9 @@ candidates for the support (:mod:`attnorm.kernels.cpu_candidates`):
 
 1. one vectorised pass takes the maxima of groups of 16 positions; their maximum
    is the row's, and it bounds the threshold from below (entmax's
-   ``tau >= (alpha - 1) max - 1``, tightened by solving on the group maxima; for
-   top-k, the smallest maximum over ``k`` sets of groups is at most the k-th score);
-2. the groups above the bound are packed into a small ``(rows, width)`` matrix;
+   ``tau >= (alpha - 1) max - 1``, tightened by solving on the group maxima);
+2. the groups above the bound are gathered (for top-k: the k groups with the largest
+   maxima), then their single positions above the bound, into a small matrix;
 3. the threshold is found there: safeguarded Newton on the entmax threshold
    (finite and exact for sparsemax), ``torch.topk`` for top-k;
 4. the output is a zero buffer with the surviving weights written in.
@@ -21,23 +21,24 @@ double backward works.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from attnorm.kernels.cpu_candidates import Candidates, finite_count, group_maxima, pack_groups
+from attnorm.kernels.cpu_candidates import Candidates, finite_count, group_maxima, pack_groups, top_groups
 from attnorm.kernels.reference import masked_softmax, topk_row_count
 from attnorm.kernels.sparse import sum_to_shape
 
-__all__ = ["entmax_support", "entmax_threshold", "topk_support"]
+__all__ = ["Bracket", "entmax_support", "entmax_threshold", "topk_support"]
 
 
 def _power(base: Tensor, exponent: float | Tensor) -> Tensor:
     """``base ** exponent`` for ``base >= 0``, 0 wherever ``base`` is 0.
 
-    Zeros are kept out of ``pow`` itself, whose derivative there is infinite for
-    exponents below 1: a double backward would otherwise meet ``0 * inf``.
+    Where autograd may differentiate the result (a double backward), zeros are kept
+    out of ``pow`` itself, whose derivative there is infinite for exponents below 1.
     """
     if isinstance(exponent, float):
         if exponent == 1.0:
@@ -46,26 +47,63 @@ def _power(base: Tensor, exponent: float | Tensor) -> Tensor:
             return base * base
         if exponent == 0.0:
             return (base > 0).to(base.dtype)
+        if exponent > 0 and not torch.is_grad_enabled():
+            return base.sqrt() if exponent == 0.5 else base.pow(exponent)
     positive = base > 0
     safe_base = torch.where(positive, base, 1.0)
     powered = safe_base.sqrt() if isinstance(exponent, float) and exponent == 0.5 else safe_base.pow(exponent)
     return torch.where(positive, powered, 0.0)
 
 
+def _power_into(base: Tensor, exponent: float | Tensor, out: Tensor) -> Tensor:
+    """``out ~= base ** exponent`` for ``base >= 0``, without autograd, for sums over a row.
+
+    Computed as ``exp(exponent * log(max(base, floor)))``: in-place ``log`` and ``exp``
+    are several times faster than ``pow`` on the CPU, and the floor keeps them off
+    their slow paths for 0 and for underflow.  Where ``base`` is 0 the result is
+    ``floor ** exponent <= 1e-30`` (float32; 1e-300 in float64), not 0: harmless in
+    row sums, and multiplied by ``base`` itself where it must vanish.
+    """
+    if isinstance(exponent, float):
+        if exponent == 0.0:
+            return torch.sign(base, out=out)
+        if exponent == 1.0:
+            return out.copy_(base)
+        if exponent == 2.0:
+            return torch.mul(base, base, out=out)
+    if not bool((torch.as_tensor(exponent) > 0).all()):
+        return out.copy_(_power(base, exponent))
+    finfo = torch.finfo(base.dtype)
+    negligible = 1e-30 if base.dtype == torch.float32 else 1e-300
+    floor = torch.as_tensor(negligible, dtype=base.dtype).pow(1 / torch.as_tensor(exponent, dtype=base.dtype))
+    floor = floor.clamp_min(finfo.tiny)
+    return torch.clamp(base, min=floor, out=out).log_().mul_(exponent).exp_()
+
+
+def _gap_into(values: Tensor, tau: Tensor, scale: float | Tensor, out: Tensor) -> Tensor:
+    """``out = (scale * (values - tau))_+``."""
+    torch.sub(values, tau, out=out)
+    if not (isinstance(scale, float) and scale == 1.0):
+        out.mul_(scale)
+    return out.clamp_min_(0)
+
+
 def _newton_step(
-    candidates: Candidates, tau: Tensor, scale: float | Tensor, exponent: float | Tensor
+    values: Tensor, tau: Tensor, scale: float | Tensor, exponent: float | Tensor, work: tuple[Tensor, Tensor]
 ) -> tuple[Tensor, Tensor]:
     """Newton step on the threshold of ``sum_i (scale * (v_i - tau))_+^p = 1``, and the sum minus 1.
 
+    ``values`` is ``(R, W)`` (-inf padding); ``work`` two buffers shaped like it.
     For ``p >= 1`` the step is Newton's on ``||(scale * (v - tau))_+||_p - 1``, a convex
     decreasing function of ``tau``: from below, the iterates rise monotonically to the
     root, and one candidate, or sparsemax's settled support, is solved in one step.
     For ``p < 1`` it is Newton's on ``sum(...)^p - 1``, taken from above.
     """
-    gap = _gap(candidates, tau, scale)
-    slope_terms = _power(gap, candidates.per_entry(exponent) - 1)
-    slope_sum = candidates.row_sum(slope_terms)  # sum gap^(p-1)
-    mass = candidates.row_sum(slope_terms * gap)  # sum gap^p
+    gap, slope = work
+    _gap_into(values, tau, scale, gap)
+    _power_into(gap, exponent - 1, slope)
+    slope_sum = slope.sum(-1, keepdim=True)  # sum gap^(p-1)
+    mass = slope.mul_(gap).sum(-1, keepdim=True)  # sum gap^p
     norm = mass.pow(1 / exponent)
     norm_step = (norm - 1) * mass / (scale * norm * slope_sum)
     plain_step = (mass - 1) / (exponent * scale * slope_sum)
@@ -76,32 +114,39 @@ def _newton_step(
     return torch.where(slope_sum > 0, step, 0.0), mass - 1
 
 
-def _gap(candidates: Candidates, tau: Tensor, scale: float | Tensor) -> Tensor:
-    """``(scale * (v - tau))_+`` at the candidates."""
-    return ((candidates.values - candidates.per_entry(tau)) * candidates.per_entry(scale)).clamp_min_(0)
+class Bracket(NamedTuple):
+    """Per-row state of the threshold search: the iterate and ``low <= root <= high``."""
+
+    tau: Tensor
+    low: Tensor
+    high: Tensor
+
+    @classmethod
+    def start(cls, low: Tensor, high: Tensor, exponent: float | Tensor) -> Bracket:
+        """Start from ``low`` where ``p >= 1``, from ``high`` where ``p < 1``: the sides
+        the Newton iterates approach the root from."""
+        if isinstance(exponent, float):
+            return cls(low if exponent >= 1 else high, low, high)
+        return cls(torch.where(exponent >= 1, low, high), low, high)
 
 
 def entmax_threshold(
-    candidates: Candidates,
-    low: Tensor,
-    high: Tensor,
+    values: Tensor,
+    bracket: Bracket,
     scale: float | Tensor,
     exponent: float | Tensor,
     max_steps: int,
     tolerance: float,
-) -> Tensor:
-    """Safeguarded Newton on the entmax threshold, bracketed by ``low <= tau <= high``.
+) -> tuple[Bracket, bool]:
+    """Safeguarded Newton on the entmax threshold of each row of ``values`` (R, W).
 
-    Starts from ``low`` where ``p >= 1`` and from ``high`` where ``p < 1`` (the sides
-    the Newton iterates approach from); a step leaving the bracket is replaced by
-    bisection.  Stops when every row's step is below ``tolerance * max(1, |tau|)``.
+    A step leaving the bracket is replaced by bisection.  Returns the new bracket and
+    whether every row's last move was below ``tolerance * max(1, |tau|)``.
     """
-    if isinstance(exponent, float):
-        tau = low if exponent >= 1 else high
-    else:
-        tau = torch.where(exponent >= 1, low, high)
+    tau, low, high = bracket
+    work = (torch.empty_like(values), torch.empty_like(values))
     for _ in range(max_steps):
-        step, excess = _newton_step(candidates, tau, scale, exponent)
+        step, excess = _newton_step(values, tau, scale, exponent, work)
         low = torch.where(excess >= 0, torch.maximum(low, tau), low)
         high = torch.where(excess <= 0, torch.minimum(high, tau), high)
         proposal = tau + step
@@ -110,8 +155,8 @@ def entmax_threshold(
         moved = (proposal - tau).abs()
         tau = proposal
         if bool((moved <= tolerance * tau.abs().clamp_min(1)).all()):
-            break
-    return tau
+            return Bracket(tau, low, high), True
+    return Bracket(tau, low, high), False
 
 
 def _work_buffers(x: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -175,9 +220,18 @@ class _Entmax(Function):
         candidates = candidates._replace(values=candidates.values - candidates.per_entry(top))
         # Above the root: each of the n candidates has mass <= 1 / n there.
         high = -finite_count(candidates).pow(-scale) / scale
-        tau = entmax_threshold(candidates, low, high, scale, exponent, 100, 16 * torch.finfo(x.dtype).eps)
-        weights = _power(_gap(candidates, tau, scale), candidates.per_entry(exponent))
-        weights = weights / candidates.per_entry(candidates.row_sum(weights))
+        tolerance = 16 * torch.finfo(x.dtype).eps
+        bracket = Bracket.start(low, high, exponent)
+        bracket, converged = entmax_threshold(candidates.values, bracket, scale, exponent, 2, tolerance)
+        if not converged:
+            # Two steps raise the lower bound enough to drop most candidates.
+            candidates = candidates.narrow(bracket.low, inclusive=False)
+            bracket, _ = entmax_threshold(candidates.values, bracket, scale, exponent, 100, tolerance)
+        gap = _gap_into(candidates.values, bracket.tau, scale, torch.empty_like(candidates.values))
+        weights = _power_into(gap, exponent, torch.empty_like(gap))
+        if not (isinstance(exponent, float) and exponent in (1.0, 2.0)):
+            weights *= gap.sign_()  # exact zeros off the support
+        weights /= weights.sum(-1, keepdim=True)
         out = candidates.scatter(weights, scores if out is None else out).view(x.shape)
         ctx.save_for_backward(out, alpha if isinstance(alpha, Tensor) else None)
         ctx.alpha = alpha if not isinstance(alpha, Tensor) else None
@@ -217,10 +271,10 @@ def _tighten(block_max: Tensor, low: Tensor, scale: float | Tensor, exponent: fl
     below it; the group maxima are such a subset and hold most of the support.
     Rows with ``p < 1`` keep ``low``.
     """
-    subset = Candidates(block_max, None, None, block_max.shape[0])
+    work = (torch.empty_like(block_max), torch.empty_like(block_max))
     subset_low = low
     for _ in range(3):
-        subset_low = subset_low + _newton_step(subset, subset_low, scale, exponent)[0]
+        subset_low = subset_low + _newton_step(block_max, subset_low, scale, exponent, work)[0]
     tighter = torch.maximum(low, subset_low)
     if isinstance(exponent, Tensor):
         return torch.where(exponent >= 1, tighter, low)
@@ -258,19 +312,12 @@ class _TopKSoftmax(Function):
         else:
             count = topk_row_count(k, allowed_count.expand(*x.shape[:-1], 1).reshape(rows_count, 1))
         largest = int(count.max())
-        groups = block_max.shape[-1]
-        if 2 * largest <= groups:
-            # Each of `largest` disjoint sets of groups holds a score >= the smallest
-            # of their maxima, so that minimum is at most the largest-th largest score.
-            sets = groups // largest
-            set_max = block_max[:, : sets * largest].view(rows_count, sets, largest).amax(1)
-            threshold = set_max.amin(-1, keepdim=True).masked_fill_(bad, math.inf)
-            candidates = pack_groups(scores, block_max >= threshold).narrow(threshold, inclusive=True)
-            values, flat = candidates.padded(-math.inf)
+        if 2 * largest <= block_max.shape[-1]:
+            candidates = top_groups(scores, block_max, largest)
         else:
-            values, flat = Candidates(scores, None, None, rows_count).padded(-math.inf)
-        chosen = min(largest, values.shape[-1])
-        top_values, top_slots = values.topk(chosen, dim=-1)
+            candidates = Candidates(scores, None, None, rows_count)
+        chosen = min(largest, candidates.values.shape[-1])
+        top_values, top_slots = candidates.values.topk(chosen, dim=-1)
         kept = (torch.arange(chosen, device=x.device) < count) & (top_values > -math.inf) & ~bad
         # Shifting by the row maximum first keeps float32 logits exact for large offsets.
         logits = (top_values - top_values[:, :1]) * _per_row(scale, x.shape, rows_count)
@@ -278,7 +325,7 @@ class _TopKSoftmax(Function):
         if out is None:
             out = scores
         out.zero_()
-        out.view(-1)[flat.gather(1, top_slots)[kept]] = weights[kept]
+        out.view(-1)[candidates.positions(top_slots)[kept]] = weights[kept]
         out = out.view(x.shape)
         ctx.save_for_backward(out, scale if isinstance(scale, Tensor) else None)
         ctx.scale = scale if not isinstance(scale, Tensor) else None
@@ -288,19 +335,16 @@ class _TopKSoftmax(Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
+        # Softmax's backward: positions outside the top k have out = 0 and get 0.
         out, scale_tensor = ctx.saved_tensors
-        rows_count = out.numel() // out.shape[-1]
-        support, weights, grad_values = _support(out, grad)
-        scale = ctx.scale if scale_tensor is None else _per_row(scale_tensor, out.shape, rows_count)
-        grad_logits = weights * (grad_values - support.per_entry(support.row_sum(weights * grad_values)))
-        grad_scale = None
-        if ctx.needs_input_grad[3]:
-            # sum_i grad_logits_i x_i = sum_i grad_logits_i log(out_i) / scale, since
-            # scale * x_i = log(out_i) + const and the grad_logits sum to 0 per row.
-            log_weights = torch.where(weights > 0, weights, 1.0).log()
-            per_row = (support.row_sum(grad_logits * log_weights) / scale).view(*out.shape[:-1], 1)
-            grad_scale = sum_to_shape(per_row, scale_tensor.shape)
-        return _gradient_buffer(support, grad_logits * support.per_entry(scale), out), None, None, grad_scale, None
+        grad_logits = torch.ops.aten._softmax_backward_data(grad, out, -1, out.dtype)
+        if scale_tensor is None:
+            return grad_logits * ctx.scale, None, None, None, None
+        # sum_i grad_logits_i x_i = sum_i grad_logits_i log(out_i) / scale, since
+        # scale * x_i = log(out_i) + const on the top k and the grad_logits sum to 0.
+        log_weights = out.clamp_min(torch.finfo(out.dtype).tiny).log()
+        per_row = (grad_logits * log_weights).sum(-1, keepdim=True) / scale_tensor
+        return grad_logits * scale_tensor, None, None, sum_to_shape(per_row, scale_tensor.shape), None
 
 
 def topk_support(
