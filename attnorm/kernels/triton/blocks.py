@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["keep_posinf", "load_block", "load_row_param", "scan_row"]
+__all__ = ["keep_posinf", "load_block", "load_output_and_grad", "load_row", "load_row_param", "scan_row"]
 
 
 @triton.jit
@@ -57,6 +57,30 @@ def keep_posinf(x, allowed, posinf_row):
     allowed = tl.where(posinf_row, posinf, allowed)
     x = tl.where(allowed & ~posinf, x, 0.0)
     return x, allowed
+
+
+@triton.jit
+def load_row(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE):
+    """A whole row in registers under the shared rules.
+
+    Returns ``(x, allowed, posinf_row, count)``: scores and allowed positions after
+    the +inf rule, whether the row holds +inf, and the number of allowed positions
+    before that rule (``sum(allowed)`` is the number after it).
+    """
+    x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+    count = tl.sum(allowed.to(tl.int32), 0)
+    posinf_row = tl.sum((allowed & (x == float("inf"))).to(tl.int32), 0) > 0
+    x, allowed = keep_posinf(x, allowed, posinf_row)
+    return x, allowed, posinf_row, count
+
+
+@triton.jit
+def load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE):
+    """A backward's inputs at ``cols`` of ``row``: the saved output and the incoming gradient (0 past the row)."""
+    inside = cols < length
+    y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+    g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+    return y, g
 
 
 @triton.jit

@@ -28,7 +28,14 @@ from torch import Tensor
 from torch.autograd import Function
 
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row_param, scan_row
+from attnorm.kernels.triton.blocks import (
+    keep_posinf,
+    load_block,
+    load_output_and_grad,
+    load_row,
+    load_row_param,
+    scan_row,
+)
 
 __all__ = ["EntmaxFunction"]
 
@@ -130,9 +137,9 @@ def _entmax_forward_kernel(
     power = tl.where(softmax_row, 1.0, 1.0 / multiplier)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
-        x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
-        posinf_row = tl.sum((allowed & (x == float("inf"))).to(tl.int32), 0) > 0
-        x, allowed = keep_posinf(x, allowed, posinf_row)
+        x, allowed, posinf_row, _ = load_row(
+            X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        )
         count = tl.sum(allowed.to(tl.int32), 0)
         nan_row = tl.sum((allowed & (x != x)).to(tl.int32), 0) > 0
         top = tl.max(tl.where(allowed, x, float("-inf")), 0)
@@ -154,16 +161,21 @@ def _entmax_forward_kernel(
     high = -tl.exp2((1 - alpha) * tl.log2(n))
     hoelder = (z_sum - tl.exp2((2 - alpha) * tl.log2(n))) / n
     tau = tl.where(softmax_row, 0.0, tl.where(power >= 1, tl.maximum(low, hoelder), low))
-    if SINGLE:
-        mass, slope, support, support_z = _block_sums(z, allowed, tau, power, softmax_row)
-    else:
-        mass, slope, support, support_z = _row_sums(
-            X, row, length, x_row_stride, masking, posinf_row, top, multiplier, tau, power, softmax_row,
-            BLOCK, MASK_KIND, CAUSAL, LENGTHS, COMPUTE,
-        )
+    mass = tl.zeros((), COMPUTE)
+    slope = tl.zeros((), COMPUTE)
+    support = tl.zeros((), tl.int32)
+    support_z = tl.zeros((), COMPUTE)
+    searchable = ~softmax_row & (count > 0) & ~nan_row
     iteration = 0
-    searching = ~softmax_row & (count > 0) & ~nan_row
-    while searching:
+    evaluating = True
+    while evaluating:
+        if SINGLE:
+            mass, slope, support, support_z = _block_sums(z, allowed, tau, power, softmax_row)
+        else:
+            mass, slope, support, support_z = _row_sums(
+                X, row, length, x_row_stride, masking, posinf_row, top, multiplier, tau, power, softmax_row,
+                BLOCK, MASK_KIND, CAUSAL, LENGTHS, COMPUTE,
+            )
         above = mass >= 1
         low = tl.where(above, tau, low)
         high = tl.where(above, high, tau)
@@ -177,16 +189,8 @@ def _entmax_forward_kernel(
         # climbs, so a step back is rounding noise at the root; otherwise every step
         # lands strictly inside a shrinking bracket, so the search ends.
         climbing = (power < 1) | (step > tau)
-        searching = (step != tau) & climbing & (iteration < max_iters)
-        if searching:
-            tau = step
-            if SINGLE:
-                mass, slope, support, support_z = _block_sums(z, allowed, tau, power, softmax_row)
-            else:
-                mass, slope, support, support_z = _row_sums(
-                    X, row, length, x_row_stride, masking, posinf_row, top, multiplier, tau, power, softmax_row,
-                    BLOCK, MASK_KIND, CAUSAL, LENGTHS, COMPUTE,
-                )
+        evaluating = searchable & (step != tau) & climbing & (iteration < max_iters)
+        tau = tl.where(evaluating, step, tau)
     exact_tau = (support_z - 1) / tl.maximum(support, 1).to(COMPUTE)
     total = tl.where(mass > 0, mass, 1.0)
     if SINGLE:
@@ -235,8 +239,7 @@ def _entmax_backward_kernel(
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         inside = cols < length
-        y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
-        g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+        y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
         gppr_g, gppr_sum, entropy_g, entropy_sum = _backward_block_sums(y, g, alpha, beta, ALPHA_GRAD)
         mean_g = gppr_g / tl.where(gppr_sum > 0, gppr_sum, 1.0)
         dx = gate * _power(y, 2 - alpha) * (g - mean_g)
@@ -248,9 +251,7 @@ def _entmax_backward_kernel(
         entropy_sum = tl.zeros((), COMPUTE)
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            inside = cols < length
-            y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
-            g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+            y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
             block_gppr_g, block_gppr, block_entropy_g, block_entropy = _backward_block_sums(
                 y, g, alpha, beta, ALPHA_GRAD
             )
@@ -262,8 +263,7 @@ def _entmax_backward_kernel(
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inside = cols < length
-            y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
-            g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+            y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
             dx = gate * _power(y, 2 - alpha) * (g - mean_g)
             tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=inside)
     if ALPHA_GRAD:
@@ -281,18 +281,16 @@ class EntmaxFunction(Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, mask, alpha: float | Tensor) -> Tensor:
-        rows = launch.rows_view(x)
-        count, length = rows.shape
-        out = launch.empty(tuple(rows.shape), x.dtype, x.device)
-        gate = launch.row_stats(count, x)
+        run = launch.prepare(x)
+        gate = run.row_stats()
         masking = launch.mask_args(mask, x)
-        config = launch.block_config(length)
-        _entmax_forward_kernel[(count,)](
-            rows, out, gate, launch.row_param(alpha, x), masking.args, length, rows.stride(0), out.stride(0),
-            _max_iterations(x), BLOCK=config.block, SINGLE=config.single, COMPUTE=launch.compute_dtype(x),
-            num_warps=config.num_warps, **masking.constants,
+        _entmax_forward_kernel[run.grid](
+            run.rows, run.out, gate, launch.row_param(alpha, x), masking.args,
+            run.length, run.rows.stride(0), run.out.stride(0), _max_iterations(x),
+            BLOCK=run.config.block, SINGLE=run.config.single, COMPUTE=launch.compute_dtype(x),
+            num_warps=run.config.num_warps, **masking.constants,
         )
-        out = out.reshape(x.shape)
+        out = run.out.reshape(x.shape)
         ctx.save_for_backward(out, gate)
         ctx.alpha = alpha.detach() if isinstance(alpha, Tensor) else alpha
         ctx.alpha_spec = launch.ParamSpec.of(alpha)
@@ -302,16 +300,14 @@ class EntmaxFunction(Function):
     def backward(ctx, grad: Tensor):
         out, gate = ctx.saved_tensors
         wants_alpha = ctx.needs_input_grad[2]
-        y = launch.rows_view(out)
+        run = launch.prepare(out)
         g = launch.rows_view(grad)
-        count, length = y.shape
-        dx = launch.empty(tuple(y.shape), out.dtype, out.device)
-        d_alpha = launch.row_stats(count, out) if wants_alpha else gate
-        config = launch.block_config(length)
-        _entmax_backward_kernel[(count,)](
-            y, g, dx, gate, d_alpha, launch.row_param(ctx.alpha, out), length, y.stride(0), g.stride(0), dx.stride(0),
-            BLOCK=config.block, SINGLE=config.single, ALPHA_GRAD=wants_alpha, COMPUTE=launch.compute_dtype(out),
-            num_warps=config.num_warps,
+        d_alpha = run.row_stats() if wants_alpha else gate
+        _entmax_backward_kernel[run.grid](
+            run.rows, g, run.out, gate, d_alpha, launch.row_param(ctx.alpha, out),
+            run.length, run.rows.stride(0), g.stride(0), run.out.stride(0),
+            BLOCK=run.config.block, SINGLE=run.config.single, ALPHA_GRAD=wants_alpha,
+            COMPUTE=launch.compute_dtype(out), num_warps=run.config.num_warps,
         )
         alpha_grad = launch.param_grad(d_alpha, out, ctx.alpha_spec) if wants_alpha else None
-        return dx.reshape(out.shape), None, alpha_grad
+        return run.out.reshape(out.shape), None, alpha_grad

@@ -27,6 +27,7 @@ __all__ = [
     "MULTI_PASS_BLOCK",
     "SINGLE_BLOCK_MAX",
     "BlockConfig",
+    "Launch",
     "MaskArgs",
     "ParamSpec",
     "block_config",
@@ -34,8 +35,8 @@ __all__ = [
     "empty",
     "mask_args",
     "param_grad",
+    "prepare",
     "row_param",
-    "row_stats",
     "rows_view",
 ]
 
@@ -67,6 +68,39 @@ def block_config(length: int) -> BlockConfig:
     return BlockConfig(block, single, num_warps)
 
 
+class Launch(NamedTuple):
+    """One kernel launch over the rows of a tensor: one program per row.
+
+    Attributes:
+        rows: the tensor the kernel streams (scores, or the saved tensor of a backward) as ``(rows, L)``.
+        out: the row-length output (weights, or ``dx``), ``(rows, L)``, allocated by :func:`empty`.
+        config: block size, path and warps for rows of length ``L``.
+    """
+
+    rows: Tensor
+    out: Tensor
+    config: BlockConfig
+
+    @property
+    def grid(self) -> tuple[int]:
+        return (self.rows.shape[0],)
+
+    @property
+    def length(self) -> int:
+        return self.rows.shape[1]
+
+    def row_stats(self) -> Tensor:
+        """A per-row scalar output, in the accumulation dtype (from :func:`empty`)."""
+        dtype = torch.float64 if self.rows.dtype == torch.float64 else torch.float32
+        return empty((self.rows.shape[0],), dtype, self.rows.device)
+
+
+def prepare(source: Tensor) -> Launch:
+    """Rows of ``source``, an output shaped like them (same dtype) and the block configuration."""
+    rows = rows_view(source)
+    return Launch(rows, empty(tuple(rows.shape), source.dtype, source.device), block_config(rows.shape[1]))
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """Allocate a kernel output (tests patch this to fill outputs with NaN)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -82,12 +116,6 @@ def rows_view(x: Tensor) -> Tensor:
     length = x.shape[-1] if x.ndim else 1
     rows = x.reshape(-1, length)
     return rows if rows.stride(-1) == 1 or length == 1 else rows.contiguous()
-
-
-def row_stats(rows: int, x: Tensor) -> Tensor:
-    """A per-row scalar output (in the accumulation dtype)."""
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return empty((rows,), dtype, x.device)
 
 
 def row_param(value: float | Tensor, x: Tensor) -> tuple[Tensor, int]:

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.blocks import keep_posinf, load_block, scan_row
+from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row, scan_row
 
 __all__ = ["SelfAdjustedSoftmaxFunction"]
 
@@ -63,9 +63,9 @@ def _self_adjusted_forward_kernel(
     row = tl.program_id(0).to(tl.int64)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
-        x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
-        posinf_row = tl.sum((allowed & (x == float("inf"))).to(tl.int32), 0) > 0
-        x, allowed = keep_posinf(x, allowed, posinf_row)
+        x, allowed, posinf_row, _ = load_row(
+            X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        )
         count = tl.sum(allowed.to(tl.int32), 0)
         top = tl.where(count > 0, tl.max(tl.where(allowed, x, float("-inf")), 0), 0.0)
         e = tl.where(allowed, tl.exp(x - top), 0.0)
@@ -187,35 +187,30 @@ class SelfAdjustedSoftmaxFunction(Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, mask, normalized: bool) -> Tensor:
-        rows = launch.rows_view(x)
-        count, length = rows.shape
-        out = launch.empty(tuple(rows.shape), x.dtype, x.device)
-        lse, low, high, gate = (launch.row_stats(count, x) for _ in range(4))
+        run = launch.prepare(x)
+        lse, low, high, gate = (run.row_stats() for _ in range(4))
         masking = launch.mask_args(mask, x)
-        config = launch.block_config(length)
-        _self_adjusted_forward_kernel[(count,)](
-            rows, out, lse, low, high, gate, masking.args, length, rows.stride(0), out.stride(0),
-            BLOCK=config.block, SINGLE=config.single, NORMALIZED=normalized, COMPUTE=launch.compute_dtype(x),
-            num_warps=config.num_warps, **masking.constants,
+        _self_adjusted_forward_kernel[run.grid](
+            run.rows, run.out, lse, low, high, gate, masking.args, run.length, run.rows.stride(0), run.out.stride(0),
+            BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=normalized, COMPUTE=launch.compute_dtype(x),
+            num_warps=run.config.num_warps, **masking.constants,
         )
         ctx.save_for_backward(x, lse, low, high, gate, mask if isinstance(mask, Tensor) else None)
         ctx.structured_mask = None if isinstance(mask, Tensor) else mask
         ctx.normalized = normalized
-        return out.reshape(x.shape)
+        return run.out.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, lse, low, high, gate, bool_mask = ctx.saved_tensors
         mask = bool_mask if bool_mask is not None else ctx.structured_mask
-        rows = launch.rows_view(x)
+        run = launch.prepare(x)
         g = launch.rows_view(grad)
-        count, length = rows.shape
-        dx = launch.empty(tuple(rows.shape), x.dtype, x.device)
         masking = launch.mask_args(mask, x)
-        config = launch.block_config(length)
-        _self_adjusted_backward_kernel[(count,)](
-            rows, g, dx, lse, low, high, gate, masking.args, length, rows.stride(0), g.stride(0), dx.stride(0),
-            BLOCK=config.block, SINGLE=config.single, NORMALIZED=ctx.normalized, COMPUTE=launch.compute_dtype(x),
-            num_warps=config.num_warps, **masking.constants,
+        _self_adjusted_backward_kernel[run.grid](
+            run.rows, g, run.out, lse, low, high, gate, masking.args,
+            run.length, run.rows.stride(0), g.stride(0), run.out.stride(0),
+            BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=ctx.normalized,
+            COMPUTE=launch.compute_dtype(x), num_warps=run.config.num_warps, **masking.constants,
         )
-        return dx.reshape(x.shape), None, None
+        return run.out.reshape(x.shape), None, None

@@ -19,9 +19,16 @@ from torch import Tensor
 from torch.autograd import Function
 
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row_param, scan_row
+from attnorm.kernels.triton.blocks import (
+    keep_posinf,
+    load_block,
+    load_output_and_grad,
+    load_row,
+    load_row_param,
+    scan_row,
+)
 
-__all__ = ["ScalableSoftmaxFunction", "SoftmaxFunction", "softmax_family_backward"]
+__all__ = ["ScalableSoftmaxFunction", "SoftmaxFunction", "temperature_backward"]
 
 _TEMPERATURE, _SCALABLE = 0, 1
 _NO_PARAM_GRAD, _TEMPERATURE_GRAD, _MULTIPLIER_GRAD = 0, 1, 2
@@ -55,9 +62,9 @@ def _softmax_forward_kernel(
     second = load_row_param(second_param, row).to(COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
-        x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
-        posinf_row = tl.sum((allowed & (x == float("inf"))).to(tl.int32), 0) > 0
-        x, allowed = keep_posinf(x, allowed, posinf_row)
+        x, allowed, posinf_row, _ = load_row(
+            X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        )
         count = tl.sum(allowed.to(tl.int32), 0)
         multiplier = _multiplier(first, second, count, VARIANT)
         z = tl.where(allowed, x * multiplier, float("-inf"))
@@ -138,8 +145,7 @@ def _softmax_backward_kernel(
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         inside = cols < length
-        y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
-        g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+        y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
         if PARAM_GRAD == 2:
             x = tl.load(X + row * x_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
         y_g, y_g_v, y_v, posinf = _block_sums(y, g, x, PARAM_GRAD)
@@ -152,8 +158,7 @@ def _softmax_backward_kernel(
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inside = cols < length
-            y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
-            g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+            y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
             if PARAM_GRAD == 2:
                 x = tl.load(X + row * x_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
             block_y_g, block_y_g_v, block_y_v, block_posinf = _block_sums(y, g, x, PARAM_GRAD)
@@ -164,8 +169,7 @@ def _softmax_backward_kernel(
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inside = cols < length
-            y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
-            g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+            y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
             tl.store(DX + row * dx_row_stride + cols, (scale * y * (g - y_g)).to(DX.dtype.element_ty), mask=inside)
     param_grad = y_g_v - y_g * y_v  # sum(dz v)
     if PARAM_GRAD == 1:
@@ -176,42 +180,47 @@ def _softmax_backward_kernel(
 
 def _forward(x: Tensor, mask, variant: int, first, second) -> tuple[Tensor, Tensor, Tensor]:
     """Run the forward kernel: weights, per-row ``m`` and per-row ``log n`` (Scalable-Softmax only)."""
-    rows = launch.rows_view(x)
-    count, length = rows.shape
-    out = launch.empty(tuple(rows.shape), x.dtype, x.device)
-    grad_scale = launch.row_stats(count, x)
-    log_count = launch.row_stats(count, x) if variant == _SCALABLE else grad_scale
+    run = launch.prepare(x)
+    grad_scale = run.row_stats()
+    log_count = run.row_stats() if variant == _SCALABLE else grad_scale
     masking = launch.mask_args(mask, x)
-    config = launch.block_config(length)
-    _softmax_forward_kernel[(count,)](
-        rows, out, grad_scale, log_count, launch.row_param(first, x), launch.row_param(second, x), masking.args,
-        length, rows.stride(0), out.stride(0),
-        BLOCK=config.block, SINGLE=config.single, VARIANT=variant, COMPUTE=launch.compute_dtype(x),
-        num_warps=config.num_warps, **masking.constants,
+    _softmax_forward_kernel[run.grid](
+        run.rows, run.out, grad_scale, log_count, launch.row_param(first, x), launch.row_param(second, x),
+        masking.args, run.length, run.rows.stride(0), run.out.stride(0),
+        BLOCK=run.config.block, SINGLE=run.config.single, VARIANT=variant, COMPUTE=launch.compute_dtype(x),
+        num_warps=run.config.num_warps, **masking.constants,
     )
-    return out.reshape(x.shape), grad_scale, log_count
+    return run.out.reshape(x.shape), grad_scale, log_count
 
 
-def softmax_family_backward(
-    out: Tensor, grad: Tensor, grad_scale: Tensor, x: Tensor | None, param_grad: int
-) -> tuple[Tensor, Tensor | None]:
+def _backward(out: Tensor, grad: Tensor, grad_scale: Tensor, x: Tensor | None, param_grad: int):
     """Run the backward kernel; returns ``dx`` and the per-row parameter gradient (or None).
 
     ``param_grad``: 0 none, 1 temperature, 2 the Scalable-Softmax multiplier (needs ``x``).
     """
-    y = launch.rows_view(out)
+    run = launch.prepare(out)
     g = launch.rows_view(grad)
-    count, length = y.shape
-    saved_x = y if x is None else launch.rows_view(x)
-    dx = launch.empty(tuple(y.shape), out.dtype, out.device)
-    per_row = launch.row_stats(count, out) if param_grad else grad_scale
-    config = launch.block_config(length)
-    _softmax_backward_kernel[(count,)](
-        y, g, saved_x, dx, grad_scale, per_row, length, y.stride(0), g.stride(0), saved_x.stride(0), dx.stride(0),
-        BLOCK=config.block, SINGLE=config.single, PARAM_GRAD=param_grad, COMPUTE=launch.compute_dtype(out),
-        num_warps=config.num_warps,
+    saved_x = run.rows if x is None else launch.rows_view(x)
+    per_row = run.row_stats() if param_grad else grad_scale
+    _softmax_backward_kernel[run.grid](
+        run.rows, g, saved_x, run.out, grad_scale, per_row, run.length,
+        run.rows.stride(0), g.stride(0), saved_x.stride(0), run.out.stride(0),
+        BLOCK=run.config.block, SINGLE=run.config.single, PARAM_GRAD=param_grad, COMPUTE=launch.compute_dtype(out),
+        num_warps=run.config.num_warps,
     )
-    return dx.reshape(out.shape), per_row if param_grad else None
+    return run.out.reshape(out.shape), per_row if param_grad else None
+
+
+def temperature_backward(ctx, grad: Tensor, wants_temperature: bool) -> tuple[Tensor, Tensor | None]:
+    """``dx`` and the temperature's gradient for a softmax over a fixed set of positions.
+
+    ``ctx`` saved ``(out, grad_scale)`` and holds ``ctx.temperature`` (a
+    :class:`~attnorm.kernels.triton.launch.ParamSpec`, or None for a number).
+    """
+    out, grad_scale = ctx.saved_tensors
+    param_grad = _TEMPERATURE_GRAD if wants_temperature else _NO_PARAM_GRAD
+    dx, per_row = _backward(out, grad, grad_scale, None, param_grad)
+    return dx, launch.param_grad(per_row, out, ctx.temperature) if wants_temperature else None
 
 
 class SoftmaxFunction(Function):
@@ -226,11 +235,7 @@ class SoftmaxFunction(Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        out, grad_scale = ctx.saved_tensors
-        wants_temperature = ctx.needs_input_grad[2]
-        param_grad = _TEMPERATURE_GRAD if wants_temperature else _NO_PARAM_GRAD
-        dx, per_row = softmax_family_backward(out, grad, grad_scale, None, param_grad)
-        d_temperature = launch.param_grad(per_row, out, ctx.temperature) if wants_temperature else None
+        dx, d_temperature = temperature_backward(ctx, grad, ctx.needs_input_grad[2])
         return dx, None, d_temperature
 
 
@@ -250,7 +255,7 @@ class ScalableSoftmaxFunction(Function):
         out, grad_scale, log_count, x = ctx.saved_tensors
         wants_s, wants_bias = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         param_grad = _MULTIPLIER_GRAD if wants_s or wants_bias else _NO_PARAM_GRAD
-        dx, d_multiplier = softmax_family_backward(out, grad, grad_scale, x, param_grad)
+        dx, d_multiplier = _backward(out, grad, grad_scale, x, param_grad)
         s, bias = ctx.params
         d_s = launch.param_grad(d_multiplier * log_count, out, s) if wants_s else None
         d_bias = launch.param_grad(d_multiplier, out, bias) if wants_bias else None

@@ -11,7 +11,7 @@ allowed positions, counted in the kernel (computed in float64 as the reference d
 In a row holding +inf, ``n`` still counts every allowed position and the kept ones
 are (at most all of) the +inf positions.
 
-The backward is softmax's on the kept set (:func:`.softmax.softmax_family_backward`).
+The backward is softmax's on the kept set (:func:`.softmax.temperature_backward`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ from torch import Tensor
 from torch.autograd import Function
 
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row_param, scan_row
-from attnorm.kernels.triton.softmax import softmax_family_backward
+from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row, load_row_param, scan_row
+from attnorm.kernels.triton.softmax import temperature_backward
 
 __all__ = ["TopKSoftmaxFunction"]
-
-_NO_PARAM_GRAD, _TEMPERATURE_GRAD = 0, 1
-
 
 @triton.jit
 def _order_keys(x, allowed, KEY: tl.constexpr, KEY_BITS: tl.constexpr):
@@ -59,14 +56,19 @@ def _keep_count(count, k, IS_FRACTION: tl.constexpr):
 
 
 @triton.jit
-def _block_count(X, row, cols, length, x_row_stride, masking, posinf_row, threshold, SINGLE, keys,
-                 MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS):
-    """Allowed positions of one block whose key is >= threshold (``keys`` given when SINGLE)."""
-    if not SINGLE:
-        x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
-        x, allowed = keep_posinf(x, allowed, posinf_row)
-        keys = _order_keys(x, allowed, KEY, KEY_BITS)
-    return tl.sum((keys >= threshold).to(tl.int32), 0)
+def _count_at_least(X, row, length, x_row_stride, masking, posinf_row, threshold, keys, SINGLE, BLOCK,
+                    MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS):
+    """Allowed positions whose key is >= threshold: from ``keys`` in registers (SINGLE) or streamed."""
+    if SINGLE:
+        found = tl.sum((keys >= threshold).to(tl.int32), 0)
+    else:
+        found = tl.zeros((), tl.int32)
+        for start in range(0, length, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+            x, allowed = keep_posinf(x, allowed, posinf_row)
+            found += tl.sum((_order_keys(x, allowed, KEY, KEY_BITS) >= threshold).to(tl.int32), 0)
+    return found
 
 
 @triton.jit
@@ -76,20 +78,14 @@ def _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, keys, SING
     key_min: tl.constexpr = -(1 << (KEY_BITS - 1))
     # The sign bit first: t >= 0 or t < 0; then t + 2^bit never overflows.
     threshold = tl.zeros((), KEY)
-    found = tl.zeros((), tl.int32)
-    for start in range(0, length, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        found += _block_count(X, row, cols, length, x_row_stride, masking, posinf_row, threshold, SINGLE, keys,
-                              MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
+    found = _count_at_least(X, row, length, x_row_stride, masking, posinf_row, threshold, keys, SINGLE, BLOCK,
+                            MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
     threshold = tl.where(found >= keep, threshold, key_min)
     one = tl.full((), 1, KEY)
     for step in range(KEY_BITS - 1):
         candidate = threshold + (one << (one * (KEY_BITS - 2 - step)))
-        found = tl.zeros((), tl.int32)
-        for start in range(0, length, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            found += _block_count(X, row, cols, length, x_row_stride, masking, posinf_row, candidate, SINGLE, keys,
-                                  MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
+        found = _count_at_least(X, row, length, x_row_stride, masking, posinf_row, candidate, keys, SINGLE, BLOCK,
+                                MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
         threshold = tl.where(found >= keep, candidate, threshold)
     return threshold
 
@@ -113,10 +109,9 @@ def _topk_forward_kernel(
     k = tl.load(k_param)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
-        x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
-        posinf_row = tl.sum((allowed & (x == float("inf"))).to(tl.int32), 0) > 0
-        count = tl.sum(allowed.to(tl.int32), 0)
-        x, allowed = keep_posinf(x, allowed, posinf_row)
+        x, allowed, posinf_row, count = load_row(
+            X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        )
         keep = tl.minimum(_keep_count(count, k, IS_FRACTION), tl.sum(allowed.to(tl.int32), 0))
         keys = _order_keys(x, allowed, KEY, KEY_BITS)
         threshold = _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, keys, True, BLOCK,
@@ -174,31 +169,24 @@ class TopKSoftmaxFunction(Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, mask, k: int | float, temperature: float | Tensor) -> Tensor:
-        rows = launch.rows_view(x)
-        count, length = rows.shape
-        out = launch.empty(tuple(rows.shape), x.dtype, x.device)
-        grad_scale = launch.row_stats(count, x)
+        run = launch.prepare(x)
+        grad_scale = run.row_stats()
         masking = launch.mask_args(mask, x)
-        config = launch.block_config(length)
         wide = x.dtype == torch.float64
         k_value = torch.full((1,), float(k), dtype=torch.float64, device=x.device)
-        _topk_forward_kernel[(count,)](
-            rows, out, grad_scale, k_value, launch.row_param(temperature, x), masking.args,
-            length, rows.stride(0), out.stride(0),
-            BLOCK=config.block, SINGLE=config.single, IS_FRACTION=isinstance(k, float),
+        _topk_forward_kernel[run.grid](
+            run.rows, run.out, grad_scale, k_value, launch.row_param(temperature, x), masking.args,
+            run.length, run.rows.stride(0), run.out.stride(0),
+            BLOCK=run.config.block, SINGLE=run.config.single, IS_FRACTION=isinstance(k, float),
             COMPUTE=launch.compute_dtype(x), KEY=tl.int64 if wide else tl.int32, KEY_BITS=64 if wide else 32,
-            num_warps=config.num_warps, **masking.constants,
+            num_warps=run.config.num_warps, **masking.constants,
         )
-        out = out.reshape(x.shape)
+        out = run.out.reshape(x.shape)
         ctx.save_for_backward(out, grad_scale)
         ctx.temperature = launch.ParamSpec.of(temperature)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        out, grad_scale = ctx.saved_tensors
-        wants_temperature = ctx.needs_input_grad[3]
-        param_grad = _TEMPERATURE_GRAD if wants_temperature else _NO_PARAM_GRAD
-        dx, per_row = softmax_family_backward(out, grad, grad_scale, None, param_grad)
-        d_temperature = launch.param_grad(per_row, out, ctx.temperature) if wants_temperature else None
+        dx, d_temperature = temperature_backward(ctx, grad, ctx.needs_input_grad[3])
         return dx, None, None, d_temperature
