@@ -54,32 +54,41 @@ def row_function(normalizer: Normalizer | str | RowFunction, mask: Mask = None) 
     return normalizer
 
 
-def jacobian(normalizer: Normalizer | str | RowFunction, scores: Tensor, mask: Mask = None) -> Tensor:
+def jacobian(
+    normalizer: Normalizer | str | RowFunction, scores: Tensor, mask: Mask = None, max_elements: int = 2**24
+) -> Tensor:
     """Exact Jacobian ``J[..., i, k] = d a_i / d l_k`` of each row of ``a = normalizer(l)``.
 
-    Computed with one backward pass per output position (rows are independent, so each
-    pass yields one Jacobian row for every row of ``scores``).  Masked positions have
-    zero rows and columns.
+    Rows are independent, so the scores are stacked once per output position ``i`` and a
+    single backward pass with the unit vectors ``e_i`` as output gradients yields every
+    Jacobian row at once (in chunks of at most ``max_elements`` stacked scores).
+    Masked positions have zero rows and columns.
 
     Args:
         normalizer: a Normalizer, a spec string or a callable ``scores -> weights`` (last axis).
         scores: logits ``(..., L)``.
         mask: allowed positions, passed to the normalizer.
+        max_elements: memory cap on the stacked copies of ``scores`` per backward pass.
 
     Returns:
         Float64 tensor ``(..., L, L)``.
     """
-    apply = row_function(normalizer, mask)
+    logits = scores.detach().to(torch.float64)
+    length = logits.shape[-1]
+    # A materialised mask broadcasts over the stacking axis; a StructuredMask would not.
+    apply = row_function(normalizer, None if mask is None else allowed_positions(logits, mask))
+    unit = torch.eye(length, dtype=torch.float64, device=logits.device)
+    chunk = max(1, min(length, max_elements // max(logits.numel(), 1)))
+    rows = []
     with torch.enable_grad():
-        logits = scores.detach().to(torch.float64).requires_grad_(True)
-        weights = apply(logits)
-        rows = []
-        for position in range(weights.shape[-1]):
-            (gradient,) = torch.autograd.grad(
-                weights[..., position].sum(), logits, retain_graph=True, allow_unused=True
-            )
-            rows.append(torch.zeros_like(logits) if gradient is None else gradient)
-    return torch.stack(rows, dim=-2)
+        for start in range(0, length, chunk):
+            positions = range(start, min(start + chunk, length))
+            stacked = logits.expand(len(positions), *logits.shape).clone().requires_grad_(True)
+            weights = apply(stacked)
+            seeds = unit[start : start + len(positions)].reshape(len(positions), *([1] * (logits.ndim - 1)), length)
+            (gradient,) = torch.autograd.grad(weights, stacked, seeds.expand_as(weights), allow_unused=True)
+            rows.append(torch.zeros_like(stacked) if gradient is None else gradient)
+    return torch.cat(rows).movedim(0, -2)
 
 
 def jacobian_norms(
