@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["Candidates", "finite_count", "group_maxima", "pack_groups", "top_groups"]
+__all__ = ["Candidates", "group_maxima", "pack_groups", "top_groups"]
 
 
 def _group_size(length: int) -> int:
@@ -39,25 +39,30 @@ def group_maxima(scores: Tensor) -> Tensor:
 class Candidates(NamedTuple):
     """Candidate positions of a ``(R, L)`` matrix, in one of three layouts.
 
-    * whole: ``values`` is the ``(R, L)`` matrix itself; ``flat`` and ``row`` are None.
-    * ragged: ``N`` entries of ``size`` positions: ``values`` and ``flat`` (the flat
+    * whole: ``values`` is the ``(R, L)`` matrix itself; ``index`` and ``row`` are None.
+    * ragged: ``N`` entries of ``size`` positions: ``values`` and ``index`` (the flat
       index ``row * L + column``) are ``(N, size)``, ``row`` is ``(N,)`` and sorted.
       Nothing is padded; per-row sums go through ``index_add_``.
-    * padded: ``values`` and ``flat`` are ``(R, width)``, each row's candidates first,
-      then padding (``flat`` -1, ``values`` -inf); ``row`` is None.  Per-row
-      arithmetic is plain broadcasting, which is what the threshold iterations need.
+    * padded: ``values`` and ``index`` (the column) are ``(R, width)``, each row's
+      candidates first, then padding (value -inf, column 0); ``row`` is None and
+      ``counts`` holds the real entries per row.  Per-row arithmetic is plain
+      broadcasting, which is what the threshold iterations need.
 
     Attributes:
         values: the scores at the candidate positions.
-        flat: their flat indices, or None (whole layout).
+        index: flat indices (ragged) or columns (padded), or None (whole).
         row: the row of each ragged entry, or None.
         rows_count: ``R``.
+        length: ``L``.
+        counts: ``(R, 1)`` number of real entries per row (padded layout), or None.
     """
 
     values: Tensor
-    flat: Tensor | None
+    index: Tensor | None
     row: Tensor | None
     rows_count: int
+    length: int
+    counts: Tensor | None = None
 
     def per_entry(self, per_row: float | Tensor) -> float | Tensor:
         """A per-row quantity (a float, or a tensor of shape ``(R, 1)``) aligned with ``values``."""
@@ -72,52 +77,48 @@ class Candidates(NamedTuple):
         return values.new_zeros(self.rows_count).index_add_(0, self.row, values.sum(-1)).unsqueeze(-1)
 
     def take(self, tensor: Tensor) -> Tensor:
-        """The entries of another tensor shaped like the scores at the candidate positions (0 on padding)."""
-        if self.flat is None:
+        """The entries of another tensor shaped like the scores at the candidate positions (whole or ragged)."""
+        if self.index is None:
             return tensor.reshape(self.values.shape)
-        index = self.flat if self.row is not None else self.flat.clamp_min(0)
         if tensor.is_contiguous():
-            taken = tensor.reshape(-1)[index]
-        else:  # e.g. an expanded gradient: index it without materialising it
-            taken = tensor[torch.unravel_index(index, tensor.shape)]
-        return taken if self.row is not None else taken.masked_fill(self.flat < 0, 0.0)
+            return tensor.reshape(-1)[self.index]
+        return tensor[torch.unravel_index(self.index, tensor.shape)]  # e.g. an expanded gradient
 
-    def positions(self, slots: Tensor) -> Tensor:
-        """Flat indices of the entries ``values.gather(1, slots)`` (whole or padded layout)."""
-        if self.flat is None:
-            rows, length = self.values.shape
-            return slots + torch.arange(rows, device=slots.device).unsqueeze(1) * length
-        return self.flat.gather(1, slots)
+    def columns(self, slots: Tensor) -> Tensor:
+        """Columns of the entries ``values.gather(1, slots)`` (whole or padded layout)."""
+        return slots if self.index is None else self.index.gather(1, slots)
 
     def scatter(self, values: Tensor, out: Tensor) -> Tensor:
-        """Write ``values`` (aligned with ``self.values``) into the 2-D ``out``, zeros elsewhere."""
-        if self.flat is None:
+        """Write ``values`` (aligned with ``self.values``, 0 on padding) into the 2-D ``out``, zeros elsewhere."""
+        if self.index is None:
             return out.copy_(values)
         out.zero_()
         if self.row is not None:
-            out.view(-1)[self.flat] = values
-        else:
-            real = self.flat >= 0
-            out.view(-1)[self.flat[real]] = values[real]
+            out.view(-1)[self.index] = values
+        else:  # padding adds 0 to column 0
+            out.scatter_add_(1, self.index, values)
         return out
 
     def narrow(self, bound: Tensor, inclusive: bool) -> Candidates:
-        """The single positions at values above (or, if ``inclusive``, at) the per-row ``bound``, padded."""
+        """The single positions at values above (or, if ``inclusive``, at) the per-row ``bound``, padded.
+
+        Takes the whole or ragged layout.
+        """
         compare = torch.ge if inclusive else torch.gt
-        hit = compare(self.values, self.per_entry(bound))
-        if self.flat is not None and self.row is None:
-            hit &= self.flat >= 0
-        entry, member = hit.nonzero(as_tuple=True)
-        row = entry if self.row is None else self.row[entry]
-        flat = entry * self.values.shape[-1] + member if self.flat is None else self.flat[entry, member]
+        entry, member = compare(self.values, self.per_entry(bound)).nonzero(as_tuple=True)
+        if self.row is None:
+            row, column = entry, member
+        else:
+            row = self.row[entry]
+            column = self.index[entry, member] - row * self.length
         counts = torch.bincount(row, minlength=self.rows_count)
         width = max(int(counts.max()), 1) if row.numel() else 1
         slot = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
         values = self.values.new_full((self.rows_count, width), -math.inf)
         values[row, slot] = self.values[entry, member]
-        padded_flat = flat.new_full((self.rows_count, width), -1)
-        padded_flat[row, slot] = flat
-        return Candidates(values, padded_flat, None, self.rows_count)
+        columns = column.new_zeros((self.rows_count, width))
+        columns[row, slot] = column
+        return Candidates(values, columns, None, self.rows_count, self.length, counts.unsqueeze(-1))
 
 
 def pack_groups(scores: Tensor, hit: Tensor) -> Candidates:
@@ -131,14 +132,9 @@ def pack_groups(scores: Tensor, hit: Tensor) -> Candidates:
     size = length // groups
     row, group = hit.nonzero(as_tuple=True)
     if 2 * row.numel() * size > scores.numel():
-        return Candidates(scores, None, None, rows_count)
+        return Candidates(scores, None, None, rows_count, length)
     flat = (row * length + group).unsqueeze(1) + torch.arange(size, device=scores.device) * groups
-    return Candidates(scores.view(-1)[flat], flat, row, rows_count)
-
-
-def finite_count(candidates: Candidates) -> Tensor:
-    """Per-row number of candidates above -inf, shape ``(R, 1)``, at least 1."""
-    return candidates.row_sum((candidates.values > -math.inf).to(candidates.values.dtype)).clamp_min(1)
+    return Candidates(scores.view(-1)[flat], flat, row, rows_count, length)
 
 
 def top_groups(scores: Tensor, block_max: Tensor, count: int) -> Candidates:
@@ -152,6 +148,6 @@ def top_groups(scores: Tensor, block_max: Tensor, count: int) -> Candidates:
     groups = block_max.shape[-1]
     size = length // groups
     chosen = block_max.topk(count, dim=-1).indices  # (R, count)
-    starts = torch.arange(rows_count, device=scores.device).unsqueeze(1) * length + chosen
-    flat = (starts.unsqueeze(-1) + torch.arange(size, device=scores.device) * groups).view(rows_count, -1)
-    return Candidates(scores.view(-1)[flat], flat, None, rows_count)
+    columns = (chosen.unsqueeze(-1) + torch.arange(size, device=scores.device) * groups).view(rows_count, -1)
+    full = torch.full((rows_count, 1), columns.shape[-1], device=scores.device)
+    return Candidates(scores.gather(1, columns), columns, None, rows_count, length, full)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from attnorm.kernels.cpu_candidates import Candidates, finite_count, group_maxima, pack_groups, top_groups
+from attnorm.kernels.cpu_candidates import Candidates, group_maxima, pack_groups, top_groups
 from attnorm.kernels.reference import masked_softmax, topk_row_count
 from attnorm.kernels.sparse import sum_to_shape
 
@@ -137,14 +137,16 @@ def entmax_threshold(
     exponent: float | Tensor,
     max_steps: int,
     tolerance: float,
+    work: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Bracket, bool]:
     """Safeguarded Newton on the entmax threshold of each row of ``values`` (R, W).
 
-    A step leaving the bracket is replaced by bisection.  Returns the new bracket and
+    A step leaving the bracket is replaced by bisection.  ``work`` is two scratch
+    buffers shaped like ``values`` (allocated when None).  Returns the new bracket and
     whether every row's last move was below ``tolerance * max(1, |tau|)``.
     """
     tau, low, high = bracket
-    work = (torch.empty_like(values), torch.empty_like(values))
+    work = (torch.empty_like(values), torch.empty_like(values)) if work is None else work
     for _ in range(max_steps):
         step, excess = _newton_step(values, tau, scale, exponent, work)
         low = torch.where(excess >= 0, torch.maximum(low, tau), low)
@@ -217,21 +219,18 @@ class _Entmax(Function):
         # A few ulps of slack keep the rounded absolute bound below the threshold.
         bound = (top + low - 4 * torch.finfo(x.dtype).eps * top.abs()).masked_fill(bad, math.inf)
         candidates = pack_groups(scores, block_max > bound).narrow(bound, inclusive=False)
-        candidates = candidates._replace(values=candidates.values - candidates.per_entry(top))
+        values = candidates.values - top
         # Above the root: each of the n candidates has mass <= 1 / n there.
-        high = -finite_count(candidates).pow(-scale) / scale
-        tolerance = 16 * torch.finfo(x.dtype).eps
+        high = -candidates.counts.clamp_min(1).to(x.dtype).pow(-scale) / scale
+        work = (torch.empty_like(values), torch.empty_like(values))
         bracket = Bracket.start(low, high, exponent)
-        bracket, converged = entmax_threshold(candidates.values, bracket, scale, exponent, 2, tolerance)
-        if not converged:
-            # Two steps raise the lower bound enough to drop most candidates.
-            candidates = candidates.narrow(bracket.low, inclusive=False)
-            bracket, _ = entmax_threshold(candidates.values, bracket, scale, exponent, 100, tolerance)
-        gap = _gap_into(candidates.values, bracket.tau, scale, torch.empty_like(candidates.values))
-        weights = _power_into(gap, exponent, torch.empty_like(gap))
+        tolerance = 16 * torch.finfo(x.dtype).eps
+        bracket, _ = entmax_threshold(values, bracket, scale, exponent, 100, tolerance, work)
+        gap = _gap_into(values, bracket.tau, scale, work[0])
+        weights = _power_into(gap, exponent, work[1])
         if not (isinstance(exponent, float) and exponent in (1.0, 2.0)):
             weights *= gap.sign_()  # exact zeros off the support
-        weights /= weights.sum(-1, keepdim=True)
+        weights = (weights / weights.sum(-1, keepdim=True)).masked_fill_(bad, 0.0)  # bad rows: no candidates
         out = candidates.scatter(weights, scores if out is None else out).view(x.shape)
         ctx.save_for_backward(out, alpha if isinstance(alpha, Tensor) else None)
         ctx.alpha = alpha if not isinstance(alpha, Tensor) else None
@@ -315,7 +314,7 @@ class _TopKSoftmax(Function):
         if 2 * largest <= block_max.shape[-1]:
             candidates = top_groups(scores, block_max, largest)
         else:
-            candidates = Candidates(scores, None, None, rows_count)
+            candidates = Candidates(scores, None, None, rows_count, length)
         chosen = min(largest, candidates.values.shape[-1])
         top_values, top_slots = candidates.values.topk(chosen, dim=-1)
         kept = (torch.arange(chosen, device=x.device) < count) & (top_values > -math.inf) & ~bad
@@ -325,7 +324,7 @@ class _TopKSoftmax(Function):
         if out is None:
             out = scores
         out.zero_()
-        out.view(-1)[candidates.positions(top_slots)[kept]] = weights[kept]
+        out.scatter_add_(1, candidates.columns(top_slots), weights)  # 0 where not kept
         out = out.view(x.shape)
         ctx.save_for_backward(out, scale if isinstance(scale, Tensor) else None)
         ctx.scale = scale if not isinstance(scale, Tensor) else None
