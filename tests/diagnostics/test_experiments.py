@@ -132,7 +132,6 @@ def test_causality_and_max_length_from_configs():
     assert (max_length(gpt2), max_length(bert)) == (64, 32)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("experiment", ["summary", "distance", "separability", "gradient"])
 def test_quick_command_under_a_minute(tmp_path, experiment):
     import time
