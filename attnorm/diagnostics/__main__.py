@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("experiment", choices=EXPERIMENTS)
     parser.add_argument("--model", default=None, help="HF model name or folder (default: the offline MiniLM)")
     parser.add_argument("--text", type=Path, default=SAMPLE_TEXT_PATH, help="input text file (default: sample.txt)")
-    parser.add_argument("--out", type=Path, default=Path("diagnostics-out"), help="output folder")
+    parser.add_argument("--out", type=Path, default=Path("results/diagnostics"), help="output folder")
     parser.add_argument("--normalizer", nargs="+", default=["softmax"], metavar="SPEC",
                         help="one or more attnorm.make specs, e.g. softmax ssmax entmax:alpha=1.5 topk:k=8")
     parser.add_argument("--lengths", nargs="+", type=int, help="window lengths L in tokens")
