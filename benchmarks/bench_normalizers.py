@@ -38,10 +38,12 @@ Writes ``bench_normalizers.csv``, ``.md`` (ratios vs torch.softmax, also printed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib
 import importlib.metadata
 import math
+import os
 import platform
 import statistics
 import time
@@ -184,7 +186,9 @@ def peak_memory(fn: Callable, x: torch.Tensor, grad: torch.Tensor, mode: str, de
         run()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - held
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+    with _quiet_stderr(), torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as profiler:
         run()
     events = sorted(
         (event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"),
@@ -195,6 +199,19 @@ def peak_memory(fn: Callable, x: torch.Tensor, grad: torch.Tensor, mode: str, de
         running += event.nbytes()
         peak = max(peak, running)
     return peak
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 (the profiler's C++ start/stop lines) for the block."""
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def percentiles(samples: list[float]) -> tuple[float, float, float]:
