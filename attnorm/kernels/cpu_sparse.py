@@ -3,19 +3,19 @@
 These normalizers keep few positions per row, so the work is arranged around the
 candidates for the support (:mod:`attnorm.kernels.cpu_candidates`):
 
-1. one vectorised pass takes the maxima of groups of 16 positions; their maximum
-   is the row's, and it bounds the threshold from below (entmax's
-   ``tau >= (alpha - 1) max - 1``, tightened by solving on the group maxima);
+1. one vectorised pass takes the maxima of groups of up to 16 interleaved
+   positions; their maximum is the row's, and it bounds the threshold from below
+   (entmax's ``tau >= (alpha - 1) max - 1``, tightened by solving on the group maxima);
 2. the groups above the bound are gathered (for top-k: the k groups with the largest
-   maxima), then their single positions above the bound, into a small matrix;
+   maxima), then their single positions above the bound, into a small padded matrix;
 3. the threshold is found there: safeguarded Newton on the entmax threshold
    (finite and exact for sparsemax), ``torch.topk`` for top-k;
 4. the output is a zero buffer with the surviving weights written in.
 
-The backward finds the support again from the saved output's group maxima and
-applies the closed-form Jacobian there, so nothing but the output (and the
-parameters) is saved.  The backward is built from differentiable torch ops, so
-double backward works.
+Entmax's backward finds the support again from the saved output's group maxima
+and applies the closed-form Jacobian there; top-k's is softmax's backward.  Both
+save only the output (and tensor parameters) and are built from differentiable
+torch ops, so double backward works.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ __all__ = ["Bracket", "entmax_support", "entmax_threshold", "topk_support"]
 
 
 def _power(base: Tensor, exponent: float | Tensor) -> Tensor:
-    """``base ** exponent`` for ``base >= 0``, 0 wherever ``base`` is 0.
+    """``base ** exponent`` for ``base >= 0``, 0 wherever ``base`` is 0 (differentiable).
 
-    Where autograd may differentiate the result (a double backward), zeros are kept
-    out of ``pow`` itself, whose derivative there is infinite for exponents below 1.
+    Zeros are kept out of ``pow`` itself: its derivative there is infinite for
+    exponents below 1 (a double backward would meet ``0 * inf``), and the CPU's
+    ``sqrt`` and ``pow`` are slow on zeros.
     """
     if isinstance(exponent, float):
         if exponent == 1.0:
@@ -47,8 +48,6 @@ def _power(base: Tensor, exponent: float | Tensor) -> Tensor:
             return base * base
         if exponent == 0.0:
             return (base > 0).to(base.dtype)
-        if exponent > 0 and not torch.is_grad_enabled():
-            return base.sqrt() if exponent == 0.5 else base.pow(exponent)
     positive = base > 0
     safe_base = torch.where(positive, base, 1.0)
     powered = safe_base.sqrt() if isinstance(exponent, float) and exponent == 0.5 else safe_base.pow(exponent)
