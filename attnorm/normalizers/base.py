@@ -120,19 +120,23 @@ def normalize(
     last = x.ndim - 1
     if isinstance(mask, StructuredMask) and (dim != last or x.ndim < 2):
         mask = mask.materialize(x.shape, x.device)
-    compute_dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    implementation = dispatch.resolve(op, x, backend)
+    # Kernels that read half precision themselves (accumulating in fp32) skip the
+    # upcast copy; everything else computes fp16/bf16 in fp32.  Parameters stay fp32+.
+    param_dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    compute_dtype = x.dtype if getattr(implementation, "reads_half_precision", False) else param_dtype
     x = x.to(compute_dtype).movedim(dim, -1)
     if isinstance(mask, Tensor):
         mask = mask.reshape((1,) * (scores.ndim - mask.ndim) + tuple(mask.shape))
         mask = mask.reshape(1) if squeeze else mask
         mask = mask.movedim(dim, -1)
     row_params = {
-        name: broadcast_param(name, value, shaped, dim).to(compute_dtype)
+        name: broadcast_param(name, value, shaped, dim).to(param_dtype)
         if isinstance(value, Tensor)
         else value
         for name, value in params.items()
     }
-    out = dispatch.run(op, x, mask, row_params, backend)
+    out = implementation(x, mask, **row_params)
     out = out.movedim(-1, dim).to(scores.dtype)
     return out.reshape(()) if squeeze else out
 

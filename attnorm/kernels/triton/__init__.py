@@ -73,3 +73,14 @@ def entmax_rows(x: Tensor, mask, alpha: float | Tensor = 1.5) -> Tensor:
 @register("triton", "topk_softmax")
 def topk_softmax_rows(x: Tensor, mask, k: int | float = 1, temperature: float | Tensor = 1.0) -> Tensor:
     return TopKSoftmaxFunction.apply(x, mask, k, temperature)
+
+
+for _row_op in (
+    softmax_rows,
+    scalable_softmax_rows,
+    self_adjusted_softmax_rows,
+    sparsemax_rows,
+    entmax_rows,
+    topk_softmax_rows,
+):
+    _row_op.reads_half_precision = True  # normalize() hands fp16/bf16 scores over without an fp32 copy
