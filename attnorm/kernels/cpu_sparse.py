@@ -5,7 +5,8 @@ candidates for the support (:mod:`attnorm.kernels.cpu_candidates`):
 
 1. one vectorised pass takes the maxima of groups of up to 16 interleaved
    positions; their maximum is the row's, and it bounds the threshold from below
-   (entmax's ``tau >= (alpha - 1) max - 1``, tightened by solving on the group maxima);
+   (entmax's ``tau >= (alpha - 1) max - 1``, raised by three Newton steps on the
+   group maxima);
 2. the groups above the bound are gathered (for top-k: the k groups with the largest
    maxima), then their single positions above the bound, into a small padded matrix;
 3. the threshold is found there: safeguarded Newton on the entmax threshold
@@ -212,8 +213,7 @@ class _Entmax(Function):
         # them finely even for scores offset by thousands.
         top = top.masked_fill(bad, 0.0)
         low = -exponent * torch.ones_like(top)  # the top score alone has mass 1 at top - 1/(alpha-1)
-        widest = float(exponent.max()) if isinstance(exponent, Tensor) else exponent
-        if widest >= 2:  # alpha <= 1.5: that bound lets in many candidates
+        if isinstance(exponent, Tensor) or exponent >= 1:
             low = _tighten(block_max - top, low, scale, exponent)
         # A few ulps of slack keep the rounded absolute bound below the threshold.
         bound = (top + low - 4 * torch.finfo(x.dtype).eps * top.abs()).masked_fill(bad, math.inf)
