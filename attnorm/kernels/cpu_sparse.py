@@ -196,7 +196,10 @@ def _gradient_buffer(support: Candidates, values: Tensor, out: Tensor) -> Tensor
     """The gradient w.r.t. the scores: ``values`` on the support, zeros elsewhere."""
     if support.row is None:
         return values.view(out.shape)
-    return support.scatter(values, torch.empty_like(out).view(support.rows_count, -1)).view(out.shape)
+    # Allocated from ``values`` (not ``out``) so that under vmap (vectorized
+    # jacobians) the buffer is batched like the gradient written into it.
+    buffer = values.new_empty((support.rows_count, out.shape[-1]))
+    return support.scatter(values, buffer).view(out.shape)
 
 
 class _Entmax(Function):
