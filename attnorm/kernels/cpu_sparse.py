@@ -77,6 +77,8 @@ def _power_into(base: Tensor, exponent: float | Tensor, out: Tensor) -> Tensor:
     negligible = 1e-30 if base.dtype == torch.float32 else 1e-300
     floor = torch.as_tensor(negligible, dtype=base.dtype).pow(1 / torch.as_tensor(exponent, dtype=base.dtype))
     floor = floor.clamp_min(finfo.tiny)
+    if isinstance(exponent, float) and exponent == 0.5:
+        return torch.clamp(base, min=floor, out=out).sqrt_()
     return torch.clamp(base, min=floor, out=out).log_().mul_(exponent).exp_()
 
 
@@ -247,7 +249,10 @@ class _Entmax(Function):
         support, weights, grad_values = _support(out, grad)
         alpha = ctx.alpha if alpha_tensor is None else support.per_entry(_per_row(alpha_tensor, out.shape, rows_count))
         # Jacobian of entmax: diag(s) - s s^T / sum(s), s = out^(2 - alpha) on the support.
-        slopes = _power(weights, 2 - alpha)
+        if torch.is_grad_enabled():  # a double backward differentiates the slopes
+            slopes = _power(weights, 2 - alpha)
+        else:
+            slopes = _power_into(weights, 2 - alpha, torch.empty_like(weights)).mul_(weights.sign())
         slope_total = support.row_sum(slopes)
         total = support.per_entry(torch.where(slope_total > 0, slope_total, 1.0))
         grad_x = slopes * (grad_values - support.per_entry(support.row_sum(slopes * grad_values)) / total)
