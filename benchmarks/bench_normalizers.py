@@ -340,7 +340,7 @@ def main() -> None:
     cases = baseline_cases(args.device) + [case for backend in backends for case in attnorm_cases(backend)]
     stamp = versions(args.device)
     print(f"shapes (rows x L): {', '.join(f'{r}x{n}' for r, n in shapes)}; dtype {args.dtype}; device {args.device}")
-    print(f"versions: {stamp}")
+    print(f"versions: {stamp}; attnorm from {Path(attnorm.__file__).parent}")
     print(f"top-k k = {TOPK}; general alpha = {GENERAL_ALPHA}; repeats <= {repeats} (>= 3), interleaved")
     with tqdm(total=len(cases) * len(shapes) * len(MODES), desc="bench", unit="case") as progress:
         results = benchmark(cases, shapes, dtype, args.device, repeats, budget, progress)
