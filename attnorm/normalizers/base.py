@@ -54,23 +54,11 @@ def _check_mask(mask: Any, scores: Tensor) -> Tensor | StructuredMask | None:
         raise TypeError(f"mask must be a bool tensor, a StructuredMask or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must have dtype torch.bool (True = may attend), got {mask.dtype}")
-    try:
-        shape = torch.broadcast_shapes(mask.shape, scores.shape)
-    except RuntimeError:
-        shape = None
-    if shape != scores.shape:
-        raise ValueError(
-            f"mask of shape {tuple(mask.shape)} does not broadcast to scores of shape {tuple(scores.shape)}"
-        )
+    _check_broadcasts("mask", mask, scores)
     return mask
 
 
-def broadcast_param(name: str, value: Tensor, scores: Tensor, dim: int) -> Tensor:
-    """Reshape a tensor parameter so it broadcasts against scores moved to ``dim=-1``.
-
-    Raises:
-        ValueError: if ``value`` does not broadcast to ``scores`` or varies along ``dim``.
-    """
+def _check_broadcasts(name: str, value: Tensor, scores: Tensor) -> None:
     try:
         shape = torch.broadcast_shapes(value.shape, scores.shape)
     except RuntimeError:
@@ -79,6 +67,15 @@ def broadcast_param(name: str, value: Tensor, scores: Tensor, dim: int) -> Tenso
         raise ValueError(
             f"{name} of shape {tuple(value.shape)} does not broadcast to scores of shape {tuple(scores.shape)}"
         )
+
+
+def broadcast_param(name: str, value: Tensor, scores: Tensor, dim: int) -> Tensor:
+    """Reshape a tensor parameter so it broadcasts against scores moved to ``dim=-1``.
+
+    Raises:
+        ValueError: if ``value`` does not broadcast to ``scores`` or varies along ``dim``.
+    """
+    _check_broadcasts(name, value, scores)
     value = value.reshape((1,) * (scores.ndim - value.ndim) + tuple(value.shape))
     if scores.ndim == 0:
         return value
