@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from profiler_memory import allocator_peak_bytes
 
 import attnorm
 
@@ -66,21 +67,6 @@ def resident_bytes() -> tuple[int, int]:
     """(current resident size, high-water mark) of this process, in bytes."""
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-
-
-def allocator_peak_bytes(run) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
-        run()
-    events = sorted(
-        (event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"),
-        key=lambda event: event.start_ns(),
-    )
-    running = peak = 0
-    for event in events:
-        running += event.nbytes()
-        peak = max(peak, running)
-    return peak
-
 
 def measure(variant: str, length: int) -> dict:
     """Run in a fresh process: warm up, measure one call's peak memory both ways, then time it (best of 3)."""

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from profiler_memory import allocator_peak_bytes
 from tqdm import tqdm
 
 import attnorm
@@ -188,19 +189,8 @@ def peak_memory(fn: Callable, x: torch.Tensor, grad: torch.Tensor, mode: str, de
         run()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - held
-    with _quiet_stderr(), torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as profiler:
-        run()
-    events = sorted(
-        (event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"),
-        key=lambda event: event.start_ns(),
-    )
-    running = peak = 0
-    for event in events:
-        running += event.nbytes()
-        peak = max(peak, running)
-    return peak
+    with _quiet_stderr():
+        return allocator_peak_bytes(run)
 
 
 @contextlib.contextmanager
