@@ -1,12 +1,16 @@
 """The fast exact CPU path: the row operations the ``"torch"`` backend runs on CPU tensors.
 
 Results match :mod:`attnorm.kernels.reference` to rounding; the speed comes from
-skipping its :func:`~attnorm.kernels.reference.sanitize` passes in the common case
-and from allocating as few large tensors as possible (on the CPU a fresh tensor's
-page faults cost more than a softmax's arithmetic):
+skipping its :func:`~attnorm.kernels.reference.sanitize` passes in the common case.
+The row kernels come in two implementations with one contract:
 
-* softmax, temperature, Scalable-Softmax, SA-Softmax: :mod:`attnorm.kernels.cpu_softmax`;
-* sparsemax, alpha-entmax, top-k: :mod:`attnorm.kernels.cpu_sparse`.
+* native C kernels (:mod:`attnorm.kernels.cpu_native` over
+  :mod:`attnorm.kernels.native`, compiled at first use), used whenever they load
+  and no parameter needs a gradient;
+* torch ops only (:mod:`attnorm.kernels.cpu_softmax` for softmax, temperature,
+  Scalable-Softmax and SA-Softmax; :mod:`attnorm.kernels.cpu_sparse` for sparsemax,
+  alpha-entmax and top-k), for trainable parameters, under ``vmap``, and where no
+  C compiler is available (``ATTNORM_NATIVE=0`` forces them).
 
 The special rows of the shared rules (fully masked, holding +inf, holding NaN) are
 found cheaply — a softmax returns NaN for exactly those rows, a sparse op sees a
@@ -19,14 +23,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from attnorm.kernels import reference
-from attnorm.kernels.cpu_softmax import scaled_softmax
-from attnorm.kernels.cpu_sparse import entmax_support, topk_support
+from attnorm.kernels import cpu_native, cpu_softmax, cpu_sparse, native, reference
 from attnorm.kernels.dispatch import register
 from attnorm.masks import StructuredMask
 
@@ -42,6 +44,20 @@ __all__ = [
 
 Mask = Tensor | StructuredMask | None
 
+
+
+
+class _Kernels(NamedTuple):
+    """One implementation of the three row kernels, each returning ``(weights, bad)``."""
+
+    scaled_softmax: Callable[..., tuple[Tensor, Tensor]]
+    entmax_support: Callable[..., tuple[Tensor, Tensor]]
+    topk_support: Callable[..., tuple[Tensor, Tensor]]
+
+
+_NATIVE = _Kernels(cpu_native.scaled_softmax, cpu_native.entmax_support, cpu_native.topk_support)
+_TORCH_ONLY = _Kernels(cpu_softmax.scaled_softmax, cpu_sparse.entmax_support, cpu_sparse.topk_support)
+
 # Below this alpha, (alpha - 1) x_i - tau is raised to powers > 20 and float32
 # loses the small weights; the reference's bisection handles it.
 _SMALLEST_FAST_ALPHA = 1.05
@@ -49,6 +65,12 @@ _SMALLEST_FAST_ALPHA = 1.05
 
 def _on_fast_path(x: Tensor) -> bool:
     return x.device.type == "cpu" and x.numel() > 0 and x.dtype in (torch.float32, torch.float64)
+
+
+def _kernels(x: Tensor, *params: Any) -> _Kernels:
+    """The native kernels when they run here and no parameter needs a gradient, else torch ops."""
+    trainable = any(isinstance(param, Tensor) and param.requires_grad for param in params)
+    return _NATIVE if not trainable and native.usable(x) else _TORCH_ONLY
 
 
 def _keep(mask: Mask, x: Tensor) -> Tensor | None:
@@ -109,7 +131,7 @@ def softmax_rows(x: Tensor, mask: Mask, temperature: float | Tensor = 1.0) -> Te
     if not _on_fast_path(x):
         return reference.softmax_rows(x, mask, temperature=temperature)
     keep = _keep(mask, x)
-    out, bad = scaled_softmax(x, 1 / temperature, keep)
+    out, bad = _kernels(x, temperature).scaled_softmax(x, 1 / temperature, keep)
     return redo_rows(out, bad, reference.softmax_rows, x, keep, {"temperature": temperature})
 
 
@@ -128,7 +150,7 @@ def scalable_softmax_rows(x: Tensor, mask: Mask, s: float | Tensor = 0.43, bias:
         count = keep.sum(-1, keepdim=True)
         forced = ((x == math.inf) | torch.isnan(x)).logical_and_(keep).any(-1)
     scale = reference.ssmax_scale(count.to(x.dtype), s, bias)
-    out, bad = scaled_softmax(x, scale, keep)
+    out, bad = _kernels(x, scale).scaled_softmax(x, scale, keep)
     if forced is not None:
         bad = bad | forced
     return redo_rows(out, bad, reference.scalable_softmax_rows, x, keep, {"s": s, "bias": bias})
@@ -139,7 +161,7 @@ def self_adjusted_softmax_rows(x: Tensor, mask: Mask, normalized: bool = True) -
     if not _on_fast_path(x) or not _all_finite(x):
         return reference.self_adjusted_softmax_rows(x, mask, normalized=normalized)
     keep = _keep(mask, x)
-    weights, bad = scaled_softmax(x, 1.0, keep)
+    weights, bad = _kernels(x).scaled_softmax(x, 1.0, keep)
     factor = x
     if normalized:
         # (x - min(x_min, 0)) / (max(x_max, 0) - min(x_min, 0)) over the allowed positions.
@@ -156,7 +178,7 @@ def sparsemax_rows(x: Tensor, mask: Mask) -> Tensor:
     if not _on_fast_path(x):
         return reference.sparsemax_row_op(x, mask)
     keep = _keep(mask, x)
-    out, bad = entmax_support(x, keep, 2.0)
+    out, bad = _kernels(x).entmax_support(x, keep, 2.0)
     return redo_rows(out, bad, reference.sparsemax_row_op, x, keep, {})
 
 
@@ -172,7 +194,7 @@ def entmax_rows(x: Tensor, mask: Mask, alpha: float | Tensor = 1.5) -> Tensor:
     if not (fast and _on_fast_path(x)):
         return reference.entmax_row_op(x, mask, alpha=alpha)
     keep = _keep(mask, x)
-    out, bad = entmax_support(x, keep, alpha)
+    out, bad = _kernels(x, alpha).entmax_support(x, keep, alpha)
     return redo_rows(out, bad, reference.entmax_row_op, x, keep, {"alpha": alpha})
 
 
@@ -184,5 +206,5 @@ def topk_softmax_rows(x: Tensor, mask: Mask, k: float = 1, temperature: float | 
     count = None
     if isinstance(k, float):  # a fraction of each row's allowed finite scores
         count = _allowed_count(keep, x) if _all_finite(x) else _allowed_finite(keep, x).sum(-1, keepdim=True)
-    out, bad = topk_support(x, keep, k, 1 / temperature, count)
+    out, bad = _kernels(x, temperature).topk_support(x, keep, k, 1 / temperature, count)
     return redo_rows(out, bad, reference.topk_softmax_rows, x, keep, {"k": k, "temperature": temperature})

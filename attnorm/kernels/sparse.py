@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-__all__ = ["entmax15_rows", "entmax_bisect_rows", "sparsemax_rows", "sum_to_shape"]
+__all__ = ["entmax15_rows", "entmax_bisect_rows", "entmax_vjp", "sparsemax_rows", "sum_to_shape"]
 
 
 def sum_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:
@@ -50,7 +50,7 @@ def _support_threshold(cumulative: Tensor, support: Tensor) -> tuple[Tensor, Ten
     return cumulative.gather(-1, size - 1), size
 
 
-def _jvp_backward(grad: Tensor, gppr: Tensor) -> Tensor:
+def entmax_vjp(grad: Tensor, gppr: Tensor) -> Tensor:
     """J^T grad for entmax-type maps whose Jacobian is diag(g) - g g^T / sum(g)."""
     weighted = grad * gppr
     total = gppr.sum(-1, keepdim=True)
@@ -74,7 +74,7 @@ class _Sparsemax(Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (out,) = ctx.saved_tensors
-        return _jvp_backward(grad, (out > 0).to(grad.dtype)), None
+        return entmax_vjp(grad, (out > 0).to(grad.dtype)), None
 
 
 class _Entmax15(Function):
@@ -99,7 +99,7 @@ class _Entmax15(Function):
         (out,) = ctx.saved_tensors
         # sqrt has an infinite derivative at 0: keep it off the zeros so double backward has no 0 * inf.
         gppr = torch.where(out > 0, out.clamp_min(torch.finfo(out.dtype).tiny).sqrt(), 0.0)
-        return _jvp_backward(grad, gppr), None
+        return entmax_vjp(grad, gppr), None
 
 
 def bisect_iterations(dtype: torch.dtype) -> int:
@@ -135,7 +135,7 @@ class _EntmaxBisect(Function):
         out, alpha = ctx.saved_tensors
         support = out > 0
         gppr = torch.where(support, out.clamp_min(torch.finfo(out.dtype).tiny).pow(2 - alpha), 0.0)
-        grad_x = _jvp_backward(grad, gppr)
+        grad_x = entmax_vjp(grad, gppr)
         grad_alpha = None
         if ctx.needs_input_grad[2]:
             # d out_i / d alpha = beta * (S_i - gppr_i * sum(S) / sum(gppr)),

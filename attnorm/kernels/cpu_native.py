@@ -1,0 +1,130 @@
+"""The native CPU kernels (:mod:`attnorm.kernels.native`) as autograd Functions.
+
+Drop-in replacements for :func:`~attnorm.kernels.cpu_softmax.scaled_softmax`,
+:func:`~attnorm.kernels.cpu_sparse.entmax_support` and
+:func:`~attnorm.kernels.cpu_sparse.topk_support`, with the same ``(weights, bad)``
+contract, for parameters that are python numbers or tensors without a gradient
+(:mod:`attnorm.kernels.cpu` sends trainable parameters to the torch-only
+functions, which differentiate them).
+
+Each backward saves only the output.  It runs the native closed-form
+Jacobian-vector product, except under ``create_graph`` (double backward) or
+``vmap`` (vectorised jacobians), where it uses the same formula in differentiable
+torch ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+from attnorm.kernels import native
+from attnorm.kernels.reference import topk_row_count
+from attnorm.kernels.sparse import entmax_vjp
+
+__all__ = ["entmax_support", "scaled_softmax", "topk_support"]
+
+
+def _scores(x: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Contiguous scores with -inf where ``keep`` is False, and the output buffer.
+
+    The buffer is None when the scores are ``x`` itself; a fresh masked (or
+    contiguous) copy is its own output buffer, since the kernels may write over
+    their input.
+    """
+    if keep is None:
+        scores = x.contiguous()
+    else:
+        scores = torch.empty(x.shape, dtype=x.dtype)
+        torch.where(keep, x, torch.tensor(-math.inf, dtype=x.dtype), out=scores)
+    return scores, None if scores is x else scores
+
+
+def _native_backward(*tensors: Tensor) -> bool:
+    return not torch.is_grad_enabled() and native.usable(*tensors)
+
+
+def _softmax_vjp(out: Tensor, grad: Tensor, scale: float | Tensor) -> Tensor:
+    """``scale * J^T grad`` for ``out = softmax(scale * x)``."""
+    if _native_backward(out, grad):
+        return native.softmax_backward(out, grad, scale)
+    return torch.ops.aten._softmax_backward_data(grad, out, -1, out.dtype) * scale
+
+
+class _ScaledSoftmax(Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float | Tensor, keep: Tensor | None):
+        scores, buffer = _scores(x, keep)
+        out, bad = native.softmax_forward(scores, scale, out=buffer)
+        ctx.save_for_backward(out, scale if isinstance(scale, Tensor) else None)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(bad)
+        return out, bad
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
+        out, scale = ctx.saved_tensors
+        return _softmax_vjp(out, grad, ctx.scale if scale is None else scale), None, None
+
+
+class _Entmax(Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, keep: Tensor | None, alpha: float | Tensor):
+        scores, buffer = _scores(x, keep)
+        out, bad = native.entmax_forward(scores, alpha, out=buffer)
+        ctx.save_for_backward(out, alpha if isinstance(alpha, Tensor) else None)
+        ctx.alpha = alpha
+        ctx.mark_non_differentiable(bad)
+        return out, bad
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
+        out, alpha = ctx.saved_tensors
+        alpha = ctx.alpha if alpha is None else alpha
+        if _native_backward(out, grad):
+            return native.entmax_backward(out, grad, alpha), None, None
+        # Jacobian of entmax: diag(s) - s s^T / sum(s), s = out^(2 - alpha) on the support.
+        support = out > 0
+        slopes = torch.where(support, torch.where(support, out, 1.0).pow(2 - alpha), 0.0)
+        return entmax_vjp(grad, slopes), None, None
+
+
+class _TopKSoftmax(Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, keep: Tensor | None, k: float, scale: float | Tensor, allowed_count: Tensor | None):
+        scores, buffer = _scores(x, keep)
+        if allowed_count is None:  # an int k; the kernel keeps all finite scores of shorter rows
+            counts = int(k)
+        else:
+            counts = topk_row_count(k, allowed_count.expand(*x.shape[:-1], 1))
+        out, bad = native.topk_forward(scores, counts, scale, out=buffer)
+        ctx.save_for_backward(out, scale if isinstance(scale, Tensor) else None)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(bad)
+        return out, bad
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
+        # Softmax's backward: positions outside the top k have out = 0 and get 0.
+        out, scale = ctx.saved_tensors
+        return _softmax_vjp(out, grad, ctx.scale if scale is None else scale), None, None, None, None
+
+
+def scaled_softmax(x: Tensor, scale: float | Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+    """As :func:`attnorm.kernels.cpu_softmax.scaled_softmax`, for a ``scale`` without gradient."""
+    return _ScaledSoftmax.apply(x, float(scale) if isinstance(scale, (int, float)) else scale, keep)
+
+
+def entmax_support(x: Tensor, keep: Tensor | None, alpha: float | Tensor) -> tuple[Tensor, Tensor]:
+    """As :func:`attnorm.kernels.cpu_sparse.entmax_support`, for an ``alpha`` without gradient."""
+    return _Entmax.apply(x, keep, alpha)
+
+
+def topk_support(
+    x: Tensor, keep: Tensor | None, k: float, scale: float | Tensor, allowed_count: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """As :func:`attnorm.kernels.cpu_sparse.topk_support`, for a ``scale`` without gradient."""
+    return _TopKSoftmax.apply(x, keep, k, scale, allowed_count)

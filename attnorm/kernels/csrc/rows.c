@@ -1,0 +1,198 @@
+/*
+ * attnorm's native CPU row kernels: softmax of scaled rows, alpha-entmax (sparsemax
+ * at alpha = 2) and top-k softmax, forward and backward, over contiguous rows.
+ *
+ * Built at first use by attnorm/kernels/native.py (plain C99 + OpenMP, no torch
+ * headers, about a second of gcc) and called through ctypes with raw pointers.
+ * Rows are split across threads; each row is read from memory once and written
+ * once, everything else happens in cache (a row of 32768 floats is 128 KiB).
+ *
+ * Shared rules (see attnorm/kernels/reference.py): -inf scores are masked.  A row
+ * that is fully masked, holds +inf or NaN, or whose scaled scores overflow is
+ * written as zeros and flagged in `bad`; the caller recomputes it with the torch
+ * reference.  Parameters come per row as double arrays with a stride of 0 (one
+ * value for all rows) or 1.
+ *
+ * The element-wise exp/log below are plain C that gcc vectorises (glibc's are not
+ * vectorised without -ffast-math, which would also break the inf/NaN rules).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp for float: 2^n * e^r with |r| <= ln2/2, degree-7 Taylor polynomial (< 2 ulp).
+ * Exactly 0 below -104 (float's smallest subnormal is 2^-149 ~ e^-103.3). */
+static inline float exp_f32(float x) {
+    const float hi = 88.0f, lo = -104.0f;
+    float xc = x > hi ? hi : (x < lo ? lo : x);
+    float n = __builtin_roundf(xc * 1.44269504088896341f);
+    float r = xc - n * 0.693359375f;       /* ln2 split: exact high part ... */
+    r = r - n * -2.12194440e-4f;           /* ... and the low part */
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* 2^n in two factors, so n down to -150 stays a (subnormal) float. */
+    int32_t n1 = (int32_t)n / 2, n2 = (int32_t)n - n1;
+    union { int32_t i; float f; } s1 = {(n1 + 127) << 23}, s2 = {(n2 + 127) << 23};
+    float y = p * s1.f * s2.f;
+    return x < lo ? 0.0f : y;
+}
+
+/* log for positive normal floats: e ln2 + log(m), m in [sqrt(1/2), sqrt(2)),
+ * log(m) = 2 atanh(t), t = (m - 1) / (m + 1), |t| < 0.172 (< 2 ulp). */
+static inline float log_f32(float x) {
+    union { float f; int32_t i; } u = {x};
+    int32_t e = ((u.i >> 23) & 0xff) - 127;
+    u.i = (u.i & 0x007fffff) | 0x3f800000; /* mantissa in [1, 2) */
+    float m = u.f;
+    int big = m > 1.41421356f;
+    m = big ? 0.5f * m : m;
+    float ef = (float)(e + big);
+    float t = (m - 1.0f) / (m + 1.0f);
+    float t2 = t * t;
+    float q = 2.0f / 9;
+    q = q * t2 + 2.0f / 7;
+    q = q * t2 + 2.0f / 5;
+    q = q * t2 + 2.0f / 3;
+    q = q * t2 + 2.0f;
+    return ef * 0.693147180559945309f + t * q;
+}
+
+/* base ** exponent for base > 0 (callers keep base = 0 out). */
+static inline float pow_f32(float base, float exponent) {
+    return exp_f32(exponent * log_f32(base > FLT_MIN ? base : FLT_MIN));
+}
+
+static inline double exp_f64(double x) { return exp(x); }
+static inline double pow_f64(double base, double exponent) { return pow(base, exponent); }
+
+/*
+ * Appends the scores above `bound` to values and their positions to index;
+ * returns how many.  AVX-512 compress-stores 16 (8) lanes at a time; elsewhere
+ * a branch-free scalar loop.  Positions are int32 (the loader checks L < 2^31).
+ */
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+static int64_t gather_above_f32(const float* x, int64_t length, float bound, float* values, int32_t* index) {
+    int64_t count = 0, i = 0;
+    const __m512 limit = _mm512_set1_ps(bound);
+    __m512i position = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i + 16 <= length; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        __mmask16 above = _mm512_cmp_ps_mask(v, limit, _CMP_GT_OQ);
+        _mm512_mask_compressstoreu_ps(values + count, above, v);
+        _mm512_mask_compressstoreu_epi32(index + count, above, position);
+        count += __builtin_popcount(above);
+        position = _mm512_add_epi32(position, _mm512_set1_epi32(16));
+    }
+    for (; i < length; i++) {
+        values[count] = x[i];
+        index[count] = (int32_t)i;
+        count += x[i] > bound;
+    }
+    return count;
+}
+
+static int64_t gather_above_f64(const double* x, int64_t length, double bound, double* values, int32_t* index) {
+    int64_t count = 0, i = 0;
+    const __m512d limit = _mm512_set1_pd(bound);
+    __m256i position = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; i + 8 <= length; i += 8) {
+        __m512d v = _mm512_loadu_pd(x + i);
+        __mmask8 above = _mm512_cmp_pd_mask(v, limit, _CMP_GT_OQ);
+        _mm512_mask_compressstoreu_pd(values + count, above, v);
+        _mm256_mask_compressstoreu_epi32(index + count, above, position);
+        count += __builtin_popcount(above);
+        position = _mm256_add_epi32(position, _mm256_set1_epi32(8));
+    }
+    for (; i < length; i++) {
+        values[count] = x[i];
+        index[count] = (int32_t)i;
+        count += x[i] > bound;
+    }
+    return count;
+}
+#else
+#define DEFINE_GATHER(REAL, SUFFIX)                                                                        \
+    static int64_t gather_above_##SUFFIX(const REAL* x, int64_t length, REAL bound, REAL* values, int32_t* index) { \
+        int64_t count = 0;                                                                                 \
+        for (int64_t i = 0; i < length; i++) {                                                             \
+            values[count] = x[i];                                                                          \
+            index[count] = (int32_t)i;                                                                     \
+            count += x[i] > bound;                                                                         \
+        }                                                                                                  \
+        return count;                                                                                      \
+    }
+DEFINE_GATHER(float, f32)
+DEFINE_GATHER(double, f64)
+#endif
+
+/* k-th largest (0-based) of v[0..n): quickselect, reorders v. */
+#define DEFINE_SELECT(REAL, SUFFIX)                                                     \
+    static REAL select_##SUFFIX(REAL* v, int64_t n, int64_t k) {                        \
+        int64_t left = 0, right = n - 1;                                                \
+        while (right > left) {                                                          \
+            int64_t mid = left + (right - left) / 2;                                    \
+            REAL a = v[left], b = v[mid], c = v[right];                                 \
+            REAL pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b)); \
+            int64_t i = left, j = right;                                                \
+            while (i <= j) {                                                            \
+                while (v[i] > pivot) i++;                                               \
+                while (v[j] < pivot) j--;                                               \
+                if (i <= j) {                                                           \
+                    REAL t = v[i];                                                      \
+                    v[i] = v[j];                                                        \
+                    v[j] = t;                                                           \
+                    i++;                                                                \
+                    j--;                                                                \
+                }                                                                       \
+            }                                                                           \
+            if (k <= j) right = j;                                                      \
+            else if (k >= i) left = i;                                                  \
+            else return v[k];                                                           \
+        }                                                                               \
+        return v[k];                                                                    \
+    }
+DEFINE_SELECT(float, f32)
+DEFINE_SELECT(double, f64)
+
+/* alpha-entmax's three kernels: closed forms for alpha = 2 and 1.5, pow otherwise. */
+enum { SPARSEMAX = 0, ENTMAX15 = 1, GENERAL = 2 };
+
+static int entmax_kind(double alpha) { return alpha == 2.0 ? SPARSEMAX : (alpha == 1.5 ? ENTMAX15 : GENERAL); }
+
+#define MAX_GROUPS 256      /* position groups whose maxima bound entmax's threshold */
+#define MAX_TOPK_GROUPS 4096 /* ... and top-k's k-th largest score (for k <= 2048) */
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+
+#define REAL float
+#define SUFFIX f32
+#define EXP exp_f32
+#define POW pow_f32
+#define EPS FLT_EPSILON
+#define NEXT_BELOW(v) nextafterf(v, -INFINITY)
+#include "rows_impl.h"
+#undef REAL
+#undef SUFFIX
+#undef EXP
+#undef POW
+#undef EPS
+#undef NEXT_BELOW
+
+#define REAL double
+#define SUFFIX f64
+#define EXP exp_f64
+#define POW pow_f64
+#define EPS DBL_EPSILON
+#define NEXT_BELOW(v) nextafter(v, -INFINITY)
+#include "rows_impl.h"

@@ -1,0 +1,416 @@
+/*
+ * Row kernels for one floating type, included by rows.c once per type with
+ * REAL (float or double), SUFFIX (f32, f64), EXP, POW and EPS defined.
+ * Sums are accumulated in double.
+ */
+#define FN(name) CAT(name, SUFFIX)
+
+/* Largest score, smallest finite score, and whether the row must go to the
+ * reference (a NaN or +inf score, or nothing but -inf). */
+static int FN(scan_row)(const REAL* x, int64_t length, REAL* top, REAL* bottom) {
+    REAL high = -INFINITY, low = INFINITY;
+    int flag = 0;
+#pragma omp simd reduction(max : high) reduction(min : low) reduction(| : flag)
+    for (int64_t i = 0; i < length; i++) {
+        REAL xi = x[i];
+        high = xi > high ? xi : high;
+        REAL finite = xi == -INFINITY ? INFINITY : xi;
+        low = finite < low ? finite : low;
+        flag |= (xi != xi) | (xi == INFINITY);
+    }
+    *top = high;
+    *bottom = low;
+    return flag | (high == -INFINITY);
+}
+
+/* Maxima of `groups` interleaved position classes (i mod groups), the row maximum,
+ * and scan_row's flag.  A vertical max over blocks: vectorises across the groups. */
+static int FN(scan_groups)(const REAL* x, int64_t length, int64_t groups, REAL* group_max, REAL* top) {
+    for (int64_t j = 0; j < groups; j++) group_max[j] = -INFINITY;
+    int flag = 0;
+    for (int64_t start = 0; start < length; start += groups) {
+        const REAL* block = x + start;
+        int64_t width = length - start < groups ? length - start : groups;
+#pragma omp simd reduction(| : flag)
+        for (int64_t j = 0; j < width; j++) {
+            REAL xi = block[j];
+            group_max[j] = xi > group_max[j] ? xi : group_max[j];
+            flag |= (xi != xi) | (xi == INFINITY);
+        }
+    }
+    REAL high = -INFINITY;
+#pragma omp simd reduction(max : high)
+    for (int64_t j = 0; j < groups; j++) high = group_max[j] > high ? group_max[j] : high;
+    *top = high;
+    return flag | (high == -INFINITY);
+}
+
+/* ---- softmax(scale * x) ------------------------------------------------------- */
+
+static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, REAL scale, uint8_t* bad) {
+    REAL top, bottom;
+    int flag = FN(scan_row)(x, length, &top, &bottom);
+    REAL shift = scale > 0 ? scale * top : (scale < 0 ? scale * bottom : 0);
+    if (flag || !(shift > -INFINITY && shift < INFINITY)) {
+        memset(y, 0, length * sizeof(REAL));
+        *bad = 1;
+        return;
+    }
+    *bad = 0;
+    double total = 0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < length; i++) {
+        REAL xi = x[i];
+        REAL e = xi == -INFINITY ? 0 : EXP(scale * xi - shift);
+        y[i] = e;
+        total += e;
+    }
+    REAL inverse = (REAL)(1.0 / total);
+#pragma omp simd
+    for (int64_t i = 0; i < length; i++) y[i] *= inverse;
+}
+
+/* grad_x = scale * y * (g - sum(y g)): softmax's Jacobian, times the chain-rule scale. */
+static void FN(softmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t length, REAL scale) {
+    double dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < length; i++) dot += (double)y[i] * g[i];
+    REAL mean = (REAL)dot;
+#pragma omp simd
+    for (int64_t i = 0; i < length; i++) gx[i] = scale * y[i] * (g[i] - mean);
+}
+
+/* ---- alpha-entmax ------------------------------------------------------------- */
+
+/* Mass f(tau) = sum_j max(t_j - tau, 0)^p over the candidates, and -f'(tau). */
+static void FN(entmax_mass)(const REAL* t, int64_t count, REAL tau, REAL p, int kind, double* mass, double* slope) {
+    double f = 0, df = 0;
+    if (kind == SPARSEMAX) {
+#pragma omp simd reduction(+ : f, df)
+        for (int64_t j = 0; j < count; j++) {
+            REAL d = t[j] - tau;
+            f += d > 0 ? d : 0;
+            df += d > 0 ? 1 : 0;
+        }
+    } else if (kind == ENTMAX15) {
+#pragma omp simd reduction(+ : f, df)
+        for (int64_t j = 0; j < count; j++) {
+            REAL d = t[j] - tau;
+            d = d > 0 ? d : 0;
+            f += d * d;
+            df += 2 * d;
+        }
+    } else {
+#pragma omp simd reduction(+ : f, df)
+        for (int64_t j = 0; j < count; j++) {
+            REAL d = t[j] - tau;
+            REAL w = d > 0 ? POW(d > 0 ? d : 1, p) : 0;
+            f += w;
+            df += d > 0 ? w / d : 0;
+        }
+        df *= p;
+    }
+    *mass = f;
+    *slope = df;
+}
+
+/* Weights max(t_j - tau, 0)^p written over the candidates; returns their sum. */
+static double FN(entmax_weights)(REAL* t, int64_t count, REAL tau, REAL p, int kind) {
+    double total = 0;
+    if (kind == GENERAL) {
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < count; j++) {
+            REAL d = t[j] - tau;
+            REAL w = d > 0 ? POW(d > 0 ? d : 1, p) : 0;
+            t[j] = w;
+            total += w;
+        }
+    } else {
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < count; j++) {
+            REAL d = t[j] - tau;
+            d = d > 0 ? d : 0;
+            REAL w = kind == SPARSEMAX ? d : d * d;
+            t[j] = w;
+            total += w;
+        }
+    }
+    return total;
+}
+
+/* The threshold tau of candidates t[0..count): sum_j max(t_j - tau, 0)^p = 1 with
+ * p = 1 / (alpha - 1), starting from a lower bound `low` (mass >= 1 there); see
+ * entmax_row.  With `index`, candidates at or below a proven lower bound are
+ * dropped from t and index as it rises.  Stores the final lower bound in *low. */
+static double FN(entmax_threshold)(REAL* t, int32_t* index, int64_t* count_io, double alpha, int kind, double* low,
+                                   int iterations) {
+    int64_t count = *count_io;
+    const REAL p = (REAL)(1 / (alpha - 1));
+    double high = -pow((double)count, 1.0 - alpha); /* each candidate has mass <= 1 / count there */
+    double tau = alpha <= 2 ? *low : high;
+    for (int iteration = 0; iteration < iterations && high > *low; iteration++) {
+        double f, df;
+        FN(entmax_mass)(t, count, (REAL)tau, p, kind, &f, &df);
+        double previous_low = *low;
+        if (f >= 1) *low = tau;
+        else high = tau;
+        if (fabs(f - 1) <= 8 * EPS) break;
+        double next = tau + (f - 1) / df;
+        if (!(next > *low && next < high)) next = 0.5 * (*low + high);
+        if ((REAL)next == (REAL)tau) break;
+        tau = next;
+        if (index && *low > previous_low) {
+            int64_t kept = 0;
+            for (int64_t j = 0; j < count; j++) { /* branch-free compaction */
+                t[kept] = t[j];
+                index[kept] = index[j];
+                kept += t[j] > *low;
+            }
+            count = kept;
+        }
+    }
+    *count_io = count;
+    return tau;
+}
+
+/*
+ * entmax_alpha(x) = max((alpha - 1) x - tau, 0)^(1 / (alpha - 1)) with tau such that
+ * the weights sum to 1.  With t = (alpha - 1)(x - max x) the threshold lies in
+ * [-1, -n^(1 - alpha)] for n candidates.  A subset's threshold is a lower bound
+ * (fewer terms, less mass), so for alpha <= 2 three Newton steps on the maxima of
+ * interleaved position groups raise -1 first; the candidates are the scores above
+ * that bound, gathered from the groups whose maximum is, usually a few times the
+ * support.  On them, Newton's method safeguarded by bisection: the mass is convex
+ * for alpha <= 2 (iterates rise monotonically) and concave above (iterates fall
+ * from the upper end).  For sparsemax Newton's step is Michelot's exact update and
+ * ends on the exact threshold; otherwise it stops once the mass is within a few
+ * ulps of 1, and the weights are renormalised.
+ */
+static void FN(entmax_row)(const REAL* x, REAL* y, int64_t length, double alpha, REAL* t, int32_t* index, uint8_t* bad) {
+    REAL group_max[MAX_GROUPS], subset[MAX_GROUPS], top;
+    const int64_t groups = length > 8192 ? MAX_GROUPS : 64;
+    if (FN(scan_groups)(x, length, groups, group_max, &top)) {
+        memset(y, 0, length * sizeof(REAL));
+        *bad = 1;
+        return;
+    }
+    *bad = 0;
+    const REAL scale = (REAL)(alpha - 1);
+    const int kind = entmax_kind(alpha);
+    double low = -1.0;
+    if (alpha <= 2) {
+        int64_t count = groups;
+#pragma omp simd
+        for (int64_t j = 0; j < groups; j++) subset[j] = scale * (group_max[j] - top);
+        FN(entmax_threshold)(subset, NULL, &count, alpha, kind, &low, 3);
+        low = low - 4 * EPS > -1.0 ? low - 4 * EPS : -1.0; /* slack for the rounding of the subset's mass */
+    }
+    int64_t count = FN(gather_above)(x, length, top + (REAL)(low / scale), t, index);
+#pragma omp simd
+    for (int64_t j = 0; j < count; j++) t[j] = scale * (t[j] - top);
+    memset(y, 0, length * sizeof(REAL)); /* after the gather: y may be x */
+    double tau = FN(entmax_threshold)(t, index, &count, alpha, kind, &low, 100);
+    REAL inverse = (REAL)(1.0 / FN(entmax_weights)(t, count, (REAL)tau, (REAL)(1 / (alpha - 1)), kind));
+    for (int64_t j = 0; j < count; j++) y[index[j]] = t[j] * inverse;
+}
+
+/* grad_x = s * (g - sum(s g) / sum(s)), s = y^(2 - alpha) on the support and 0
+ * off it: entmax's Jacobian.  For general alpha the support is gathered first
+ * (into `index`, s into `slope`) so that pow runs there only. */
+static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t length, double alpha, int32_t* index,
+                                REAL* slope) {
+    const int kind = entmax_kind(alpha);
+    if (kind != GENERAL) { /* cheap slopes: two vectorised passes over the row */
+        double slope_total = 0, dot = 0;
+        if (kind == SPARSEMAX) {
+#pragma omp simd reduction(+ : slope_total, dot)
+            for (int64_t i = 0; i < length; i++) {
+                REAL s = y[i] > 0;
+                gx[i] = s;
+                slope_total += s;
+                dot += (double)s * g[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : slope_total, dot)
+            for (int64_t i = 0; i < length; i++) {
+                REAL s = sqrt(y[i]);
+                gx[i] = s;
+                slope_total += s;
+                dot += (double)s * g[i];
+            }
+        }
+        REAL mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
+#pragma omp simd
+        for (int64_t i = 0; i < length; i++) gx[i] = gx[i] * (g[i] - mean);
+        return;
+    }
+    /* pow on the support only */
+    int64_t count = FN(gather_above)(y, length, 0, slope, index);
+    memset(gx, 0, length * sizeof(REAL));
+    const REAL power = (REAL)(2 - alpha);
+#pragma omp simd
+    for (int64_t j = 0; j < count; j++) slope[j] = POW(slope[j], power);
+    double slope_total = 0, dot = 0;
+#pragma omp simd reduction(+ : slope_total, dot)
+    for (int64_t j = 0; j < count; j++) {
+        slope_total += slope[j];
+        dot += (double)slope[j] * g[index[j]];
+    }
+    REAL mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
+    for (int64_t j = 0; j < count; j++) gx[index[j]] = slope[j] * (g[index[j]] - mean);
+}
+
+/* ---- top-k softmax ------------------------------------------------------------ */
+
+/*
+ * softmax(scale * x) over the k largest finite scores (all of them when fewer),
+ * zeros elsewhere.  The k-th largest of the maxima of at least 2k position groups
+ * bounds the row's k-th largest from below; a quickselect on the scores above
+ * that bound finds it.  Scores tied with it are kept in index order until k are
+ * kept (as the Triton kernel does).  `work` holds length + 2 MAX_TOPK_GROUPS values.
+ */
+static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, int64_t k, REAL scale, REAL* work, int32_t* index,
+                         uint8_t* bad) {
+    REAL* group_max = work + length;
+    REAL top;
+    int64_t groups = 64;
+    while (groups < 2 * k && groups < MAX_TOPK_GROUPS) groups *= 2;
+    if (FN(scan_groups)(x, length, groups, group_max, &top)) {
+        memset(y, 0, length * sizeof(REAL));
+        *bad = 1;
+        return;
+    }
+    *bad = 0;
+    REAL bound = -INFINITY;
+    if (k <= groups && 4 * groups <= length) {
+        REAL* order = group_max + groups;
+        memcpy(order, group_max, groups * sizeof(REAL));
+        bound = FN(select)(order, groups, k - 1);
+    }
+    /* x >= bound, finite: x > the float just below bound (or > -inf) */
+    int64_t count = FN(gather_above)(x, length, bound > -INFINITY ? NEXT_BELOW(bound) : bound, work, index);
+    if (bound == -INFINITY) k = k < count ? k : count; /* all finite scores are candidates */
+    REAL threshold = -INFINITY; /* keep x > threshold, and `ties` scores equal to it */
+    int64_t ties = 0, tied = 0;
+    if (k < count || bound > -INFINITY) {
+        threshold = FN(select)(work, count, k - 1);
+        int64_t greater = 0;
+#pragma omp simd reduction(+ : greater, tied)
+        for (int64_t j = 0; j < count; j++) {
+            greater += work[j] > threshold;
+            tied += work[j] == threshold;
+        }
+        ties = k - greater;
+    }
+    double total = 0;
+    if (ties == tied) {
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < length; i++) {
+            REAL xi = x[i];
+            REAL e = (xi > threshold || (ties > 0 && xi == threshold)) ? EXP(scale * (xi - top)) : 0;
+            y[i] = e;
+            total += e;
+        }
+    } else {
+        for (int64_t i = 0; i < length; i++) {
+            REAL xi = x[i];
+            int keep = xi > threshold || (xi == threshold && ties-- > 0);
+            REAL e = keep ? EXP(scale * (xi - top)) : 0;
+            y[i] = e;
+            total += e;
+        }
+    }
+    REAL inverse = (REAL)(1.0 / total);
+#pragma omp simd
+    for (int64_t i = 0; i < length; i++) y[i] *= inverse;
+}
+
+/* ---- entry points: rows split across threads ---------------------------------- */
+
+int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, const double* scale,
+                                int64_t scale_stride, uint8_t* bad, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        FN(softmax_row)(x + r * length, y + r * length, length, (REAL)scale[r * scale_stride], bad + r);
+    }
+    return 0;
+}
+
+int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t rows, int64_t length,
+                                 const double* scale, int64_t scale_stride, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        FN(softmax_grad_row)(y + r * length, g + r * length, gx + r * length, length, (REAL)scale[r * scale_stride]);
+    }
+    return 0;
+}
+
+int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, const double* alpha,
+                               int64_t alpha_stride, uint8_t* bad, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        REAL* t = malloc(length * sizeof(REAL));
+        int32_t* index = malloc(length * sizeof(int32_t));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (t && index) {
+                FN(entmax_row)(x + r * length, y + r * length, length, alpha[r * alpha_stride], t, index, bad + r);
+            } else {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+        free(t);
+        free(index);
+    }
+    return failed;
+}
+
+int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t rows, int64_t length,
+                                const double* alpha, int64_t alpha_stride, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        int32_t* index = malloc(length * sizeof(int32_t));
+        REAL* slope = malloc(length * sizeof(REAL));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (index && slope) {
+                FN(entmax_grad_row)(y + r * length, g + r * length, gx + r * length, length, alpha[r * alpha_stride],
+                                    index, slope);
+            } else {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+        free(index);
+        free(slope);
+    }
+    return failed;
+}
+
+int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, const int64_t* k,
+                             int64_t k_stride, const double* scale, int64_t scale_stride, uint8_t* bad, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        REAL* work = malloc((length + 2 * MAX_TOPK_GROUPS) * sizeof(REAL));
+        int32_t* index = malloc(length * sizeof(int32_t));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (work && index) {
+                FN(topk_row)(x + r * length, y + r * length, length, k[r * k_stride], (REAL)scale[r * scale_stride],
+                             work, index, bad + r);
+            } else {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+        free(work);
+        free(index);
+    }
+    return failed;
+}
+
+#undef FN

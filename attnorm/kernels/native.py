@@ -1,0 +1,272 @@
+"""Native CPU row kernels (``csrc/rows.c``), compiled at first use and called with ctypes.
+
+The fast CPU path (:mod:`attnorm.kernels.cpu`) runs these when they are
+available: one pass per row in C with OpenMP across rows, where the torch-only
+path needs a dozen tensor operations (see ``csrc/rows.c`` for the algorithms).
+
+One-time cost: the first call on a machine compiles ``rows.c`` with the system C
+compiler (``$CC``, else ``cc``) into a cache directory (about a second; no torch
+headers, no ninja).  Later processes load the cached library in milliseconds.
+:func:`build_info` says what happened.  Without a compiler, or when the build
+fails (a warning says why), attnorm uses the torch-only path, which needs no
+build: results agree to rounding either way.
+
+Environment:
+
+* ``ATTNORM_NATIVE=0`` turns the native kernels off;
+* ``ATTNORM_CACHE_DIR`` chooses the cache directory (default
+  ``$XDG_CACHE_HOME/attnorm``, else ``~/.cache/attnorm``);
+* ``CC`` chooses the compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "build_info",
+    "entmax_backward",
+    "entmax_forward",
+    "library",
+    "softmax_backward",
+    "softmax_forward",
+    "topk_forward",
+    "usable",
+]
+
+SOURCE_DIR = Path(__file__).with_name("csrc")
+SOURCES = ("rows.c", "rows_impl.h")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fPIC",
+    "-shared",
+    "-std=gnu11",
+    # Lets sqrt vectorise; no -ffast-math, which would drop the inf and NaN rules.
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()),
+)
+# Without OpenMP (e.g. Apple clang) the kernels build and run on one thread.
+PARALLEL_FLAGS = ("-fopenmp",)
+
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    # x, y, rows, length, scale, scale_stride, bad, threads
+    "attnorm_softmax_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int),
+    # y, grad, grad_x, rows, length, scale, scale_stride, threads
+    "attnorm_softmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int),
+    "attnorm_entmax_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int),
+    "attnorm_entmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int),
+    # x, y, rows, length, k, k_stride, scale, scale_stride, bad, threads
+    "attnorm_topk_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int),
+}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_info: dict[str, object] = {}
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("ATTNORM_CACHE_DIR"):
+        return Path(os.environ["ATTNORM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "attnorm"
+
+
+def _cpu_signature() -> bytes:
+    # -march=native code must not be loaded on a machine with other instructions.
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags.encode()
+
+
+def _library_path(compiler: str) -> Path:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(" ".join((compiler, *FLAGS, *PARALLEL_FLAGS, platform.machine())).encode())
+    digest.update(_cpu_signature())
+    return _cache_dir() / f"attnorm_rows_{digest.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name, then renamed: concurrent processes never load a partial file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        partial = Path(scratch) / target.name
+        errors = []
+        for extra in (PARALLEL_FLAGS, ()):
+            command = [compiler, *FLAGS, *extra, str(SOURCE_DIR / "rows.c"), "-o", str(partial), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode == 0:
+                os.replace(partial, target)
+                return
+            errors.append(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+        raise RuntimeError("\n".join(errors))
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("ATTNORM_NATIVE", "1") == "0":
+        _info.update(available=False, reason="disabled by ATTNORM_NATIVE=0")
+        return None
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        _info.update(available=False, reason=f"no C compiler ({compiler!r} not found); using the torch-only path")
+        return None
+    try:
+        path = _library_path(compiler)
+        started = time.perf_counter()
+        cached = path.exists()
+        if not cached:
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            for suffix in _SUFFIX.values():
+                function = getattr(lib, f"{name}_{suffix}")
+                function.argtypes = argtypes
+                function.restype = ctypes.c_int
+    except (OSError, RuntimeError) as error:
+        _info.update(available=False, reason=str(error))
+        warnings.warn(f"attnorm: native CPU kernels unavailable, using the torch-only path ({error})", stacklevel=3)
+        return None
+    _info.update(available=True, path=str(path), cached=cached, seconds=time.perf_counter() - started)
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library (built on first call), or None when unavailable."""
+    global _library
+    if not _info:
+        with _lock:
+            if not _info:
+                _library = _load()
+    return _library
+
+
+def build_info() -> dict[str, object]:
+    """What loading the native kernels did.
+
+    Returns:
+        ``{"available": bool, ...}`` with ``path``, ``cached`` (True when an earlier
+        build was reused) and ``seconds`` (time to build or load) when available,
+        or ``reason`` when not.
+    """
+    library()
+    return dict(_info)
+
+
+def _plain(tensor: Tensor) -> bool:
+    return (
+        tensor.device.type == "cpu"
+        and tensor.dtype in _SUFFIX
+        and tensor.layout == torch.strided
+        and 0 < tensor.shape[-1] < 2**31
+        and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)  # torch.func.vmap and friends
+        and not torch._C._functorch.is_legacy_batchedtensor(tensor)  # jacobian(..., vectorize=True)
+    )
+
+
+def usable(*tensors: Tensor) -> bool:
+    """True when the native kernels can run on these tensors: plain (not under vmap)
+    float32/float64 CPU tensors with rows of 1 to 2^31 - 1 entries.  The kernels
+    themselves need contiguous tensors."""
+    return all(_plain(tensor) for tensor in tensors) and library() is not None
+
+
+def _per_row(value: float | Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+    """A parameter as a contiguous per-row array of ``dtype`` and its stride (0: shared)."""
+    if isinstance(value, Tensor):
+        rows = x.numel() // x.shape[-1]
+        return value.detach().expand(*x.shape[:-1], 1).reshape(rows).to(dtype).contiguous(), 1
+    return torch.tensor([value], dtype=dtype), 0
+
+
+def _address(tensor: Tensor) -> int:
+    if not tensor.is_contiguous():
+        raise ValueError("the native kernels need contiguous tensors")
+    return tensor.data_ptr()
+
+
+def _call(name: str, x: Tensor, *arguments: object) -> None:
+    function = getattr(library(), f"{name}_{_SUFFIX[x.dtype]}")
+    status = function(*arguments, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"attnorm native kernel {name} could not allocate its row buffers")
+
+
+def softmax_forward(x: Tensor, scale: float | Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``softmax(scale * x)`` over the last axis (-inf masked); ``out`` may be ``x``.
+
+    Returns ``(weights, bad)``: rows that are fully masked, hold +inf or NaN or
+    overflow are zeros, flagged in ``bad`` (bool, ``x.shape[:-1]``).
+    """
+    out = torch.empty_like(x) if out is None else out
+    bad = torch.empty(x.shape[:-1], dtype=torch.uint8)
+    scales, stride = _per_row(scale, x, torch.float64)
+    length = x.shape[-1]
+    _call("attnorm_softmax_forward", x, _address(x), _address(out), x.numel() // length, length,
+          _address(scales), stride, _address(bad))
+    return out, bad.bool()
+
+
+def softmax_backward(out: Tensor, grad: Tensor, scale: float | Tensor) -> Tensor:
+    """``scale * J^T grad`` of softmax, from its output."""
+    grad = grad.to(out.dtype).contiguous()
+    grad_x = torch.empty_like(out)
+    scales, stride = _per_row(scale, out, torch.float64)
+    length = out.shape[-1]
+    _call("attnorm_softmax_backward", out, _address(out), _address(grad), _address(grad_x), out.numel() // length,
+          length, _address(scales), stride)
+    return grad_x
+
+
+def entmax_forward(x: Tensor, alpha: float | Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """alpha-entmax (alpha >= 1.05; 2 is sparsemax) over the last axis; as :func:`softmax_forward`."""
+    out = torch.empty_like(x) if out is None else out
+    bad = torch.empty(x.shape[:-1], dtype=torch.uint8)
+    alphas, stride = _per_row(alpha, x, torch.float64)
+    length = x.shape[-1]
+    _call("attnorm_entmax_forward", x, _address(x), _address(out), x.numel() // length, length,
+          _address(alphas), stride, _address(bad))
+    return out, bad.bool()
+
+
+def entmax_backward(out: Tensor, grad: Tensor, alpha: float | Tensor) -> Tensor:
+    """``J^T grad`` of alpha-entmax, from its output."""
+    grad = grad.to(out.dtype).contiguous()
+    grad_x = torch.empty_like(out)
+    alphas, stride = _per_row(alpha, out, torch.float64)
+    length = out.shape[-1]
+    _call("attnorm_entmax_backward", out, _address(out), _address(grad), _address(grad_x), out.numel() // length,
+          length, _address(alphas), stride)
+    return grad_x
+
+
+def topk_forward(x: Tensor, k: int | Tensor, scale: float | Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Softmax of ``scale * x`` over the ``k`` largest finite scores per row (``k`` an int
+    or a per-row integer tensor), ties kept in index order; as :func:`softmax_forward`."""
+    out = torch.empty_like(x) if out is None else out
+    bad = torch.empty(x.shape[:-1], dtype=torch.uint8)
+    counts, count_stride = _per_row(k, x, torch.int64)
+    scales, stride = _per_row(scale, x, torch.float64)
+    length = x.shape[-1]
+    _call("attnorm_topk_forward", x, _address(x), _address(out), x.numel() // length, length,
+          _address(counts), count_stride, _address(scales), stride, _address(bad))
+    return out, bad.bool()
