@@ -27,10 +27,17 @@ number.  On CUDA the report adds achieved GB/s for attnorm's kernels: the minimu
 bytes each kernel moves (:func:`attnorm.kernels.traffic.bytes_moved`) over the median
 time, against the device's peak bandwidth.
 
+On the CPU, attnorm's ``torch`` backend runs native C kernels (built once per
+machine, see :mod:`attnorm.kernels.native`); their one-time build and load times
+are measured in fresh processes and reported apart from the steady-state times
+(CSV rows with mode ``one-time``).  ``--torch-only`` adds attnorm's torch-only CPU
+path (native kernels off) as backend ``torch-only``, in the same interleaved rounds.
+
 Usage::
 
     python benchmarks/bench_normalizers.py              # 16384x512, 2048x4096, 256x32768
     python benchmarks/bench_normalizers.py --quick      # under a minute on a 2-core CPU
+    python benchmarks/bench_normalizers.py --torch-only # also attnorm without its native kernels
     python benchmarks/bench_normalizers.py --shapes 4096x1024 --dtype bfloat16 --device cuda
 
 Writes ``bench_normalizers.csv``, ``.md`` (ratios vs torch.softmax, also printed) and
@@ -44,10 +51,14 @@ import contextlib
 import csv
 import importlib
 import importlib.metadata
+import json
 import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +69,7 @@ from profiler_memory import allocator_peak_bytes
 from tqdm import tqdm
 
 import attnorm
+from attnorm.kernels import native
 
 MODES = ("forward", "backward", "forward+backward")
 COLUMNS = (
@@ -88,7 +100,22 @@ class Case:
         return self.normalizer, self.backend, self.provider
 
 
-def attnorm_cases(backend: str) -> list[Case]:
+def without_native(build: Callable[[], Callable]) -> Callable[[], Callable]:
+    """``build`` with its calls run on the torch-only CPU path (native kernels off)."""
+
+    def build_torch_only() -> Callable:
+        fn = build()
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            with native.disabled():
+                return fn(x)
+
+        return run
+
+    return build_torch_only
+
+
+def attnorm_cases(backend: str, torch_only: bool = False) -> list[Case]:
     modules = {
         "softmax": (lambda: attnorm.Softmax(backend=backend), "softmax"),
         "softmax(T=0.5)": (lambda: attnorm.Softmax(temperature=0.5, backend=backend), "softmax"),
@@ -99,7 +126,24 @@ def attnorm_cases(backend: str) -> list[Case]:
         "entmax(1.5)": (lambda: attnorm.Entmax(1.5, backend=backend), "entmax"),
         f"entmax({GENERAL_ALPHA})": (lambda: attnorm.Entmax(GENERAL_ALPHA, backend=backend), "entmax"),
     }
+    if torch_only:
+        return [Case(name, "torch-only", "attnorm", without_native(build), op) for name, (build, op) in modules.items()]
     return [Case(name, backend, "attnorm", build, op) for name, (build, op) in modules.items()]
+
+
+def native_one_time_cost() -> dict[str, object]:
+    """The native kernels' one-time cost, in fresh processes with an empty cache:
+    ``build_info()`` of the first (which compiles) and of the second (which loads)."""
+    script = "import json; from attnorm.kernels import native; print(json.dumps(native.build_info()))"
+    package_root = str(Path(attnorm.__file__).resolve().parent.parent)
+    with tempfile.TemporaryDirectory() as cache:
+        environment = {**os.environ, "ATTNORM_CACHE_DIR": cache,
+                       "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
+        runs = [subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True,
+                               check=True) for _ in range(2)]
+    build, load = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
+    return {"available": build["available"], "build_s": build.get("seconds"), "load_s": load.get("seconds"),
+            "reason": build.get("reason")}
 
 
 def baseline_cases(device: str) -> list[Case]:
@@ -266,7 +310,7 @@ def ratio_table(results: list[dict], shapes) -> str:
     """Markdown: median over rounds of time / torch.softmax time, per shape and mode."""
     times = {(r["normalizer"], r["backend"], r["provider"], r["rows"], r["L"], r["mode"], r["metric"]): r["median"]
              for r in results if r["metric"] in ("time", "time_ratio_vs_softmax")}
-    keys = list(dict.fromkeys((r["normalizer"], r["backend"], r["provider"]) for r in results))
+    keys = list(dict.fromkeys((r["normalizer"], r["backend"], r["provider"]) for r in results if r["metric"] == "time"))
     short = {"forward": "fwd", "backward": "bwd", "forward+backward": "fwd+bwd"}
     header = ["normalizer", "backend", "provider"]
     header += [f"{rows}x{length} {short[mode]}" for rows, length in shapes for mode in MODES]
@@ -305,6 +349,14 @@ def plot(results: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def one_time_note(one_time: dict[str, object]) -> str:
+    if not one_time["available"]:
+        return f"Native kernels unavailable ({one_time['reason']}): attnorm ran its torch-only CPU path."
+    return (f"One-time cost, not in the times above: building the native CPU kernels took "
+            f"{one_time['build_s']:.2f} s (once per machine; then cached), loading the cached build "
+            f"{1e3 * one_time['load_s']:.1f} ms (once per process).")
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     rows, _, length = text.lower().partition("x")
     return int(rows), int(length)
@@ -320,6 +372,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=6.0, help="seconds of timed repeats per slow case and mode")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--torch-only", action="store_true",
+                        help="on CPU, also time attnorm with its native kernels off (backend 'torch-only')")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -328,12 +382,24 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     backends = ["torch", "triton"] if args.device == "cuda" else ["torch"]
     cases = baseline_cases(args.device) + [case for backend in backends for case in attnorm_cases(backend)]
+    if args.torch_only and args.device == "cpu":
+        cases += attnorm_cases("torch", torch_only=True)
     stamp = versions(args.device)
+    one_time = native_one_time_cost() if args.device == "cpu" else None
     print(f"shapes (rows x L): {', '.join(f'{r}x{n}' for r, n in shapes)}; dtype {args.dtype}; device {args.device}")
     print(f"versions: {stamp}; attnorm from {Path(attnorm.__file__).parent}")
     print(f"top-k k = {TOPK}; general alpha = {GENERAL_ALPHA}; repeats <= {repeats} (>= 3), interleaved")
+    if one_time is not None:
+        print(one_time_note(one_time))
     with tqdm(total=len(cases) * len(shapes) * len(MODES), desc="bench", unit="case") as progress:
         results = benchmark(cases, shapes, dtype, args.device, repeats, budget, progress)
+    if one_time is not None and one_time["available"]:
+        for metric in ("build_s", "load_s"):
+            seconds = one_time[metric]
+            results.append({"normalizer": "native kernels", "backend": "torch", "provider": "attnorm",
+                            "mode": "one-time", "metric": metric.removesuffix("_s"), "unit": "s", "L": "-",
+                            "rows": "-", "dtype": "-", "device": "cpu", "median": seconds, "p20": seconds,
+                            "p80": seconds})
     for row in results:
         row["versions"] = stamp
     if args.device == "cuda" and (bandwidth := device_bandwidth()):
@@ -352,6 +418,8 @@ def main() -> None:
     note = (f"Time / `torch.softmax` time, median over interleaved rounds (each ratio taken within one round); "
             f"the softmax row holds its own median time.  dtype {args.dtype}, device {args.device}.  "
             f"Versions: {stamp.replace(';', ', ')}.")
+    if one_time is not None:
+        note += "  " + one_time_note(one_time)
     stem.with_suffix(".md").write_text(f"{table}\n\n{note}\n")
     print(table)
     plot(results, stem.with_suffix(".png"))

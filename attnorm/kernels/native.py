@@ -13,14 +13,17 @@ build: results agree to rounding either way.
 
 Environment:
 
-* ``ATTNORM_NATIVE=0`` turns the native kernels off;
+* ``ATTNORM_NATIVE=0`` turns the native kernels off (:func:`disabled` does it for
+  a block of code);
 * ``ATTNORM_CACHE_DIR`` chooses the cache directory (default
-  ``$XDG_CACHE_HOME/attnorm``, else ``~/.cache/attnorm``);
+  ``$XDG_CACHE_HOME/attnorm``, else ``~/.cache/attnorm``, else, when that is not
+  writable, ``attnorm-$USER`` in the temporary directory);
 * ``CC`` chooses the compiler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -31,6 +34,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -38,6 +42,7 @@ from torch import Tensor
 
 __all__ = [
     "build_info",
+    "disabled",
     "entmax_backward",
     "entmax_forward",
     "library",
@@ -79,13 +84,16 @@ _SIGNATURES = {
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _info: dict[str, object] = {}
+_disabled = False
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where a build may go: the configured cache, then a per-user temporary directory."""
     if os.environ.get("ATTNORM_CACHE_DIR"):
-        return Path(os.environ["ATTNORM_CACHE_DIR"])
+        return [Path(os.environ["ATTNORM_CACHE_DIR"])]
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "attnorm"
+    user = os.environ.get("USER") or str(os.getuid() if hasattr(os, "getuid") else "user")
+    return [Path(base) / "attnorm", Path(tempfile.gettempdir()) / f"attnorm-{user}"]
 
 
 def _cpu_signature() -> bytes:
@@ -97,13 +105,13 @@ def _cpu_signature() -> bytes:
     return flags.encode()
 
 
-def _library_path(compiler: str) -> Path:
+def _library_name(compiler: str) -> str:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((SOURCE_DIR / name).read_bytes())
     digest.update(" ".join((compiler, *FLAGS, *PARALLEL_FLAGS, platform.machine())).encode())
     digest.update(_cpu_signature())
-    return _cache_dir() / f"attnorm_rows_{digest.hexdigest()[:16]}.so"
+    return f"attnorm_rows_{digest.hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -130,22 +138,31 @@ def _load() -> ctypes.CDLL | None:
     if shutil.which(compiler) is None:
         _info.update(available=False, reason=f"no C compiler ({compiler!r} not found); using the torch-only path")
         return None
-    try:
-        path = _library_path(compiler)
+    name, errors, lib = _library_name(compiler), [], None
+    for directory in _cache_dirs():
+        path = directory / name
         started = time.perf_counter()
         cached = path.exists()
-        if not cached:
-            _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
-        for name, argtypes in _SIGNATURES.items():
-            for suffix in _SUFFIX.values():
-                function = getattr(lib, f"{name}_{suffix}")
-                function.argtypes = argtypes
-                function.restype = ctypes.c_int
-    except (OSError, RuntimeError) as error:
-        _info.update(available=False, reason=str(error))
-        warnings.warn(f"attnorm: native CPU kernels unavailable, using the torch-only path ({error})", stacklevel=3)
+        try:
+            if not cached:
+                _build(compiler, path)
+            lib = ctypes.CDLL(str(path))
+            break
+        except OSError as error:  # an unwritable cache: try the next
+            errors.append(str(error))
+        except RuntimeError as error:  # the compiler failed: it would fail anywhere
+            errors.append(str(error))
+            break
+    if lib is None:
+        reason = "; ".join(errors)
+        _info.update(available=False, reason=reason)
+        warnings.warn(f"attnorm: native CPU kernels unavailable, using the torch-only path ({reason})", stacklevel=3)
         return None
+    for function_name, argtypes in _SIGNATURES.items():
+        for suffix in _SUFFIX.values():
+            function = getattr(lib, f"{function_name}_{suffix}")
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
     _info.update(available=True, path=str(path), cached=cached, seconds=time.perf_counter() - started)
     return lib
 
@@ -172,6 +189,17 @@ def build_info() -> dict[str, object]:
     return dict(_info)
 
 
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block, the CPU path runs torch ops only (to compare or to debug)."""
+    global _disabled
+    previous, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = previous
+
+
 def _plain(tensor: Tensor) -> bool:
     return (
         tensor.device.type == "cpu"
@@ -187,7 +215,7 @@ def usable(*tensors: Tensor) -> bool:
     """True when the native kernels can run on these tensors: plain (not under vmap)
     float32/float64 CPU tensors with rows of 1 to 2^31 - 1 entries.  The kernels
     themselves need contiguous tensors."""
-    return all(_plain(tensor) for tensor in tensors) and library() is not None
+    return not _disabled and all(_plain(tensor) for tensor in tensors) and library() is not None
 
 
 def _per_row(value: float | Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
