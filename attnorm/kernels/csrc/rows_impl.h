@@ -1,26 +1,34 @@
 /*
  * Row kernels for one floating type, included by rows.c once per type with
- * REAL (float or double), SUFFIX (f32, f64), EXP, POW and EPS defined.
- * Sums are accumulated in double.
+ * REAL (float or double), SUFFIX (f32, f64), EXP, POW, EPS and NEXT_BELOW defined.
+ * Sums over a row are accumulated in double, except softmax's (all terms in (0, 1]).
  */
 #define FN(name) CAT(name, SUFFIX)
 
-/* Largest score, smallest finite score, and whether the row must go to the
- * reference (a NaN or +inf score, or nothing but -inf). */
-static int FN(scan_row)(const REAL* x, int64_t length, REAL* top, REAL* bottom) {
-    REAL high = -INFINITY, low = INFINITY;
+/* Largest score, and whether the row must go to the reference (a NaN or +inf
+ * score, or nothing but -inf). */
+static int FN(scan_row)(const REAL* x, int64_t length, REAL* top) {
+    REAL high = -INFINITY;
     int flag = 0;
-#pragma omp simd reduction(max : high) reduction(min : low) reduction(| : flag)
+#pragma omp simd reduction(max : high) reduction(| : flag)
     for (int64_t i = 0; i < length; i++) {
         REAL xi = x[i];
         high = xi > high ? xi : high;
-        REAL finite = xi == -INFINITY ? INFINITY : xi;
-        low = finite < low ? finite : low;
         flag |= (xi != xi) | (xi == INFINITY);
     }
     *top = high;
-    *bottom = low;
     return flag | (high == -INFINITY);
+}
+
+/* Smallest finite score (-inf scores are masked). */
+static REAL FN(smallest_finite)(const REAL* x, int64_t length) {
+    REAL low = INFINITY;
+#pragma omp simd reduction(min : low)
+    for (int64_t i = 0; i < length; i++) {
+        REAL finite = x[i] == -INFINITY ? INFINITY : x[i];
+        low = finite < low ? finite : low;
+    }
+    return low;
 }
 
 /* Maxima of `groups` interleaved position classes (i mod groups), the row maximum,
@@ -48,16 +56,17 @@ static int FN(scan_groups)(const REAL* x, int64_t length, int64_t groups, REAL* 
 /* ---- softmax(scale * x) ------------------------------------------------------- */
 
 static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, REAL scale, uint8_t* bad) {
-    REAL top, bottom;
-    int flag = FN(scan_row)(x, length, &top, &bottom);
-    REAL shift = scale > 0 ? scale * top : (scale < 0 ? scale * bottom : 0);
+    REAL top;
+    int flag = FN(scan_row)(x, length, &top);
+    /* the largest scaled score: at the smallest score when the scale is negative */
+    REAL shift = scale > 0 ? scale * top : (scale < 0 && !flag ? scale * FN(smallest_finite)(x, length) : 0);
     if (flag || !(shift > -INFINITY && shift < INFINITY)) {
         memset(y, 0, length * sizeof(REAL));
         *bad = 1;
         return;
     }
     *bad = 0;
-    double total = 0;
+    REAL total = 0; /* summed in SIMD lanes: pairwise-like rounding */
 #pragma omp simd reduction(+ : total)
     for (int64_t i = 0; i < length; i++) {
         REAL xi = x[i];
@@ -65,7 +74,7 @@ static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, REAL scale, 
         y[i] = e;
         total += e;
     }
-    REAL inverse = (REAL)(1.0 / total);
+    REAL inverse = 1 / total;
 #pragma omp simd
     for (int64_t i = 0; i < length; i++) y[i] *= inverse;
 }
