@@ -48,15 +48,20 @@ Mask = Tensor | StructuredMask | None
 
 
 class _Kernels(NamedTuple):
-    """One implementation of the three row kernels, each returning ``(weights, bad)``."""
+    """One implementation of the row kernels, each returning ``(weights, bad)``."""
 
     scaled_softmax: Callable[..., tuple[Tensor, Tensor]]
+    self_adjusted_softmax: Callable[..., tuple[Tensor, Tensor]]
     entmax_support: Callable[..., tuple[Tensor, Tensor]]
     topk_support: Callable[..., tuple[Tensor, Tensor]]
 
 
-_NATIVE = _Kernels(cpu_native.scaled_softmax, cpu_native.entmax_support, cpu_native.topk_support)
-_TORCH_ONLY = _Kernels(cpu_softmax.scaled_softmax, cpu_sparse.entmax_support, cpu_sparse.topk_support)
+_NATIVE = _Kernels(
+    cpu_native.scaled_softmax, cpu_native.self_adjusted_softmax, cpu_native.entmax_support, cpu_native.topk_support
+)
+_TORCH_ONLY = _Kernels(
+    cpu_softmax.scaled_softmax, cpu_softmax.self_adjusted_softmax, cpu_sparse.entmax_support, cpu_sparse.topk_support
+)
 
 # Below this alpha, (alpha - 1) x_i - tau is raised to powers > 20 and float32
 # loses the small weights; the reference's bisection handles it.
@@ -158,19 +163,13 @@ def scalable_softmax_rows(x: Tensor, mask: Mask, s: float | Tensor = 0.43, bias:
 
 @register("torch", "self_adjusted_softmax")
 def self_adjusted_softmax_rows(x: Tensor, mask: Mask, normalized: bool = True) -> Tensor:
-    if not _on_fast_path(x) or not _all_finite(x):
+    kernels = _kernels(x) if _on_fast_path(x) else None
+    # The torch-only kernel does not flag special rows: it takes finite scores only.
+    if kernels is None or (kernels is _TORCH_ONLY and not _all_finite(x)):
         return reference.self_adjusted_softmax_rows(x, mask, normalized=normalized)
     keep = _keep(mask, x)
-    weights, bad = _kernels(x).scaled_softmax(x, 1.0, keep)
-    factor = x
-    if normalized:
-        # (x - min(x_min, 0)) / (max(x_max, 0) - min(x_min, 0)) over the allowed positions.
-        low = (x if keep is None else x.masked_fill(~keep, math.inf)).amin(-1, keepdim=True).clamp_max(0)
-        high = (x if keep is None else x.masked_fill(~keep, -math.inf)).amax(-1, keepdim=True).clamp_min(0)
-        span = high - low
-        positive = span > 0
-        factor = torch.where(positive, (x - low) / torch.where(positive, span, 1.0), 0.0)
-    return redo_rows(factor * weights, bad, reference.self_adjusted_softmax_rows, x, keep, {"normalized": normalized})
+    out, bad = kernels.self_adjusted_softmax(x, keep, normalized)
+    return redo_rows(out, bad, reference.self_adjusted_softmax_rows, x, keep, {"normalized": normalized})
 
 
 @register("torch", "sparsemax")

@@ -1,13 +1,15 @@
 """The native CPU kernels (:mod:`attnorm.kernels.native`) as autograd Functions.
 
 Drop-in replacements for :func:`~attnorm.kernels.cpu_softmax.scaled_softmax`,
+:func:`~attnorm.kernels.cpu_softmax.self_adjusted_softmax`,
 :func:`~attnorm.kernels.cpu_sparse.entmax_support` and
 :func:`~attnorm.kernels.cpu_sparse.topk_support`, with the same ``(weights, bad)``
 contract, for parameters that are python numbers or tensors without a gradient
 (:mod:`attnorm.kernels.cpu` sends trainable parameters to the torch-only
 functions, which differentiate them).
 
-Each backward saves only the output.  It runs the native closed-form
+Each backward saves only the output (SA-Softmax: its scores and four per-row
+numbers).  It runs the native closed-form
 Jacobian-vector product, except under ``create_graph`` (double backward) or
 ``vmap`` (vectorised jacobians), where it uses the same formula in differentiable
 torch ops.
@@ -21,11 +23,11 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from attnorm.kernels import native
+from attnorm.kernels import native, reference
 from attnorm.kernels.reference import topk_row_count
 from attnorm.kernels.sparse import entmax_vjp
 
-__all__ = ["entmax_support", "scaled_softmax", "topk_support"]
+__all__ = ["entmax_support", "scaled_softmax", "self_adjusted_softmax", "topk_support"]
 
 
 def _scores(x: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -68,6 +70,29 @@ class _ScaledSoftmax(Function):
     def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
         out, scale = ctx.saved_tensors
         return _softmax_vjp(out, grad, ctx.scale if scale is None else scale), None, None
+
+
+class _SelfAdjustedSoftmax(Function):
+    @staticmethod
+    def forward(ctx, scores: Tensor, normalized: bool):
+        out, bad, stats = native.self_adjusted_forward(scores, normalized)
+        ctx.save_for_backward(scores, stats)
+        ctx.normalized = normalized
+        ctx.mark_non_differentiable(bad)
+        return out, bad
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
+        # The output does not determine the scores (phi(x) w mixes both): SA saves its input.
+        scores, stats = ctx.saved_tensors
+        if _native_backward(scores, grad):
+            return native.self_adjusted_backward(scores, grad, ctx.normalized, stats), None
+        # Double backward or vmap: differentiate the torch reference of the forward
+        # (flagged rows are replaced by the caller, so their gradient is zero).
+        grad = grad.masked_fill(stats[:, 3].view(grad.shape[:-1]).unsqueeze(-1) == 0, 0.0)
+        with torch.enable_grad():
+            out = reference.self_adjusted_softmax_rows(scores, None, normalized=ctx.normalized)
+            return torch.autograd.grad(out, scores, grad, create_graph=torch.is_grad_enabled())[0], None
 
 
 class _Entmax(Function):
@@ -116,6 +141,14 @@ class _TopKSoftmax(Function):
 def scaled_softmax(x: Tensor, scale: float | Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
     """As :func:`attnorm.kernels.cpu_softmax.scaled_softmax`, for a ``scale`` without gradient."""
     return _ScaledSoftmax.apply(x, float(scale) if isinstance(scale, (int, float)) else scale, keep)
+
+
+def self_adjusted_softmax(x: Tensor, keep: Tensor | None, normalized: bool) -> tuple[Tensor, Tensor]:
+    """SA-Softmax ``phi(x) * softmax(x)`` over the positions ``keep`` allows; ``(weights, bad)``
+    as for :func:`scaled_softmax`."""
+    if keep is not None:  # masked out of place and differentiably: the scores are saved for backward
+        x = x.masked_fill(~keep, -math.inf)
+    return _SelfAdjustedSoftmax.apply(x.contiguous(), normalized)
 
 
 def entmax_support(x: Tensor, keep: Tensor | None, alpha: float | Tensor) -> tuple[Tensor, Tensor]:

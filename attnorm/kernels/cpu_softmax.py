@@ -1,4 +1,4 @@
-"""Softmax of scaled, masked rows with one output buffer per pass (the fast CPU path).
+"""Softmax of scaled, masked rows with one output buffer per pass (the torch-only CPU path).
 
 ``scaled_softmax(x, scale, keep)`` is ``softmax(scale * x)`` over the positions
 ``keep`` allows.  On the CPU a fresh 32 MB tensor costs more in page faults than
@@ -17,7 +17,7 @@ from torch.autograd import Function
 
 from attnorm.kernels.sparse import sum_to_shape
 
-__all__ = ["scaled_softmax"]
+__all__ = ["scaled_softmax", "self_adjusted_softmax"]
 
 
 def _softmax_in_place(z: Tensor) -> Tensor:
@@ -81,3 +81,21 @@ def scaled_softmax(x: Tensor, scale: float | Tensor, keep: Tensor | None) -> tup
     if isinstance(scale, (int, float)):
         scale = float(scale)
     return _ScaledSoftmax.apply(x, scale, keep)
+
+
+def self_adjusted_softmax(x: Tensor, keep: Tensor | None, normalized: bool) -> tuple[Tensor, Tensor]:
+    """SA-Softmax ``phi(x) * softmax(x)`` of finite scores over the positions ``keep`` allows.
+
+    ``phi(x) = (x - min(x_min, 0)) / (max(x_max, 0) - min(x_min, 0))`` (normalized;
+    0 where the span is 0) or ``x``.  Returns ``(weights, bad)`` as for
+    :func:`scaled_softmax`; autograd differentiates the factor.
+    """
+    weights, bad = scaled_softmax(x, 1.0, keep)
+    factor = x
+    if normalized:
+        low = (x if keep is None else x.masked_fill(~keep, math.inf)).amin(-1, keepdim=True).clamp_max(0)
+        high = (x if keep is None else x.masked_fill(~keep, -math.inf)).amax(-1, keepdim=True).clamp_min(0)
+        span = high - low
+        positive = span > 0
+        factor = torch.where(positive, (x - low) / torch.where(positive, span, 1.0), 0.0)
+    return factor * weights, bad

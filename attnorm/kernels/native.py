@@ -46,6 +46,8 @@ __all__ = [
     "entmax_backward",
     "entmax_forward",
     "library",
+    "self_adjusted_backward",
+    "self_adjusted_forward",
     "softmax_backward",
     "softmax_forward",
     "topk_forward",
@@ -75,6 +77,10 @@ _SIGNATURES = {
     "attnorm_softmax_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int),
     # y, grad, grad_x, rows, length, scale, scale_stride, threads
     "attnorm_softmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int),
+    # x, y, rows, length, normalized, stats, bad, threads
+    "attnorm_self_adjusted_forward": (_ptr, _ptr, _i64, _i64, ctypes.c_int, _ptr, _ptr, ctypes.c_int),
+    # x, grad, grad_x, rows, length, normalized, stats, threads
+    "attnorm_self_adjusted_backward": (_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_int, _ptr, ctypes.c_int),
     "attnorm_entmax_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int),
     "attnorm_entmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int),
     # x, y, rows, length, k, k_stride, scale, scale_stride, bad, threads
@@ -262,6 +268,28 @@ def softmax_backward(out: Tensor, grad: Tensor, scale: float | Tensor) -> Tensor
     length = out.shape[-1]
     _call("attnorm_softmax_backward", out, _address(out), _address(grad), _address(grad_x), out.numel() // length,
           length, _address(scales), stride)
+    return grad_x
+
+
+def self_adjusted_forward(x: Tensor, normalized: bool, out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """SA-Softmax over the last axis; as :func:`softmax_forward`, plus the per-row
+    statistics its backward needs (float64 ``(rows, 4)``)."""
+    out = torch.empty_like(x) if out is None else out
+    bad = torch.empty(x.shape[:-1], dtype=torch.uint8)
+    length = x.shape[-1]
+    stats = torch.empty(x.numel() // length, 4, dtype=torch.float64)
+    _call("attnorm_self_adjusted_forward", x, _address(x), _address(out), x.numel() // length, length,
+          int(normalized), _address(stats), _address(bad))
+    return out, bad.bool(), stats
+
+
+def self_adjusted_backward(x: Tensor, grad: Tensor, normalized: bool, stats: Tensor) -> Tensor:
+    """``J^T grad`` of SA-Softmax, from its input and :func:`self_adjusted_forward`'s statistics."""
+    grad = grad.to(x.dtype).contiguous()
+    grad_x = torch.empty_like(x)
+    length = x.shape[-1]
+    _call("attnorm_self_adjusted_backward", x, _address(x), _address(grad), _address(grad_x), x.numel() // length,
+          length, int(normalized), _address(stats))
     return grad_x
 
 

@@ -89,6 +89,94 @@ static void FN(softmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t
     for (int64_t i = 0; i < length; i++) gx[i] = scale * y[i] * (g[i] - mean);
 }
 
+/* ---- Self-Adjusted Softmax (Zheng et al., 2025) -------------------------------- */
+
+/*
+ * y = phi(x) softmax(x), phi(x) = x (plain) or (x - low) / (high - low) with
+ * low = min(min x, 0), high = max(max x, 0) over the finite scores (normalized;
+ * phi = 0 when high = low).  stats receives (log sum exp, low, high, gate) for the
+ * backward; the gate is 0 in flagged rows, whose gradient is 0 here.
+ */
+static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int normalized, double* stats, uint8_t* bad) {
+    REAL top;
+    if (FN(scan_row)(x, length, &top)) {
+        memset(y, 0, length * sizeof(REAL));
+        stats[0] = stats[1] = stats[2] = stats[3] = 0;
+        *bad = 1;
+        return;
+    }
+    *bad = 0;
+    REAL low = 0, high = 0, inverse_span = 0;
+    if (normalized) {
+        REAL smallest = FN(smallest_finite)(x, length);
+        low = smallest < 0 ? smallest : 0;
+        high = top > 0 ? top : 0;
+        inverse_span = high > low ? 1 / (high - low) : 0;
+    }
+    REAL total = 0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < length; i++) {
+        REAL e = x[i] == -INFINITY ? 0 : EXP(x[i] - top);
+        y[i] = e;
+        total += e;
+    }
+    REAL inverse = 1 / total;
+#pragma omp simd
+    for (int64_t i = 0; i < length; i++) {
+        REAL xi = x[i];
+        REAL factor = normalized ? (xi - low) * inverse_span : xi;
+        y[i] = xi == -INFINITY ? 0 : factor * y[i] * inverse;
+    }
+    stats[0] = (double)top + log((double)total);
+    stats[1] = low;
+    stats[2] = high;
+    stats[3] = 1;
+}
+
+/*
+ * With w = softmax(x), P = sum(g phi w), Q = sum(g w):
+ * dx_j = w_j (g_j phi_j - P) + g_j w_j phi', phi' = 1 (plain) or 1 / span plus the
+ * paths through low and high: (P - Q) / span shared by the positions attaining
+ * low, -P / span by those attaining high (as torch's amin/amax and clamp share them).
+ */
+static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, int64_t length, int normalized,
+                                       const double* stats) {
+    if (stats[3] == 0) {
+        memset(gx, 0, length * sizeof(REAL));
+        return;
+    }
+    const REAL lse = (REAL)stats[0], low = (REAL)stats[1], high = (REAL)stats[2];
+    const REAL inverse_span = normalized && high > low ? 1 / (high - low) : 0;
+    double phi_g_w = 0, g_w = 0;
+    int64_t at_low = 0, at_high = 0;
+#pragma omp simd reduction(+ : phi_g_w, g_w, at_low, at_high)
+    for (int64_t i = 0; i < length; i++) {
+        REAL xi = x[i];
+        int allowed = xi > -INFINITY;
+        REAL w = allowed ? EXP(xi - lse) : 0;
+        REAL factor = normalized ? (xi - low) * inverse_span : xi;
+        REAL weighted_g = allowed ? g[i] * w : 0;
+        phi_g_w += allowed ? weighted_g * factor : 0;
+        g_w += weighted_g;
+        at_low += allowed && xi == low;
+        at_high += allowed && xi == high;
+    }
+    const REAL P = (REAL)phi_g_w;
+    const REAL through_low = inverse_span > 0 ? (REAL)(phi_g_w - g_w) * inverse_span / (at_low > 0 ? at_low : 1) : 0;
+    const REAL through_high = inverse_span > 0 ? P * inverse_span / (at_high > 0 ? at_high : 1) : 0;
+    const REAL slope = normalized ? inverse_span : 1;
+#pragma omp simd
+    for (int64_t i = 0; i < length; i++) {
+        REAL xi = x[i];
+        int allowed = xi > -INFINITY;
+        REAL w = allowed ? EXP(xi - lse) : 0;
+        REAL factor = normalized ? (xi - low) * inverse_span : xi;
+        REAL dx = w * (g[i] * factor - P) + g[i] * w * slope;
+        dx += (xi == low ? through_low : 0) - (xi == high ? through_high : 0);
+        gx[i] = allowed ? dx : 0;
+    }
+}
+
 /* ---- alpha-entmax ------------------------------------------------------------- */
 
 /* Mass f(tau) = sum_j max(t_j - tau, 0)^p over the candidates, and -f'(tau). */
@@ -350,6 +438,24 @@ int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         FN(softmax_grad_row)(y + r * length, g + r * length, gx + r * length, length, (REAL)scale[r * scale_stride]);
+    }
+    return 0;
+}
+
+int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized,
+                                      double* stats, uint8_t* bad, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        FN(self_adjusted_row)(x + r * length, y + r * length, length, normalized, stats + 4 * r, bad + r);
+    }
+    return 0;
+}
+
+int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
+                                       int normalized, const double* stats, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        FN(self_adjusted_grad_row)(x + r * length, g + r * length, gx + r * length, length, normalized, stats + 4 * r);
     }
     return 0;
 }
