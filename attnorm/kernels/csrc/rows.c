@@ -23,9 +23,10 @@
 #include <string.h>
 
 /* exp for float: 2^n * e^r with |r| <= ln2/2, degree-7 Taylor polynomial (< 2 ulp).
- * Exactly 0 below -104 (float's smallest subnormal is 2^-149 ~ e^-103.3). */
+ * Results below FLT_MIN (x < -87.3) are flushed to 0: negligible in a normalised
+ * row, and it keeps the scaling to one exponent add.  -inf gives 0. */
 static inline float exp_f32(float x) {
-    const float hi = 88.0f, lo = -104.0f;
+    const float hi = 88.7f, lo = -87.3f;
     float xc = x > hi ? hi : (x < lo ? lo : x);
     float n = __builtin_roundf(xc * 1.44269504088896341f);
     float r = xc - n * 0.693359375f;       /* ln2 split: exact high part ... */
@@ -38,11 +39,8 @@ static inline float exp_f32(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    /* 2^n in two factors, so n down to -150 stays a (subnormal) float. */
-    int32_t n1 = (int32_t)n / 2, n2 = (int32_t)n - n1;
-    union { int32_t i; float f; } s1 = {(n1 + 127) << 23}, s2 = {(n2 + 127) << 23};
-    float y = p * s1.f * s2.f;
-    return x < lo ? 0.0f : y;
+    union { int32_t i; float f; } scale = {((int32_t)n + 127) << 23};
+    return x < lo ? 0.0f : p * scale.f;
 }
 
 /* log for positive normal floats: e ln2 + log(m), m in [sqrt(1/2), sqrt(2)),

@@ -67,12 +67,20 @@ static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, REAL scale, 
     }
     *bad = 0;
     REAL total = 0; /* summed in SIMD lanes: pairwise-like rounding */
+    if (scale > 0) { /* -inf scores give exp(-inf) = 0 */
 #pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < length; i++) {
-        REAL xi = x[i];
-        REAL e = xi == -INFINITY ? 0 : EXP(scale * xi - shift);
-        y[i] = e;
-        total += e;
+        for (int64_t i = 0; i < length; i++) {
+            REAL e = EXP(scale * x[i] - shift);
+            y[i] = e;
+            total += e;
+        }
+    } else {
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < length; i++) {
+            REAL e = x[i] == -INFINITY ? 0 : EXP(scale * x[i] - shift);
+            y[i] = e;
+            total += e;
+        }
     }
     REAL inverse = 1 / total;
 #pragma omp simd
