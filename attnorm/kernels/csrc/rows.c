@@ -167,6 +167,7 @@ enum { SPARSEMAX = 0, ENTMAX15 = 1, GENERAL = 2 };
 
 static int entmax_kind(double alpha) { return alpha == 2.0 ? SPARSEMAX : (alpha == 1.5 ? ENTMAX15 : GENERAL); }
 
+#define PAD 16               /* candidate arrays are padded to whole 64-byte vectors */
 #define MAX_GROUPS 256      /* position groups whose maxima bound entmax's threshold */
 #define MAX_TOPK_GROUPS 4096 /* ... and top-k's k-th largest score (for k <= 2048) */
 

@@ -187,9 +187,15 @@ static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, i
 
 /* ---- alpha-entmax ------------------------------------------------------------- */
 
-/* Mass f(tau) = sum_j max(t_j - tau, 0)^p over the candidates, and -f'(tau). */
-static void FN(entmax_mass)(const REAL* t, int64_t count, REAL tau, REAL p, int kind, double* mass, double* slope) {
-    double f = 0, df = 0;
+/* Mass f(tau) = sum_j max(t_j - tau, 0)^p over the candidates, -f'(tau) and f''(tau). */
+static void FN(entmax_mass)(REAL* t, int64_t count, REAL tau, REAL p, int kind, double* mass, double* slope,
+                            double* curvature) {
+    double f = 0, df = 0, f2 = 0;
+    /* Padded with -inf (no mass) to whole vectors: a scalar remainder loop would
+     * pay for pow one lane at a time. */
+    const int64_t padded = (count + PAD - 1) / PAD * PAD;
+    for (int64_t j = count; j < padded; j++) t[j] = -INFINITY;
+    count = padded;
     if (kind == SPARSEMAX) {
 #pragma omp simd reduction(+ : f, df)
         for (int64_t j = 0; j < count; j++) {
@@ -198,30 +204,37 @@ static void FN(entmax_mass)(const REAL* t, int64_t count, REAL tau, REAL p, int 
             df += d > 0 ? 1 : 0;
         }
     } else if (kind == ENTMAX15) {
-#pragma omp simd reduction(+ : f, df)
+#pragma omp simd reduction(+ : f, df, f2)
         for (int64_t j = 0; j < count; j++) {
             REAL d = t[j] - tau;
-            d = d > 0 ? d : 0;
-            f += d * d;
-            df += 2 * d;
+            f += d > 0 ? d * d : 0;
+            df += d > 0 ? 2 * d : 0;
+            f2 += d > 0 ? 2 : 0;
         }
     } else {
-#pragma omp simd reduction(+ : f, df)
+#pragma omp simd reduction(+ : f, df, f2)
         for (int64_t j = 0; j < count; j++) {
             REAL d = t[j] - tau;
             REAL w = d > 0 ? POW(d > 0 ? d : 1, p) : 0;
+            REAL w_over_d = d > 0 ? w / d : 0;
             f += w;
-            df += d > 0 ? w / d : 0;
+            df += w_over_d;
+            f2 += d > 0 ? w_over_d / d : 0;
         }
         df *= p;
+        f2 *= p * (p - 1);
     }
     *mass = f;
     *slope = df;
+    *curvature = f2;
 }
 
 /* Weights max(t_j - tau, 0)^p written over the candidates; returns their sum. */
 static double FN(entmax_weights)(REAL* t, int64_t count, REAL tau, REAL p, int kind) {
     double total = 0;
+    const int64_t padded = (count + PAD - 1) / PAD * PAD; /* as in entmax_mass */
+    for (int64_t j = count; j < padded; j++) t[j] = -INFINITY;
+    count = padded;
     if (kind == GENERAL) {
 #pragma omp simd reduction(+ : total)
         for (int64_t j = 0; j < count; j++) {
@@ -254,13 +267,14 @@ static double FN(entmax_threshold)(REAL* t, int32_t* index, int64_t* count_io, d
     double high = -pow((double)count, 1.0 - alpha); /* each candidate has mass <= 1 / count there */
     double tau = alpha <= 2 ? *low : high;
     for (int iteration = 0; iteration < iterations && high > *low; iteration++) {
-        double f, df;
-        FN(entmax_mass)(t, count, (REAL)tau, p, kind, &f, &df);
+        double f, df, f2;
+        FN(entmax_mass)(t, count, (REAL)tau, p, kind, &f, &df, &f2);
         double previous_low = *low;
         if (f >= 1) *low = tau;
         else high = tau;
         if (fabs(f - 1) <= 8 * EPS) break;
-        double next = tau + (f - 1) / df;
+        /* Halley's step (Newton's where f'' = 0: sparsemax, Michelot's exact update) */
+        double next = tau + 2 * (f - 1) * df / (2 * df * df - (f - 1) * f2);
         if (!(next > *low && next < high)) next = 0.5 * (*low + high);
         if ((REAL)next == (REAL)tau) break;
         tau = next;
@@ -282,14 +296,15 @@ static double FN(entmax_threshold)(REAL* t, int32_t* index, int64_t* count_io, d
  * entmax_alpha(x) = max((alpha - 1) x - tau, 0)^(1 / (alpha - 1)) with tau such that
  * the weights sum to 1.  With t = (alpha - 1)(x - max x) the threshold lies in
  * [-1, -n^(1 - alpha)] for n candidates.  A subset's threshold is a lower bound
- * (fewer terms, less mass), so for alpha <= 2 three Newton steps on the maxima of
+ * (fewer terms, less mass), so for alpha <= 2 three steps on the maxima of
  * interleaved position groups raise -1 first; the candidates are the scores above
- * that bound, gathered from the groups whose maximum is, usually a few times the
- * support.  On them, Newton's method safeguarded by bisection: the mass is convex
- * for alpha <= 2 (iterates rise monotonically) and concave above (iterates fall
- * from the upper end).  For sparsemax Newton's step is Michelot's exact update and
- * ends on the exact threshold; otherwise it stops once the mass is within a few
- * ulps of 1, and the weights are renormalised.
+ * that bound, usually a few times the support.  On them, Halley's method (cubic
+ * convergence; the mass is smooth between support changes) safeguarded by
+ * bisection, starting from the lower end for alpha <= 2 (convex mass) and from the
+ * upper end above.  For sparsemax the curvature is 0 and the step is Newton's,
+ * which is Michelot's exact update and ends on the exact threshold; otherwise the
+ * iteration stops once the mass is within a few ulps of 1, and the weights are
+ * renormalised.
  */
 static void FN(entmax_row)(const REAL* x, REAL* y, int64_t length, double alpha, REAL* t, int32_t* index, uint8_t* bad) {
     REAL group_max[MAX_GROUPS], subset[MAX_GROUPS], top;
@@ -353,8 +368,10 @@ static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t 
     int64_t count = FN(gather_above)(y, length, 0, slope, index);
     memset(gx, 0, length * sizeof(REAL));
     const REAL power = (REAL)(2 - alpha);
+    const int64_t padded = (count + PAD - 1) / PAD * PAD; /* whole vectors for pow; the sums stop at count */
+    for (int64_t j = count; j < padded; j++) slope[j] = 1;
 #pragma omp simd
-    for (int64_t j = 0; j < count; j++) slope[j] = POW(slope[j], power);
+    for (int64_t j = 0; j < padded; j++) slope[j] = POW(slope[j], power);
     double slope_total = 0, dot = 0;
 #pragma omp simd reduction(+ : slope_total, dot)
     for (int64_t j = 0; j < count; j++) {
@@ -473,7 +490,7 @@ int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t len
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        REAL* t = malloc(length * sizeof(REAL));
+        REAL* t = malloc((length + PAD) * sizeof(REAL));
         int32_t* index = malloc(length * sizeof(int32_t));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
@@ -496,7 +513,7 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
 #pragma omp parallel num_threads(threads)
     {
         int32_t* index = malloc(length * sizeof(int32_t));
-        REAL* slope = malloc(length * sizeof(REAL));
+        REAL* slope = malloc((length + PAD) * sizeof(REAL));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (index && slope) {
