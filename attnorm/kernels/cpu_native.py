@@ -56,20 +56,29 @@ def _softmax_vjp(out: Tensor, grad: Tensor, scale: float | Tensor) -> Tensor:
     return torch.ops.aten._softmax_backward_data(grad, out, -1, out.dtype) * scale
 
 
+def _save(ctx, out: Tensor, bad: Tensor, parameter: float | Tensor) -> tuple[Tensor, Tensor]:
+    """Save the output and the parameter (a tensor through autograd, a number on ``ctx``)."""
+    ctx.save_for_backward(out, parameter if isinstance(parameter, Tensor) else None)
+    ctx.parameter = parameter
+    ctx.mark_non_differentiable(bad)
+    return out, bad
+
+
+def _saved(ctx) -> tuple[Tensor, float | Tensor]:
+    out, parameter = ctx.saved_tensors
+    return out, ctx.parameter if parameter is None else parameter
+
+
 class _ScaledSoftmax(Function):
     @staticmethod
     def forward(ctx, x: Tensor, scale: float | Tensor, keep: Tensor | None):
         scores, buffer = _scores(x, keep)
-        out, bad = native.softmax_forward(scores, scale, out=buffer)
-        ctx.save_for_backward(out, scale if isinstance(scale, Tensor) else None)
-        ctx.scale = scale
-        ctx.mark_non_differentiable(bad)
-        return out, bad
+        return _save(ctx, *native.softmax_forward(scores, scale, out=buffer), scale)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
-        out, scale = ctx.saved_tensors
-        return _softmax_vjp(out, grad, ctx.scale if scale is None else scale), None, None
+        out, scale = _saved(ctx)
+        return _softmax_vjp(out, grad, scale), None, None
 
 
 class _SelfAdjustedSoftmax(Function):
@@ -99,16 +108,11 @@ class _Entmax(Function):
     @staticmethod
     def forward(ctx, x: Tensor, keep: Tensor | None, alpha: float | Tensor):
         scores, buffer = _scores(x, keep)
-        out, bad = native.entmax_forward(scores, alpha, out=buffer)
-        ctx.save_for_backward(out, alpha if isinstance(alpha, Tensor) else None)
-        ctx.alpha = alpha
-        ctx.mark_non_differentiable(bad)
-        return out, bad
+        return _save(ctx, *native.entmax_forward(scores, alpha, out=buffer), alpha)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
-        out, alpha = ctx.saved_tensors
-        alpha = ctx.alpha if alpha is None else alpha
+        out, alpha = _saved(ctx)
         if _native_backward(out, grad):
             return native.entmax_backward(out, grad, alpha), None, None
         # Jacobian of entmax: diag(s) - s s^T / sum(s), s = out^(2 - alpha) on the support.
@@ -125,17 +129,13 @@ class _TopKSoftmax(Function):
             counts = int(k)
         else:
             counts = topk_row_count(k, allowed_count.expand(*x.shape[:-1], 1))
-        out, bad = native.topk_forward(scores, counts, scale, out=buffer)
-        ctx.save_for_backward(out, scale if isinstance(scale, Tensor) else None)
-        ctx.scale = scale
-        ctx.mark_non_differentiable(bad)
-        return out, bad
+        return _save(ctx, *native.topk_forward(scores, counts, scale, out=buffer), scale)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
         # Softmax's backward: positions outside the top k have out = 0 and get 0.
-        out, scale = ctx.saved_tensors
-        return _softmax_vjp(out, grad, ctx.scale if scale is None else scale), None, None, None, None
+        out, scale = _saved(ctx)
+        return _softmax_vjp(out, grad, scale), None, None, None, None
 
 
 def scaled_softmax(x: Tensor, scale: float | Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:

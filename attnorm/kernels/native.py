@@ -238,11 +238,30 @@ def _address(tensor: Tensor) -> int:
     return tensor.data_ptr()
 
 
-def _call(name: str, x: Tensor, *arguments: object) -> None:
+def _launch(name: str, x: Tensor, *arguments: object) -> None:
+    """Call kernel ``name`` for ``x``'s dtype; tensors go as addresses, threads last."""
     function = getattr(library(), f"{name}_{_SUFFIX[x.dtype]}")
-    status = function(*arguments, torch.get_num_threads())
-    if status != 0:
+    values = [_address(value) if isinstance(value, Tensor) else value for value in arguments]
+    if function(*values, torch.get_num_threads()) != 0:
         raise MemoryError(f"attnorm native kernel {name} could not allocate its row buffers")
+
+
+def _forward(name: str, x: Tensor, out: Tensor | None, *row_arguments: object) -> tuple[Tensor, Tensor]:
+    """Run a forward kernel ``(x, out, rows, length, *row_arguments, bad)``; returns ``(out, bad)``."""
+    out = torch.empty_like(x) if out is None else out
+    bad = torch.empty(x.shape[:-1], dtype=torch.uint8)
+    length = x.shape[-1]
+    _launch(name, x, x, out, x.numel() // length, length, *row_arguments, bad)
+    return out, bad.bool()
+
+
+def _backward(name: str, saved: Tensor, grad: Tensor, *row_arguments: object) -> Tensor:
+    """Run a backward kernel ``(saved, grad, grad_x, rows, length, *row_arguments)``."""
+    grad = grad.to(saved.dtype).contiguous()
+    grad_x = torch.empty_like(saved)
+    length = saved.shape[-1]
+    _launch(name, saved, saved, grad, grad_x, saved.numel() // length, length, *row_arguments)
+    return grad_x
 
 
 def softmax_forward(x: Tensor, scale: float | Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -251,78 +270,38 @@ def softmax_forward(x: Tensor, scale: float | Tensor, out: Tensor | None = None)
     Returns ``(weights, bad)``: rows that are fully masked, hold +inf or NaN or
     overflow are zeros, flagged in ``bad`` (bool, ``x.shape[:-1]``).
     """
-    out = torch.empty_like(x) if out is None else out
-    bad = torch.empty(x.shape[:-1], dtype=torch.uint8)
-    scales, stride = _per_row(scale, x, torch.float64)
-    length = x.shape[-1]
-    _call("attnorm_softmax_forward", x, _address(x), _address(out), x.numel() // length, length,
-          _address(scales), stride, _address(bad))
-    return out, bad.bool()
+    return _forward("attnorm_softmax_forward", x, out, *_per_row(scale, x, torch.float64))
 
 
 def softmax_backward(out: Tensor, grad: Tensor, scale: float | Tensor) -> Tensor:
     """``scale * J^T grad`` of softmax, from its output."""
-    grad = grad.to(out.dtype).contiguous()
-    grad_x = torch.empty_like(out)
-    scales, stride = _per_row(scale, out, torch.float64)
-    length = out.shape[-1]
-    _call("attnorm_softmax_backward", out, _address(out), _address(grad), _address(grad_x), out.numel() // length,
-          length, _address(scales), stride)
-    return grad_x
+    return _backward("attnorm_softmax_backward", out, grad, *_per_row(scale, out, torch.float64))
 
 
 def self_adjusted_forward(x: Tensor, normalized: bool, out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """SA-Softmax over the last axis; as :func:`softmax_forward`, plus the per-row
     statistics its backward needs (float64 ``(rows, 4)``)."""
-    out = torch.empty_like(x) if out is None else out
-    bad = torch.empty(x.shape[:-1], dtype=torch.uint8)
-    length = x.shape[-1]
-    stats = torch.empty(x.numel() // length, 4, dtype=torch.float64)
-    _call("attnorm_self_adjusted_forward", x, _address(x), _address(out), x.numel() // length, length,
-          int(normalized), _address(stats), _address(bad))
-    return out, bad.bool(), stats
+    stats = torch.empty(x.numel() // x.shape[-1], 4, dtype=torch.float64)
+    return (*_forward("attnorm_self_adjusted_forward", x, out, int(normalized), stats), stats)
 
 
 def self_adjusted_backward(x: Tensor, grad: Tensor, normalized: bool, stats: Tensor) -> Tensor:
     """``J^T grad`` of SA-Softmax, from its input and :func:`self_adjusted_forward`'s statistics."""
-    grad = grad.to(x.dtype).contiguous()
-    grad_x = torch.empty_like(x)
-    length = x.shape[-1]
-    _call("attnorm_self_adjusted_backward", x, _address(x), _address(grad), _address(grad_x), x.numel() // length,
-          length, int(normalized), _address(stats))
-    return grad_x
+    return _backward("attnorm_self_adjusted_backward", x, grad, int(normalized), stats)
 
 
 def entmax_forward(x: Tensor, alpha: float | Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """alpha-entmax (alpha >= 1.05; 2 is sparsemax) over the last axis; as :func:`softmax_forward`."""
-    out = torch.empty_like(x) if out is None else out
-    bad = torch.empty(x.shape[:-1], dtype=torch.uint8)
-    alphas, stride = _per_row(alpha, x, torch.float64)
-    length = x.shape[-1]
-    _call("attnorm_entmax_forward", x, _address(x), _address(out), x.numel() // length, length,
-          _address(alphas), stride, _address(bad))
-    return out, bad.bool()
+    return _forward("attnorm_entmax_forward", x, out, *_per_row(alpha, x, torch.float64))
 
 
 def entmax_backward(out: Tensor, grad: Tensor, alpha: float | Tensor) -> Tensor:
     """``J^T grad`` of alpha-entmax, from its output."""
-    grad = grad.to(out.dtype).contiguous()
-    grad_x = torch.empty_like(out)
-    alphas, stride = _per_row(alpha, out, torch.float64)
-    length = out.shape[-1]
-    _call("attnorm_entmax_backward", out, _address(out), _address(grad), _address(grad_x), out.numel() // length,
-          length, _address(alphas), stride)
-    return grad_x
+    return _backward("attnorm_entmax_backward", out, grad, *_per_row(alpha, out, torch.float64))
 
 
 def topk_forward(x: Tensor, k: int | Tensor, scale: float | Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Softmax of ``scale * x`` over the ``k`` largest finite scores per row (``k`` an int
     or a per-row integer tensor), ties kept in index order; as :func:`softmax_forward`."""
-    out = torch.empty_like(x) if out is None else out
-    bad = torch.empty(x.shape[:-1], dtype=torch.uint8)
-    counts, count_stride = _per_row(k, x, torch.int64)
-    scales, stride = _per_row(scale, x, torch.float64)
-    length = x.shape[-1]
-    _call("attnorm_topk_forward", x, _address(x), _address(out), x.numel() // length, length,
-          _address(counts), count_stride, _address(scales), stride, _address(bad))
-    return out, bad.bool()
+    counts = _per_row(k, x, torch.int64)
+    return _forward("attnorm_topk_forward", x, out, *counts, *_per_row(scale, x, torch.float64))
