@@ -3,11 +3,14 @@
 Every row operation, every mask kind, float64 and float32: forward and backward
 (including the gradients of tensor parameters) must match the reference within
 1e-5 (float32) or 1e-10 (float64), and so must the rows the fast path hands back
-to the reference (fully masked, +inf, NaN).
+to the reference (fully masked, +inf, NaN).  The comparisons run under both
+implementations of the row kernels (the ``kernels`` fixture): the native C
+kernels and the torch-only ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -16,10 +19,29 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import attnorm
 from attnorm import functional as F
-from attnorm.kernels import cpu, dispatch, reference
+from attnorm.kernels import cpu, dispatch, native, reference
 
 B, H, LQ = 2, 3, 5
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def native_available() -> bool:
+    return native.usable(torch.zeros(1))
+
+
+@pytest.fixture(params=["native", "torch-only"])
+def kernels(request):
+    """Runs a test under each implementation of the row kernels.
+
+    :func:`cpu._kernels` takes the native ones where ``native.usable`` allows (and
+    no parameter needs a gradient); inside ``native.disabled()`` it refuses.
+    """
+    if request.param == "native" and not native_available():
+        pytest.skip(f"native kernels unavailable: {native.build_info().get('reason')}")
+    with native.disabled() if request.param == "torch-only" else contextlib.nullcontext():
+        expected = cpu._NATIVE if request.param == "native" else cpu._TORCH_ONLY
+        assert cpu._kernels(torch.zeros(2, 3)) is expected
+        yield
 
 
 def scores(length: int, dtype: torch.dtype, seed: int = 0, scale: float = 2.0, queries: int = LQ) -> torch.Tensor:
@@ -81,11 +103,11 @@ def masks(length: int) -> dict[str, object]:
     }
 
 
-def assert_matches(fast_op, reference_op, x, mask, params, tolerance, check_grads=True):
-    """Outputs and gradients (scores and tensor parameters) of both ops agree."""
+def assert_matches(fast_op, reference_op, x, mask, params, tolerance, check_grads=True, trainable=True):
+    """Outputs and gradients (scores, and tensor parameters when trainable) of both ops agree."""
     x = x.detach().requires_grad_(True)
-    params = {k: v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
-    leaves = [x] + [v for v in params.values() if isinstance(v, torch.Tensor)]
+    params = {k: v.detach().requires_grad_(trainable) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
+    leaves = [x] + [v for v in params.values() if isinstance(v, torch.Tensor) and trainable]
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(x.dtype)
     results = []
     for op in (fast_op, reference_op):
@@ -102,10 +124,25 @@ def assert_matches(fast_op, reference_op, x, mask, params, tolerance, check_grad
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("mask_kind", ["none", "keys", "full", "causal", "causal+padding"])
 @pytest.mark.parametrize("name, fast_op, reference_op, params", OPS, ids=[op[0] for op in OPS])
+@pytest.mark.usefixtures("kernels")
 def test_matches_reference(name, fast_op, reference_op, params, mask_kind, dtype):
     length = 24
     x, mask = scores(length, dtype), masks(length)[mask_kind]
     assert_matches(fast_op, reference_op, x, mask, params(dtype), TOLERANCE[dtype])
+
+
+TENSOR_PARAM_OPS = [op for op in OPS if op[0].endswith("-heads")]
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "name, fast_op, reference_op, params", TENSOR_PARAM_OPS, ids=[op[0] for op in TENSOR_PARAM_OPS]
+)
+def test_tensor_parameters_without_gradient(name, fast_op, reference_op, params, dtype):
+    # Trainable parameters always take the torch-only kernels; these may take the native ones.
+    x, mask = scores(300, dtype), masks(300)["causal+padding"]
+    assert_matches(fast_op, reference_op, x, mask, params(dtype), TOLERANCE[dtype], trainable=False)
 
 
 SPARSE_OPS = [op for op in OPS if op[0].startswith(("sparsemax", "entmax", "topk"))]
@@ -114,6 +151,7 @@ SPARSE_OPS = [op for op in OPS if op[0].startswith(("sparsemax", "entmax", "topk
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("length, scale", [(4096, 2.0), (4096, 0.05), (1000, 1.0)])
 @pytest.mark.parametrize("name, fast_op, reference_op, params", SPARSE_OPS, ids=[op[0] for op in SPARSE_OPS])
+@pytest.mark.usefixtures("kernels")
 def test_sparse_candidate_paths(name, fast_op, reference_op, params, length, scale, dtype):
     # Long rows pack few candidate groups; near-uniform rows (scale 0.05) make most
     # groups candidates; 1000 is not a multiple of 16.
@@ -127,6 +165,7 @@ def test_sparse_candidate_paths(name, fast_op, reference_op, params, length, sca
 
 
 @pytest.mark.parametrize("name, fast_op, reference_op, params", OPS, ids=[op[0] for op in OPS])
+@pytest.mark.usefixtures("kernels")
 def test_special_rows_fall_back_to_the_reference(name, fast_op, reference_op, params):
     x = scores(12, torch.float64)
     x[0, 0, 0, 3] = math.inf  # a +inf row
@@ -142,6 +181,7 @@ def test_special_rows_fall_back_to_the_reference(name, fast_op, reference_op, pa
 
 
 @pytest.mark.parametrize("name, fast_op, reference_op, params", OPS, ids=[op[0] for op in OPS])
+@pytest.mark.usefixtures("kernels")
 def test_single_row_and_large_offsets(name, fast_op, reference_op, params):
     row = scores(40, torch.float32)[0, 0, 0]
     assert_matches(fast_op, reference_op, row, None, {k: v.reshape(-1)[:1] if isinstance(v, torch.Tensor) else v
@@ -162,12 +202,24 @@ def test_in_place_softmax_equals_torch_softmax():
     torch.testing.assert_close(buffer, torch.softmax(x, -1), atol=0, rtol=0)
 
 
+def test_native_kernels_run_unless_a_parameter_needs_a_gradient():
+    if not native_available():
+        pytest.skip(f"native kernels unavailable: {native.build_info().get('reason')}")
+    x = torch.randn(2, 8)
+    assert cpu._kernels(x) is cpu._NATIVE
+    assert cpu._kernels(x, 0.5, 2.0) is cpu._NATIVE
+    assert cpu._kernels(x, torch.tensor([[0.5], [2.0]])) is cpu._NATIVE
+    assert cpu._kernels(x, 0.5, torch.tensor(0.5, requires_grad=True)) is cpu._TORCH_ONLY
+    assert cpu._kernels(x.to(torch.bfloat16)) is cpu._TORCH_ONLY  # the native kernels take float32 and float64
+
+
 def test_the_torch_backend_runs_the_fast_path_on_cpu():
     x = torch.randn(2, 8)
     for op in ("softmax", "scalable_softmax", "self_adjusted_softmax", "sparsemax", "entmax", "topk_softmax"):
         assert dispatch.resolve(op, x, "torch").__module__ == "attnorm.kernels.cpu"
 
 
+@pytest.mark.usefixtures("kernels")
 def test_public_api_non_last_dim_and_low_precision():
     x = torch.randn(4, 6, 33, dtype=torch.float64)
     out = F.entmax(x.to(torch.bfloat16), alpha=1.5, dim=1)
@@ -177,6 +229,7 @@ def test_public_api_non_last_dim_and_low_precision():
     torch.testing.assert_close(F.sparsemax(x, dim=0), reference.sparsemax_row_op(x.movedim(0, -1), None).movedim(-1, 0))
 
 
+@pytest.mark.usefixtures("kernels")
 def test_topk_keeps_exactly_k_of_tied_scores():
     out = F.topk_softmax(torch.zeros(3, 64), 5)
     assert ((out > 0).sum(-1) == 5).all()
@@ -193,6 +246,7 @@ def test_topk_keeps_exactly_k_of_tied_scores():
     ],
     ids=["sparsemax", "entmax-alpha", "ssmax-s", "topk-temperature"],
 )
+@pytest.mark.usefixtures("kernels")
 def test_gradcheck_and_gradgradcheck(fn):
     x = (torch.randn(1, 3, 2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * 2).requires_grad_()
     p = torch.tensor([0.1, 0.4, -0.3], dtype=torch.float64).reshape(3, 1, 1).requires_grad_()
