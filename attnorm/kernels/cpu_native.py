@@ -8,7 +8,7 @@ contract, for parameters that are python numbers or tensors without a gradient
 (:mod:`attnorm.kernels.cpu` sends trainable parameters to the torch-only
 functions, which differentiate them).
 
-Each backward saves only the output (SA-Softmax: its scores and four per-row
+Each backward saves only the output (SA-Softmax: its scores and five per-row
 numbers).  It runs the native closed-form
 Jacobian-vector product, except under ``create_graph`` (double backward) or
 ``vmap`` (vectorised jacobians), where it uses the same formula in differentiable
@@ -98,7 +98,7 @@ class _SelfAdjustedSoftmax(Function):
             return native.self_adjusted_backward(scores, grad, ctx.normalized, stats), None
         # Double backward or vmap: differentiate the torch reference of the forward
         # (flagged rows are replaced by the caller, so their gradient is zero).
-        grad = grad.masked_fill(stats[:, 3].view(grad.shape[:-1]).unsqueeze(-1) == 0, 0.0)
+        grad = grad.masked_fill(stats[:, 4].view(grad.shape[:-1]).unsqueeze(-1) == 0, 0.0)
         with torch.enable_grad():
             out = reference.self_adjusted_softmax_rows(scores, None, normalized=ctx.normalized)
             return torch.autograd.grad(out, scores, grad, create_graph=torch.is_grad_enabled())[0], None

@@ -280,8 +280,9 @@ def softmax_backward(out: Tensor, grad: Tensor, scale: float | Tensor) -> Tensor
 
 def self_adjusted_forward(x: Tensor, normalized: bool, out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """SA-Softmax over the last axis; as :func:`softmax_forward`, plus the per-row
-    statistics its backward needs (float64 ``(rows, 4)``)."""
-    stats = torch.empty(x.numel() // x.shape[-1], 4, dtype=torch.float64)
+    statistics its backward needs (float64 ``(rows, 5)``: max, log-sum-exp below the
+    max, low, high, and a gate that is 0 in flagged rows)."""
+    stats = torch.empty(x.numel() // x.shape[-1], 5, dtype=torch.float64)
     return (*_forward("attnorm_self_adjusted_forward", x, out, int(normalized), stats), stats)
 
 

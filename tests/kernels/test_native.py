@@ -44,18 +44,6 @@ ALPHAS = [1.05, 1.3, 1.5, 1.7, 2.0, 2.5, 4.0]
 # Two rows each: ordinary, near-uniform (every score in entmax's support), very peaked.
 SPREADS = (2.0, 0.01, 30.0)
 
-# Kernel bugs these tests found, reported; each strict xfail comes off with its fix.
-SA_IN_PLACE_BUG = "kernel bug: self_adjusted_row reads x after writing y, so out=x gives wrong weights"
-SA_BACKWARD_BUG = "kernel bug: float32 SA backward recomputes w = exp(x - (float)lse); rounding lse costs up to 3e-4"
-ENTMAX_HALLEY_BUG = "kernel bug (5a0b025): Halley's steps end on a wrong entmax threshold in some rows for alpha > 2"
-
-
-def known_kernel_bug(request: pytest.FixtureRequest, applies: bool, reason: str) -> None:
-    """Marks the running case as failing for a reported kernel bug (strict: it must fail)."""
-    if applies:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
-
-
 def scores(length: int, dtype: torch.dtype, seed: int = 0) -> Tensor:
     """``(6, length)`` normal scores, two rows per standard deviation in SPREADS."""
     generator = torch.Generator().manual_seed(seed)
@@ -310,9 +298,7 @@ def test_large_offsets_lose_nothing_beyond_rounding(name, length):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("length", [1, 7, 1000, 9000])
 @pytest.mark.parametrize("name", FORWARD)
-def test_in_place(name, length, dtype, request):
-    known_kernel_bug(request, name == "self-adjusted", SA_IN_PLACE_BUG)
-    known_kernel_bug(request, name == "entmax4" and length == 9000, ENTMAX_HALLEY_BUG)
+def test_in_place(name, length, dtype):
     forward, reference = FORWARD[name]
     x = scores(length, dtype, seed=8)
     x[0, 1::3] = -math.inf
@@ -384,8 +370,7 @@ def test_entmax_backward(alpha, length, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("normalized", [True, False], ids=["normalized", "plain"])
-def test_self_adjusted_backward(normalized, length, dtype, request):
-    known_kernel_bug(request, dtype == torch.float32 and not normalized and length in (7, 1000, 9000), SA_BACKWARD_BUG)
+def test_self_adjusted_backward(normalized, length, dtype):
     x = scores(length, dtype, seed=16)
     x[0, 1::4] = -math.inf
     x[1] = x[1].round().clamp(-1, 1)  # tied minima and maxima share the gradient through low and high
@@ -478,9 +463,8 @@ def test_public_functions_apply_keep_and_leave_the_input_alone(name, with_keep, 
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**31 - 1),
 )
-# Found by this test: the Halley bug (near-uniform rows, alpha 4).
+# Found by this test: Halley steps that stalled far from the threshold (near-uniform rows, alpha 4).
 @example(rows=1, length=2727, alpha=4.0, spread=0.03125, masked_share=0.0, dtype=torch.float32, seed=0)
-@pytest.mark.xfail(strict=True, reason=ENTMAX_HALLEY_BUG)
 def test_entmax_rows_are_distributions_matching_the_reference(rows, length, alpha, spread, masked_share, dtype, seed):
     generator = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, length, generator=generator, dtype=torch.float64) * spread).to(dtype)
@@ -500,9 +484,8 @@ def test_entmax_rows_are_distributions_matching_the_reference(rows, length, alph
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("length", [7, 300])
 @pytest.mark.parametrize("alpha", ALPHAS)
-def test_entmax_forward_on_many_near_uniform_rows(alpha, length, dtype, request):
+def test_entmax_forward_on_many_near_uniform_rows(alpha, length, dtype):
     # Near-uniform rows put many scores close to the threshold: a wrong one shows.
-    known_kernel_bug(request, alpha == 4.0 and dtype == torch.float64, ENTMAX_HALLEY_BUG)
     generator = torch.Generator().manual_seed(18)
     x = (torch.randn(140_000 // length, length, generator=generator, dtype=torch.float64) * 0.01).to(dtype)
     out, bad = native.entmax_forward(x, alpha, out=poisoned(x))

@@ -168,6 +168,7 @@ enum { SPARSEMAX = 0, ENTMAX15 = 1, GENERAL = 2 };
 static int entmax_kind(double alpha) { return alpha == 2.0 ? SPARSEMAX : (alpha == 1.5 ? ENTMAX15 : GENERAL); }
 
 #define PAD 16               /* candidate arrays are padded to whole 64-byte vectors */
+#define SA_STATS 5            /* per-row numbers SA-Softmax's forward keeps for its backward */
 #define MAX_GROUPS 256      /* position groups whose maxima bound entmax's threshold */
 #define MAX_TOPK_GROUPS 4096 /* ... and top-k's k-th largest score (for k <= 2048) */
 
@@ -179,6 +180,7 @@ static int entmax_kind(double alpha) { return alpha == 2.0 ? SPARSEMAX : (alpha 
 #define EXP exp_f32
 #define POW pow_f32
 #define EPS FLT_EPSILON
+#define SQRT_EPS 3.4526698e-4 /* sqrt(FLT_EPSILON) */
 #define NEXT_BELOW(v) nextafterf(v, -INFINITY)
 #include "rows_impl.h"
 #undef REAL
@@ -186,6 +188,7 @@ static int entmax_kind(double alpha) { return alpha == 2.0 ? SPARSEMAX : (alpha 
 #undef EXP
 #undef POW
 #undef EPS
+#undef SQRT_EPS
 #undef NEXT_BELOW
 
 #define REAL double
@@ -193,5 +196,6 @@ static int entmax_kind(double alpha) { return alpha == 2.0 ? SPARSEMAX : (alpha 
 #define EXP exp_f64
 #define POW pow_f64
 #define EPS DBL_EPSILON
+#define SQRT_EPS 1.4901161193847656e-8 /* sqrt(DBL_EPSILON) */
 #define NEXT_BELOW(v) nextafter(v, -INFINITY)
 #include "rows_impl.h"

@@ -58,9 +58,9 @@ static int FN(scan_groups)(const REAL* x, int64_t length, int64_t groups, REAL* 
 static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, REAL scale, uint8_t* bad) {
     REAL top;
     int flag = FN(scan_row)(x, length, &top);
-    /* the largest scaled score: at the smallest score when the scale is negative */
-    REAL shift = scale > 0 ? scale * top : (scale < 0 && !flag ? scale * FN(smallest_finite)(x, length) : 0);
-    if (flag || !(shift > -INFINITY && shift < INFINITY)) {
+    /* the largest scaled score comes from the largest score, or the smallest when the scale is negative */
+    REAL anchor = scale > 0 ? top : (scale < 0 && !flag ? FN(smallest_finite)(x, length) : 0);
+    if (flag || !(scale * anchor > -INFINITY && scale * anchor < INFINITY)) { /* overflow: the reference says */
         memset(y, 0, length * sizeof(REAL));
         *bad = 1;
         return;
@@ -70,14 +70,14 @@ static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, REAL scale, 
     if (scale > 0) { /* -inf scores give exp(-inf) = 0 */
 #pragma omp simd reduction(+ : total)
         for (int64_t i = 0; i < length; i++) {
-            REAL e = EXP(scale * x[i] - shift);
+            REAL e = EXP(scale * (x[i] - anchor)); /* the difference first: exact for nearby scores */
             y[i] = e;
             total += e;
         }
     } else {
 #pragma omp simd reduction(+ : total)
         for (int64_t i = 0; i < length; i++) {
-            REAL e = x[i] == -INFINITY ? 0 : EXP(scale * x[i] - shift);
+            REAL e = x[i] == -INFINITY ? 0 : EXP(scale * (x[i] - anchor));
             y[i] = e;
             total += e;
         }
@@ -102,14 +102,16 @@ static void FN(softmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t
 /*
  * y = phi(x) softmax(x), phi(x) = x (plain) or (x - low) / (high - low) with
  * low = min(min x, 0), high = max(max x, 0) over the finite scores (normalized;
- * phi = 0 when high = low).  stats receives (log sum exp, low, high, gate) for the
- * backward; the gate is 0 in flagged rows, whose gradient is 0 here.
+ * phi = 0 when high = low).  stats receives SA_STATS numbers per row for the
+ * backward: (max x, log sum exp(x - max x), low, high, gate); the gate is 0 in
+ * flagged rows, whose gradient is 0 here.  The exponentials are computed twice
+ * (sum, then weights) so that y may be x.
  */
 static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int normalized, double* stats, uint8_t* bad) {
     REAL top;
     if (FN(scan_row)(x, length, &top)) {
         memset(y, 0, length * sizeof(REAL));
-        stats[0] = stats[1] = stats[2] = stats[3] = 0;
+        memset(stats, 0, SA_STATS * sizeof(double));
         *bad = 1;
         return;
     }
@@ -123,22 +125,19 @@ static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int no
     }
     REAL total = 0;
 #pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < length; i++) {
-        REAL e = x[i] == -INFINITY ? 0 : EXP(x[i] - top);
-        y[i] = e;
-        total += e;
-    }
+    for (int64_t i = 0; i < length; i++) total += EXP(x[i] - top);
     REAL inverse = 1 / total;
 #pragma omp simd
     for (int64_t i = 0; i < length; i++) {
         REAL xi = x[i];
         REAL factor = normalized ? (xi - low) * inverse_span : xi;
-        y[i] = xi == -INFINITY ? 0 : factor * y[i] * inverse;
+        y[i] = xi == -INFINITY ? 0 : factor * EXP(xi - top) * inverse;
     }
-    stats[0] = (double)top + log((double)total);
-    stats[1] = low;
-    stats[2] = high;
-    stats[3] = 1;
+    stats[0] = top;
+    stats[1] = log((double)total);
+    stats[2] = low;
+    stats[3] = high;
+    stats[4] = 1;
 }
 
 /*
@@ -146,14 +145,15 @@ static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int no
  * dx_j = w_j (g_j phi_j - P) + g_j w_j phi', phi' = 1 (plain) or 1 / span plus the
  * paths through low and high: (P - Q) / span shared by the positions attaining
  * low, -P / span by those attaining high (as torch's amin/amax and clamp share them).
+ * w = exp((x - max x) - log sum): the difference first, exact for nearby scores.
  */
 static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, int64_t length, int normalized,
                                        const double* stats) {
-    if (stats[3] == 0) {
+    if (stats[4] == 0) {
         memset(gx, 0, length * sizeof(REAL));
         return;
     }
-    const REAL lse = (REAL)stats[0], low = (REAL)stats[1], high = (REAL)stats[2];
+    const REAL top = (REAL)stats[0], log_total = (REAL)stats[1], low = (REAL)stats[2], high = (REAL)stats[3];
     const REAL inverse_span = normalized && high > low ? 1 / (high - low) : 0;
     double phi_g_w = 0, g_w = 0;
     int64_t at_low = 0, at_high = 0;
@@ -161,7 +161,7 @@ static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, i
     for (int64_t i = 0; i < length; i++) {
         REAL xi = x[i];
         int allowed = xi > -INFINITY;
-        REAL w = allowed ? EXP(xi - lse) : 0;
+        REAL w = allowed ? EXP((xi - top) - log_total) : 0;
         REAL factor = normalized ? (xi - low) * inverse_span : xi;
         REAL weighted_g = allowed ? g[i] * w : 0;
         phi_g_w += allowed ? weighted_g * factor : 0;
@@ -177,7 +177,7 @@ static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, i
     for (int64_t i = 0; i < length; i++) {
         REAL xi = x[i];
         int allowed = xi > -INFINITY;
-        REAL w = allowed ? EXP(xi - lse) : 0;
+        REAL w = allowed ? EXP((xi - top) - log_total) : 0;
         REAL factor = normalized ? (xi - low) * inverse_span : xi;
         REAL dx = w * (g[i] * factor - P) + g[i] * w * slope;
         dx += (xi == low ? through_low : 0) - (xi == high ? through_high : 0);
@@ -265,18 +265,23 @@ static double FN(entmax_threshold)(REAL* t, int32_t* index, int64_t* count_io, d
     int64_t count = *count_io;
     const REAL p = (REAL)(1 / (alpha - 1));
     double high = -pow((double)count, 1.0 - alpha); /* each candidate has mass <= 1 / count there */
-    double tau = alpha <= 2 ? *low : high;
+    double tau = alpha <= 2 ? *low : high, residual_before = INFINITY;
     for (int iteration = 0; iteration < iterations && high > *low; iteration++) {
         double f, df, f2;
         FN(entmax_mass)(t, count, (REAL)tau, p, kind, &f, &df, &f2);
-        double previous_low = *low;
+        double previous_low = *low, residual = fabs(f - 1);
         if (f >= 1) *low = tau;
         else high = tau;
-        if (fabs(f - 1) <= 8 * EPS) break;
+        if (residual <= 8 * EPS) break;
         /* Halley's step (Newton's where f'' = 0: sparsemax, Michelot's exact update) */
         double next = tau + 2 * (f - 1) * df / (2 * df * df - (f - 1) * f2);
-        if (!(next > *low && next < high)) next = 0.5 * (*low + high);
-        if ((REAL)next == (REAL)tau) break;
+        /* Bisect when the step leaves the bracket or the residual stalls: a score
+         * just above tau makes the curvature (alpha > 2: the slope too) blow up
+         * and the steps vanish far from the root. */
+        int stalled = residual > 0.5 * residual_before || (REAL)next == (REAL)tau;
+        if (!(next > *low && next < high) || (stalled && residual > SQRT_EPS)) next = 0.5 * (*low + high);
+        if ((REAL)next == (REAL)tau) break; /* at the resolution of REAL: the residual is rounding noise */
+        residual_before = residual;
         tau = next;
         if (index && *low > previous_low) {
             int64_t kept = 0;
@@ -471,7 +476,7 @@ int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int6
                                       double* stats, uint8_t* bad, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
-        FN(self_adjusted_row)(x + r * length, y + r * length, length, normalized, stats + 4 * r, bad + r);
+        FN(self_adjusted_row)(x + r * length, y + r * length, length, normalized, stats + SA_STATS * r, bad + r);
     }
     return 0;
 }
@@ -480,7 +485,7 @@ int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, i
                                        int normalized, const double* stats, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
-        FN(self_adjusted_grad_row)(x + r * length, g + r * length, gx + r * length, length, normalized, stats + 4 * r);
+        FN(self_adjusted_grad_row)(x + r * length, g + r * length, gx + r * length, length, normalized, stats + SA_STATS * r);
     }
     return 0;
 }
