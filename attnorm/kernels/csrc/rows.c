@@ -133,34 +133,32 @@ DEFINE_GATHER(float, f32)
 DEFINE_GATHER(double, f64)
 #endif
 
-/* k-th largest (0-based) of v[0..n): quickselect, reorders v. */
-#define DEFINE_SELECT(REAL, SUFFIX)                                                     \
-    static REAL select_##SUFFIX(REAL* v, int64_t n, int64_t k) {                        \
-        int64_t left = 0, right = n - 1;                                                \
-        while (right > left) {                                                          \
-            int64_t mid = left + (right - left) / 2;                                    \
-            REAL a = v[left], b = v[mid], c = v[right];                                 \
-            REAL pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b)); \
-            int64_t i = left, j = right;                                                \
-            while (i <= j) {                                                            \
-                while (v[i] > pivot) i++;                                               \
-                while (v[j] < pivot) j--;                                               \
-                if (i <= j) {                                                           \
-                    REAL t = v[i];                                                      \
-                    v[i] = v[j];                                                        \
-                    v[j] = t;                                                           \
-                    i++;                                                                \
-                    j--;                                                                \
-                }                                                                       \
-            }                                                                           \
-            if (k <= j) right = j;                                                      \
-            else if (k >= i) left = i;                                                  \
-            else return v[k];                                                           \
-        }                                                                               \
-        return v[k];                                                                    \
-    }
-DEFINE_SELECT(float, f32)
-DEFINE_SELECT(double, f64)
+/* Order-preserving keys: unsigned integers that compare as the floats do (NaN aside). */
+static inline uint32_t key_f32(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return bits ^ ((uint32_t)((int32_t)bits >> 31) | 0x80000000u);
+}
+
+static inline float unkey_f32(uint32_t key) {
+    uint32_t bits = key ^ ((key >> 31) ? 0x80000000u : 0xffffffffu);
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline uint64_t key_f64(double v) {
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return bits ^ ((uint64_t)((int64_t)bits >> 63) | 0x8000000000000000u);
+}
+
+static inline double unkey_f64(uint64_t key) {
+    uint64_t bits = key ^ ((key >> 63) ? 0x8000000000000000u : 0xffffffffffffffffu);
+    double v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
 
 /* alpha-entmax's three kernels: closed forms for alpha = 2 and 1.5, pow otherwise. */
 enum { SPARSEMAX = 0, ENTMAX15 = 1, GENERAL = 2 };
@@ -176,6 +174,7 @@ static int entmax_kind(double alpha) { return alpha == 2.0 ? SPARSEMAX : (alpha 
 #define CAT(a, b) CAT_(a, b)
 
 #define REAL float
+#define KEY uint32_t
 #define SUFFIX f32
 #define EXP exp_f32
 #define POW pow_f32
@@ -184,6 +183,7 @@ static int entmax_kind(double alpha) { return alpha == 2.0 ? SPARSEMAX : (alpha 
 #define NEXT_BELOW(v) nextafterf(v, -INFINITY)
 #include "rows_impl.h"
 #undef REAL
+#undef KEY
 #undef SUFFIX
 #undef EXP
 #undef POW
@@ -192,6 +192,7 @@ static int entmax_kind(double alpha) { return alpha == 2.0 ? SPARSEMAX : (alpha 
 #undef NEXT_BELOW
 
 #define REAL double
+#define KEY uint64_t
 #define SUFFIX f64
 #define EXP exp_f64
 #define POW pow_f64

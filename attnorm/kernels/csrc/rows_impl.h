@@ -390,14 +390,59 @@ static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t 
 /* ---- top-k softmax ------------------------------------------------------------ */
 
 /*
+ * The k-th largest (1 <= k <= n) of v[0..n), with multiplicity: a radix select on
+ * order-preserving integer keys, one bit at a time from the top.  Each step counts
+ * the remaining keys with the bit set (a vectorised count), keeps the half that
+ * holds the answer, and stops as soon as the answer is the largest or the smallest
+ * of what remains.  No branches on the data beyond one per bit.
+ */
+static REAL FN(kth_largest)(const REAL* v, int64_t n, int64_t k, KEY* keys) {
+    for (int64_t i = 0; i < n; i++) keys[i] = CAT(key, SUFFIX)(v[i]);
+    int64_t size = n, rank = k; /* the answer is the rank-th largest of keys[0..size) */
+    for (int bit = 8 * (int)sizeof(KEY) - 1; bit >= 0 && rank != 1 && rank != size; bit--) {
+        KEY any = 0, all = ~(KEY)0;
+#pragma omp simd reduction(| : any) reduction(& : all)
+        for (int64_t i = 0; i < size; i++) {
+            any |= keys[i];
+            all &= keys[i];
+        }
+        const KEY differ = any ^ all; /* skip the bits every key agrees on */
+        if (differ == 0) break;       /* all equal */
+        while (!((differ >> bit) & 1)) bit--;
+        const KEY mask = (KEY)1 << bit;
+        int32_t set = 0; /* n < 2^31 (checked by the loader) */
+#pragma omp simd reduction(+ : set)
+        for (int64_t i = 0; i < size; i++) set += (keys[i] & mask) != 0;
+        const int keep_set = set >= rank;
+        int64_t kept = 0;
+        for (int64_t i = 0; i < size; i++) { /* branch-free compaction */
+            keys[kept] = keys[i];
+            kept += ((keys[i] & mask) != 0) == keep_set;
+        }
+        if (!keep_set) rank -= set;
+        size = kept;
+    }
+    KEY answer = keys[0];
+    if (rank == 1) {
+#pragma omp simd reduction(max : answer)
+        for (int64_t i = 0; i < size; i++) answer = keys[i] > answer ? keys[i] : answer;
+    } else {
+#pragma omp simd reduction(min : answer)
+        for (int64_t i = 0; i < size; i++) answer = keys[i] < answer ? keys[i] : answer;
+    }
+    return CAT(unkey, SUFFIX)(answer);
+}
+
+/*
  * softmax(scale * x) over the k largest finite scores (all of them when fewer),
  * zeros elsewhere.  The k-th largest of the maxima of at least 2k position groups
- * bounds the row's k-th largest from below; a quickselect on the scores above
+ * bounds the row's k-th largest from below; a radix select on the scores above
  * that bound finds it.  Scores tied with it are kept in index order until k are
- * kept (as the Triton kernel does).  `work` holds length + 2 MAX_TOPK_GROUPS values.
+ * kept (as the Triton kernel does).  `work` and `keys` hold length + MAX_TOPK_GROUPS
+ * values, `index` length.
  */
 static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, int64_t k, REAL scale, REAL* work, int32_t* index,
-                         uint8_t* bad) {
+                         KEY* keys, uint8_t* bad) {
     REAL* group_max = work + length;
     REAL top;
     int64_t groups = 64;
@@ -409,18 +454,14 @@ static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, int64_t k, REAL
     }
     *bad = 0;
     REAL bound = -INFINITY;
-    if (k <= groups && 4 * groups <= length) {
-        REAL* order = group_max + groups;
-        memcpy(order, group_max, groups * sizeof(REAL));
-        bound = FN(select)(order, groups, k - 1);
-    }
+    if (k <= groups && 4 * groups <= length) bound = FN(kth_largest)(group_max, groups, k, keys);
     /* x >= bound, finite: x > the float just below bound (or > -inf) */
     int64_t count = FN(gather_above)(x, length, bound > -INFINITY ? NEXT_BELOW(bound) : bound, work, index);
     if (bound == -INFINITY) k = k < count ? k : count; /* all finite scores are candidates */
     REAL threshold = -INFINITY; /* keep x > threshold, and `ties` scores equal to it */
     int64_t ties = 0, tied = 0;
     if (k < count || bound > -INFINITY) {
-        threshold = FN(select)(work, count, k - 1);
+        threshold = FN(kth_largest)(work, count, k, keys);
         int64_t greater = 0;
 #pragma omp simd reduction(+ : greater, tied)
         for (int64_t j = 0; j < count; j++) {
@@ -540,13 +581,14 @@ int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t lengt
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        REAL* work = malloc((length + 2 * MAX_TOPK_GROUPS) * sizeof(REAL));
+        REAL* work = malloc((length + MAX_TOPK_GROUPS) * sizeof(REAL));
         int32_t* index = malloc(length * sizeof(int32_t));
+        KEY* keys = malloc((length + MAX_TOPK_GROUPS) * sizeof(KEY));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            if (work && index) {
+            if (work && index && keys) {
                 FN(topk_row)(x + r * length, y + r * length, length, k[r * k_stride], (REAL)scale[r * scale_stride],
-                             work, index, bad + r);
+                             work, index, keys, bad + r);
             } else {
 #pragma omp atomic write
                 failed = 1;
@@ -554,6 +596,7 @@ int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t lengt
         }
         free(work);
         free(index);
+        free(keys);
     }
     return failed;
 }
