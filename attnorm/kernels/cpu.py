@@ -13,8 +13,9 @@ The row kernels come in two implementations with one contract:
   C compiler is available (``ATTNORM_NATIVE=0`` forces them).
 
 The special rows of the shared rules (fully masked, holding +inf, holding NaN) are
-found cheaply — a softmax returns NaN for exactly those rows, a sparse op sees a
-non-finite row maximum — and only those rows are recomputed with the reference.
+found cheaply — the kernels flag them (the native ones from each row's scan, the
+torch-only softmax from the NaN it returns there, its sparse ops from a non-finite
+row maximum) — and only those rows are recomputed with the reference.
 Tensors on other devices, and the rare parameter values the fast kernels do not
 cover, go to the reference as a whole.
 """
@@ -43,8 +44,6 @@ __all__ = [
 ]
 
 Mask = Tensor | StructuredMask | None
-
-
 
 
 class _Kernels(NamedTuple):
