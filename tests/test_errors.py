@@ -120,3 +120,23 @@ def test_bad_scores_or_mask_raise_for_every_normalizer(case, scores, mask, excep
         case.build()(scores, mask=mask)
     with pytest.raises(exception, match=pattern):
         case.functional(scores, mask=mask)
+
+
+@pytest.mark.parametrize(
+    "module, name, value, pattern",
+    [
+        (lambda: attnorm.ScalableSoftmax(learnable=True), "s", math.nan, "s must be finite"),
+        (lambda: attnorm.ScalableSoftmax(num_heads=2), "bias", math.inf, "bias must be finite"),
+        (lambda: attnorm.Entmax(1.5, num_heads=3), "fixed_alpha", 0.5, "alpha must be >= 1"),
+        (lambda: attnorm.Entmax(1.5, learnable=True), "alpha_logit", math.inf, "alpha_logit must be finite"),
+    ],
+    ids=["ssmax-s", "ssmax-bias", "entmax-alpha", "entmax-alpha-logit"],
+)
+def test_load_state_dict_rejects_invalid_parameters(module, name, value, pattern):
+    # Nested in a model, as checkpoints are loaded: the normalizer's hook still runs.
+    model = torch.nn.Sequential(torch.nn.Identity(), module())
+    state = model.state_dict()
+    model.load_state_dict(state)  # valid values load
+    state[f"1.{name}"] = torch.full_like(state[f"1.{name}"], value)
+    with pytest.raises(ValueError, match=pattern):
+        model.load_state_dict(state)

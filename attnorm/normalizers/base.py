@@ -159,10 +159,16 @@ class Normalizer(nn.Module):
             raise TypeError(f"dim must be an int, got {dim!r}")
         self.dim = dim
         self.backend = dispatch.check_backend(backend)
+        # Loaded values skip the constructor's checks; forward checks only numbers
+        # and CPU tensors (reading a GPU tensor's values would sync the device).
+        self.register_load_state_dict_post_hook(_check_loaded_parameters)
 
     def kernel_params(self) -> dict[str, Any]:
         """The parameters passed to the row operation (numbers or tensors)."""
         return {}
+
+    def check_parameters(self) -> None:
+        """Raise ``ValueError`` if a parameter holds an invalid value (run after ``load_state_dict``)."""
 
     def forward(self, scores: Tensor, mask: Tensor | StructuredMask | None = None) -> Tensor:
         return normalize(self.kernel, scores, mask, self.dim, self.kernel_params(), self.backend)
@@ -176,6 +182,10 @@ class Normalizer(nn.Module):
         if self.backend is not None:
             fields["backend"] = repr(self.backend)
         return ", ".join(f"{key}={_format_field(value)}" for key, value in fields.items())
+
+
+def _check_loaded_parameters(module: Normalizer, _incompatible_keys: Any) -> None:
+    module.check_parameters()
 
 
 def _format_field(value: Any) -> str:

@@ -77,6 +77,12 @@ class Entmax(Normalizer):
     def kernel_params(self) -> dict:
         return {"alpha": self.alpha}
 
+    def check_parameters(self) -> None:
+        if self.learnable:
+            F.check_finite("alpha_logit", self.alpha_logit.detach().cpu())
+        else:
+            F.check_alpha(self.fixed_alpha.cpu() if isinstance(self.fixed_alpha, torch.Tensor) else self.fixed_alpha)
+
     def _repr_fields(self) -> dict:
         fields: dict = {"alpha": self.alpha, "learnable": self.learnable}
         if self.num_heads is not None:

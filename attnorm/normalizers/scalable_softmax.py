@@ -64,6 +64,11 @@ class ScalableSoftmax(Normalizer):
     def kernel_params(self) -> dict:
         return {"s": self.s, "bias": self.bias}
 
+    def check_parameters(self) -> None:
+        for name in ("s", "bias"):
+            value = getattr(self, name)
+            F.check_finite(name, value.detach().cpu() if isinstance(value, torch.Tensor) else value)
+
     def _repr_fields(self) -> dict:
         fields: dict = {"s": self.s, "bias": self.bias, "learnable": self.learnable}
         if self.num_heads is not None:
