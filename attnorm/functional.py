@@ -9,9 +9,9 @@ Every function maps ``x`` to weights along ``dim`` under the shared rules of
 
 from __future__ import annotations
 
+import math
 from numbers import Real
 
-import torch
 from torch import Tensor
 
 from attnorm.masks import StructuredMask
@@ -47,20 +47,26 @@ def _values_checkable(value) -> bool:
     return isinstance(value, Real) or (not value.requires_grad and value.device.type == "cpu")
 
 
+def _holds(value: Scalar, condition) -> bool:
+    """``condition`` (True for valid values) of a number, or of all a tensor's values;
+    True for tensors whose values are not read (see :func:`_values_checkable`)."""
+    if isinstance(value, Real):  # no tensor round trip: these checks run on every call
+        return condition(float(value))
+    return not _values_checkable(value) or bool(condition(value.detach()).all())
+
+
 def check_temperature(temperature: Scalar) -> Scalar:
     """Raise unless ``temperature`` is > 0 and finite."""
     _check_number("temperature", temperature)
-    if _values_checkable(temperature):
-        bad = torch.as_tensor(temperature)
-        if not bool(((bad > 0) & torch.isfinite(bad)).all()):
-            raise ValueError(f"temperature must be > 0 and finite, got {_show(temperature)}")
+    if not _holds(temperature, lambda t: (t > 0) & (t < math.inf)):
+        raise ValueError(f"temperature must be > 0 and finite, got {_show(temperature)}")
     return temperature
 
 
 def check_finite(name: str, value: Scalar) -> Scalar:
     """Raise unless ``value`` is finite."""
     _check_number(name, value)
-    if _values_checkable(value) and not bool(torch.isfinite(torch.as_tensor(value)).all()):
+    if not _holds(value, lambda v: (v > -math.inf) & (v < math.inf)):
         raise ValueError(f"{name} must be finite, got {_show(value)}")
     return value
 
@@ -68,10 +74,8 @@ def check_finite(name: str, value: Scalar) -> Scalar:
 def check_alpha(alpha: Scalar) -> Scalar:
     """Raise unless ``alpha`` >= 1 and finite."""
     _check_number("alpha", alpha)
-    if _values_checkable(alpha):
-        values = torch.as_tensor(alpha)
-        if not bool(((values >= 1) & torch.isfinite(values)).all()):
-            raise ValueError(f"alpha must be >= 1 and finite, got {_show(alpha)}")
+    if not _holds(alpha, lambda a: (a >= 1) & (a < math.inf)):
+        raise ValueError(f"alpha must be >= 1 and finite, got {_show(alpha)}")
     return alpha
 
 

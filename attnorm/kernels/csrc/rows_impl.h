@@ -323,7 +323,7 @@ static void FN(entmax_row)(const REAL* x, REAL* y, int64_t length, double alpha,
     const REAL scale = (REAL)(alpha - 1);
     const int kind = entmax_kind(alpha);
     double low = -1.0;
-    if (alpha <= 2) {
+    if (alpha <= 2 && length >= 4 * groups) { /* on short rows the subset would cost more than it saves */
         int64_t count = groups;
 #pragma omp simd
         for (int64_t j = 0; j < groups; j++) subset[j] = scale * (group_max[j] - top);
