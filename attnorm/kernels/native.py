@@ -58,17 +58,19 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("rows.c", "rows_impl.h")
 FLAGS = (
     "-O3",
-    "-march=native",
     "-fPIC",
     "-shared",
     "-std=gnu11",
     # Lets sqrt vectorise; no -ffast-math, which would drop the inf and NaN rules.
     "-fno-math-errno",
     "-fno-trapping-math",
-    *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()),
 )
-# Without OpenMP (e.g. Apple clang) the kernels build and run on one thread.
+# This machine's vector instructions (the build is cached per CPU kind).
+ARCH_FLAGS = ("-march=native", *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()))
 PARALLEL_FLAGS = ("-fopenmp",)
+# Tried in turn: a compiler without OpenMP (e.g. Apple clang) builds one-threaded
+# kernels; one that rejects the architecture flags, portable ones.
+BUILDS = ((*ARCH_FLAGS, *PARALLEL_FLAGS), ARCH_FLAGS, ())
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -115,7 +117,7 @@ def _library_name(compiler: str) -> str:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((SOURCE_DIR / name).read_bytes())
-    digest.update(" ".join((compiler, *FLAGS, *PARALLEL_FLAGS, platform.machine())).encode())
+    digest.update(" ".join((compiler, *FLAGS, *ARCH_FLAGS, *PARALLEL_FLAGS, platform.machine())).encode())
     digest.update(_cpu_signature())
     return f"attnorm_rows_{digest.hexdigest()[:16]}.so"
 
@@ -126,7 +128,7 @@ def _build(compiler: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
         errors = []
-        for extra in (PARALLEL_FLAGS, ()):
+        for extra in BUILDS:
             command = [compiler, *FLAGS, *extra, str(SOURCE_DIR / "rows.c"), "-o", str(partial), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode == 0:
@@ -169,7 +171,9 @@ def _load() -> ctypes.CDLL | None:
             function = getattr(lib, f"{function_name}_{suffix}")
             function.argtypes = argtypes
             function.restype = ctypes.c_int
-    _info.update(available=True, path=str(path), cached=cached, seconds=time.perf_counter() - started)
+    features = lib.attnorm_build_features()
+    _info.update(available=True, path=str(path), cached=cached, seconds=time.perf_counter() - started,
+                 openmp=bool(features & 1), avx512=bool(features & 2), avx2=bool(features & 4))
     return lib
 
 
@@ -188,8 +192,9 @@ def build_info() -> dict[str, object]:
 
     Returns:
         ``{"available": bool, ...}`` with ``path``, ``cached`` (True when an earlier
-        build was reused) and ``seconds`` (time to build or load) when available,
-        or ``reason`` when not.
+        build was reused), ``seconds`` (time to build or load) and what the build
+        uses (``openmp``: threads across rows; ``avx512``, ``avx2``: vector
+        instructions) when available, or ``reason`` when not.
     """
     library()
     return dict(_info)

@@ -95,3 +95,27 @@ def test_a_failing_build_warns_and_falls_back_to_torch(tmp_path):
     assert info["kernels"] == "torch-only"
     assert len(info["warnings"]) == 1 and "torch-only" in info["warnings"][0]
     assert list((tmp_path / "cache").glob("*.so")) == []  # no partial library left behind
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.parametrize(
+    "rejected, openmp",
+    [("-fopenmp", False), ("-march=native", False)],
+    ids=["no-openmp", "no-native-arch"],
+)
+def test_a_compiler_rejecting_flags_gets_a_simpler_build(tmp_path, rejected, openmp):
+    # A compiler like Apple clang: it fails on `rejected` and builds without it.
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\nfor arg; do [ "$arg" = "{rejected}" ] && exit 1; done\nexec cc "$@"\n')
+    wrapper.chmod(0o755)
+    info = load_in_fresh_process(tmp_path / "cache", CC=str(wrapper))
+    assert info["available"] and not info["cached"]
+    assert info["openmp"] is openmp
+    assert info["kernels"] == "native"
+    assert info["warnings"] == []
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_build_info_says_what_the_build_uses(tmp_path):
+    info = load_in_fresh_process(tmp_path / "cache")
+    assert all(isinstance(info[feature], bool) for feature in ("openmp", "avx512", "avx2"))

@@ -160,6 +160,21 @@ static inline double unkey_f64(uint64_t key) {
     return v;
 }
 
+/* What this build uses: 1 = OpenMP threads, 2 = AVX-512 gathers, 4 = AVX2. */
+int attnorm_build_features(void) {
+    int features = 0;
+#ifdef _OPENMP
+    features |= 1;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+    features |= 2;
+#endif
+#ifdef __AVX2__
+    features |= 4;
+#endif
+    return features;
+}
+
 /* alpha-entmax's three kernels: closed forms for alpha = 2 and 1.5, pow otherwise. */
 enum { SPARSEMAX = 0, ENTMAX15 = 1, GENERAL = 2 };
 
