@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -229,12 +230,15 @@ def usable(*tensors: Tensor) -> bool:
     return not _disabled and all(_plain(tensor) for tensor in tensors) and library() is not None
 
 
-def _per_row(value: float | Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+_SCALAR = {torch.float64: ctypes.c_double, torch.int64: ctypes.c_int64}
+
+
+def _per_row(value: float | Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor | ctypes.Array, int]:
     """A parameter as a contiguous per-row array of ``dtype`` and its stride (0: shared)."""
     if isinstance(value, Tensor):
         rows = x.numel() // x.shape[-1]
         return value.detach().expand(*x.shape[:-1], 1).reshape(rows).to(dtype).contiguous(), 1
-    return torch.tensor([value], dtype=dtype), 0
+    return (_SCALAR[dtype] * 1)(value), 0  # a ctypes array: no tensor for one number
 
 
 def _address(tensor: Tensor) -> int:
@@ -243,9 +247,14 @@ def _address(tensor: Tensor) -> int:
     return tensor.data_ptr()
 
 
+@functools.cache
+def _kernel(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+    return getattr(library(), f"{name}_{_SUFFIX[dtype]}")
+
+
 def _launch(name: str, x: Tensor, *arguments: object) -> None:
     """Call kernel ``name`` for ``x``'s dtype; tensors go as addresses, threads last."""
-    function = getattr(library(), f"{name}_{_SUFFIX[x.dtype]}")
+    function = _kernel(name, x.dtype)
     values = [_address(value) if isinstance(value, Tensor) else value for value in arguments]
     if function(*values, torch.get_num_threads()) != 0:
         raise MemoryError(f"attnorm native kernel {name} could not allocate its row buffers")
@@ -254,10 +263,10 @@ def _launch(name: str, x: Tensor, *arguments: object) -> None:
 def _forward(name: str, x: Tensor, out: Tensor | None, *row_arguments: object) -> tuple[Tensor, Tensor]:
     """Run a forward kernel ``(x, out, rows, length, *row_arguments, bad)``; returns ``(out, bad)``."""
     out = torch.empty_like(x) if out is None else out
-    bad = torch.empty(x.shape[:-1], dtype=torch.uint8)
+    bad = torch.empty(x.shape[:-1], dtype=torch.bool)  # one byte, written as 0 or 1
     length = x.shape[-1]
     _launch(name, x, x, out, x.numel() // length, length, *row_arguments, bad)
-    return out, bad.bool()
+    return out, bad
 
 
 def _backward(name: str, saved: Tensor, grad: Tensor, *row_arguments: object) -> Tensor:
