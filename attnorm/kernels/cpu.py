@@ -6,7 +6,7 @@ The row kernels come in two implementations with one contract:
 
 * native C kernels (:mod:`attnorm.kernels.cpu_native` over
   :mod:`attnorm.kernels.native`, compiled at first use), used whenever they load
-  and no parameter needs a gradient;
+  and no parameter other than entmax's alpha needs a gradient;
 * torch ops only (:mod:`attnorm.kernels.cpu_softmax` for softmax, temperature,
   Scalable-Softmax and SA-Softmax; :mod:`attnorm.kernels.cpu_sparse` for sparsemax,
   alpha-entmax and top-k), for trainable parameters, under ``vmap``, and where no
@@ -192,7 +192,7 @@ def entmax_rows(x: Tensor, mask: Mask, alpha: float | Tensor = 1.5) -> Tensor:
     if not (fast and _on_fast_path(x)):
         return reference.entmax_row_op(x, mask, alpha=alpha)
     keep = _keep(mask, x)
-    out, bad = _kernels(x, alpha).entmax_support(x, keep, alpha)
+    out, bad = _kernels(x).entmax_support(x, keep, alpha)  # both differentiate alpha
     return redo_rows(out, bad, reference.entmax_row_op, x, keep, {"alpha": alpha})
 
 

@@ -4,9 +4,10 @@ Drop-in replacements for :func:`~attnorm.kernels.cpu_softmax.scaled_softmax`,
 :func:`~attnorm.kernels.cpu_softmax.self_adjusted_softmax`,
 :func:`~attnorm.kernels.cpu_sparse.entmax_support` and
 :func:`~attnorm.kernels.cpu_sparse.topk_support`, with the same ``(weights, bad)``
-contract, for parameters that are python numbers or tensors without a gradient
-(:mod:`attnorm.kernels.cpu` sends trainable parameters to the torch-only
-functions, which differentiate them).
+contract.  Entmax's alpha may be trainable (its gradient comes from the output);
+the other parameters are python numbers or tensors without a gradient
+(:mod:`attnorm.kernels.cpu` sends trainable ones to the torch-only functions,
+which differentiate them).
 
 Each backward saves only the output (SA-Softmax: its scores and five per-row
 numbers).  It runs the native closed-form
@@ -25,7 +26,7 @@ from torch.autograd import Function
 
 from attnorm.kernels import native, reference
 from attnorm.kernels.reference import topk_row_count
-from attnorm.kernels.sparse import entmax_vjp
+from attnorm.kernels.sparse import entmax_alpha_vjp, entmax_vjp, sum_to_shape
 
 __all__ = ["entmax_support", "scaled_softmax", "self_adjusted_softmax", "topk_support"]
 
@@ -113,12 +114,18 @@ class _Entmax(Function):
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
         out, alpha = _saved(ctx)
+        alpha_needs_grad = ctx.needs_input_grad[2]
         if _native_backward(out, grad):
-            return native.entmax_backward(out, grad, alpha), None, None
+            if not alpha_needs_grad:
+                return native.entmax_backward(out, grad, alpha), None, None
+            grad_x, per_row = native.entmax_backward_with_alpha(out, grad, alpha)
+            per_row = per_row.to(alpha.dtype).view(*out.shape[:-1], 1)
+            return grad_x, None, sum_to_shape(per_row, alpha.shape)
         # Jacobian of entmax: diag(s) - s s^T / sum(s), s = out^(2 - alpha) on the support.
         support = out > 0
         slopes = torch.where(support, torch.where(support, out, 1.0).pow(2 - alpha), 0.0)
-        return entmax_vjp(grad, slopes), None, None
+        grad_alpha = entmax_alpha_vjp(grad, out, alpha, slopes) if alpha_needs_grad else None
+        return entmax_vjp(grad, slopes), None, grad_alpha
 
 
 class _TopKSoftmax(Function):
@@ -152,7 +159,7 @@ def self_adjusted_softmax(x: Tensor, keep: Tensor | None, normalized: bool) -> t
 
 
 def entmax_support(x: Tensor, keep: Tensor | None, alpha: float | Tensor) -> tuple[Tensor, Tensor]:
-    """As :func:`attnorm.kernels.cpu_sparse.entmax_support`, for an ``alpha`` without gradient."""
+    """As :func:`attnorm.kernels.cpu_sparse.entmax_support`; ``alpha`` may be trainable."""
     return _Entmax.apply(x, keep, alpha)
 
 

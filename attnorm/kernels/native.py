@@ -45,6 +45,7 @@ __all__ = [
     "build_info",
     "disabled",
     "entmax_backward",
+    "entmax_backward_with_alpha",
     "entmax_forward",
     "library",
     "self_adjusted_backward",
@@ -85,7 +86,8 @@ _SIGNATURES = {
     # x, grad, grad_x, rows, length, normalized, stats, threads
     "attnorm_self_adjusted_backward": (_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_int, _ptr, ctypes.c_int),
     "attnorm_entmax_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int),
-    "attnorm_entmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int),
+    # y, grad, grad_x, rows, length, alpha, alpha_stride, alpha_grad (per row, or NULL), threads
+    "attnorm_entmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int),
     # x, y, rows, length, k, k_stride, scale, scale_stride, bad, threads
     "attnorm_topk_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int),
 }
@@ -312,7 +314,15 @@ def entmax_forward(x: Tensor, alpha: float | Tensor, out: Tensor | None = None) 
 
 def entmax_backward(out: Tensor, grad: Tensor, alpha: float | Tensor) -> Tensor:
     """``J^T grad`` of alpha-entmax, from its output."""
-    return _backward("attnorm_entmax_backward", out, grad, *_per_row(alpha, out, torch.float64))
+    return _backward("attnorm_entmax_backward", out, grad, *_per_row(alpha, out, torch.float64), None)
+
+
+def entmax_backward_with_alpha(out: Tensor, grad: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
+    """``J^T grad`` of alpha-entmax and, per row (float64, ``out.shape[:-1]``), the
+    derivative of ``sum(grad * out)`` with respect to that row's alpha."""
+    alpha_grad = torch.empty(out.shape[:-1], dtype=torch.float64)
+    grad_x = _backward("attnorm_entmax_backward", out, grad, *_per_row(alpha, out, torch.float64), alpha_grad)
+    return grad_x, alpha_grad
 
 
 def topk_forward(x: Tensor, k: int | Tensor, scale: float | Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:

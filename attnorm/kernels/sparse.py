@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-__all__ = ["entmax15_rows", "entmax_bisect_rows", "entmax_vjp", "sparsemax_rows", "sum_to_shape"]
+__all__ = ["entmax15_rows", "entmax_alpha_vjp", "entmax_bisect_rows", "entmax_vjp", "sparsemax_rows", "sum_to_shape"]
 
 
 def sum_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:
@@ -136,19 +136,26 @@ class _EntmaxBisect(Function):
         support = out > 0
         gppr = torch.where(support, out.clamp_min(torch.finfo(out.dtype).tiny).pow(2 - alpha), 0.0)
         grad_x = entmax_vjp(grad, gppr)
-        grad_alpha = None
-        if ctx.needs_input_grad[2]:
-            # d out_i / d alpha = beta * (S_i - gppr_i * sum(S) / sum(gppr)),
-            # S_i = out_i * (beta - log out_i), beta = 1 / (alpha - 1); derived from
-            # out_i^(alpha-1) = (alpha-1) x_i - tau(alpha) with sum(out) = 1.
-            beta = 1 / (alpha - 1)
-            log_out = torch.where(support, out.clamp_min(torch.finfo(out.dtype).tiny).log(), 0.0)
-            entropy_term = torch.where(support, out * (beta - log_out), 0.0)
-            total = gppr.sum(-1, keepdim=True)
-            ratio = entropy_term.sum(-1, keepdim=True) / torch.where(total > 0, total, 1.0)
-            d_out = beta * (entropy_term - gppr * ratio)
-            grad_alpha = sum_to_shape((grad * d_out).sum(-1, keepdim=True), alpha.shape)
+        grad_alpha = entmax_alpha_vjp(grad, out, alpha, gppr) if ctx.needs_input_grad[2] else None
         return grad_x, None, grad_alpha
+
+
+def entmax_alpha_vjp(grad: Tensor, out: Tensor, alpha: Tensor, gppr: Tensor) -> Tensor:
+    """``sum_i grad_i d out_i / d alpha`` per row, summed to ``alpha``'s shape.
+
+    ``d out_i / d alpha = beta (S_i - gppr_i sum(S) / sum(gppr))`` with
+    ``S_i = out_i (beta - log out_i)``, ``beta = 1 / (alpha - 1)`` and ``gppr = out^(2 - alpha)``
+    on the support; derived from ``out_i^(alpha-1) = (alpha-1) x_i - tau(alpha)`` with
+    ``sum(out) = 1``.  Differentiable (torch ops only).
+    """
+    support = out > 0
+    beta = 1 / (alpha - 1)
+    log_out = torch.where(support, out.clamp_min(torch.finfo(out.dtype).tiny).log(), 0.0)
+    entropy_term = torch.where(support, out * (beta - log_out), 0.0)
+    total = gppr.sum(-1, keepdim=True)
+    ratio = entropy_term.sum(-1, keepdim=True) / torch.where(total > 0, total, 1.0)
+    d_out = beta * (entropy_term - gppr * ratio)
+    return sum_to_shape((grad * d_out).sum(-1, keepdim=True), alpha.shape)
 
 
 def sparsemax_rows(x: Tensor, allowed: Tensor) -> Tensor:

@@ -342,11 +342,30 @@ static void FN(entmax_row)(const REAL* x, REAL* y, int64_t length, double alpha,
 /* grad_x = s * (g - sum(s g) / sum(s)), s = y^(2 - alpha) on the support and 0
  * off it: entmax's Jacobian.  For general alpha the support is gathered first
  * (into `index`, s into `slope`) so that pow runs there only. */
+/*
+ * d/d alpha of sum_i g_i y_i, from the output: with beta = 1 / (alpha - 1),
+ * S_i = y_i (beta - log y_i) and s_i = y_i^(2 - alpha) on the support,
+ * beta (sum g S - sum g s * sum S / sum s)  (as attnorm.kernels.sparse derives it).
+ */
+static double FN(entmax_alpha_grad_row)(const REAL* y, const REAL* g, int64_t length, double alpha, double slope_total,
+                                        double slope_dot) {
+    const double beta = 1 / (alpha - 1);
+    double entropy_total = 0, entropy_dot = 0;
+    for (int64_t i = 0; i < length; i++) {
+        if (y[i] > 0) {
+            double term = y[i] * (beta - log((double)y[i]));
+            entropy_total += term;
+            entropy_dot += term * g[i];
+        }
+    }
+    return slope_total > 0 ? beta * (entropy_dot - slope_dot * entropy_total / slope_total) : 0;
+}
+
 static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t length, double alpha, int32_t* index,
-                                REAL* slope) {
+                                REAL* slope, double* alpha_grad) {
     const int kind = entmax_kind(alpha);
+    double slope_total = 0, dot = 0;
     if (kind != GENERAL) { /* cheap slopes: two vectorised passes over the row */
-        double slope_total = 0, dot = 0;
         if (kind == SPARSEMAX) {
 #pragma omp simd reduction(+ : slope_total, dot)
             for (int64_t i = 0; i < length; i++) {
@@ -367,24 +386,23 @@ static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t 
         REAL mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
 #pragma omp simd
         for (int64_t i = 0; i < length; i++) gx[i] = gx[i] * (g[i] - mean);
-        return;
-    }
-    /* pow on the support only */
-    int64_t count = FN(gather_above)(y, length, 0, slope, index);
-    memset(gx, 0, length * sizeof(REAL));
-    const REAL power = (REAL)(2 - alpha);
-    const int64_t padded = (count + PAD - 1) / PAD * PAD; /* whole vectors for pow; the sums stop at count */
-    for (int64_t j = count; j < padded; j++) slope[j] = 1;
+    } else { /* pow on the support only */
+        int64_t count = FN(gather_above)(y, length, 0, slope, index);
+        memset(gx, 0, length * sizeof(REAL));
+        const REAL power = (REAL)(2 - alpha);
+        const int64_t padded = (count + PAD - 1) / PAD * PAD; /* whole vectors for pow; the sums stop at count */
+        for (int64_t j = count; j < padded; j++) slope[j] = 1;
 #pragma omp simd
-    for (int64_t j = 0; j < padded; j++) slope[j] = POW(slope[j], power);
-    double slope_total = 0, dot = 0;
+        for (int64_t j = 0; j < padded; j++) slope[j] = POW(slope[j], power);
 #pragma omp simd reduction(+ : slope_total, dot)
-    for (int64_t j = 0; j < count; j++) {
-        slope_total += slope[j];
-        dot += (double)slope[j] * g[index[j]];
+        for (int64_t j = 0; j < count; j++) {
+            slope_total += slope[j];
+            dot += (double)slope[j] * g[index[j]];
+        }
+        REAL mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
+        for (int64_t j = 0; j < count; j++) gx[index[j]] = slope[j] * (g[index[j]] - mean);
     }
-    REAL mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
-    for (int64_t j = 0; j < count; j++) gx[index[j]] = slope[j] * (g[index[j]] - mean);
+    if (alpha_grad) *alpha_grad = FN(entmax_alpha_grad_row)(y, g, length, alpha, slope_total, dot);
 }
 
 /* ---- top-k softmax ------------------------------------------------------------ */
@@ -553,8 +571,9 @@ int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t len
     return failed;
 }
 
+/* alpha_grad: NULL, or one double per row for d/d alpha of sum(g y). */
 int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t rows, int64_t length,
-                                const double* alpha, int64_t alpha_stride, int threads) {
+                                const double* alpha, int64_t alpha_stride, double* alpha_grad, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -564,7 +583,7 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
         for (int64_t r = 0; r < rows; r++) {
             if (index && slope) {
                 FN(entmax_grad_row)(y + r * length, g + r * length, gx + r * length, length, alpha[r * alpha_stride],
-                                    index, slope);
+                                    index, slope, alpha_grad ? alpha_grad + r : NULL);
             } else {
 #pragma omp atomic write
                 failed = 1;
