@@ -1,7 +1,7 @@
 /*
  * Row kernels for one floating type, included by rows.c once per type with
  * REAL (float or double), SUFFIX (f32, f64), EXP, POW, EPS and NEXT_BELOW defined.
- * Sums over a row are accumulated in double, except softmax's (all terms in (0, 1]).
+ * Sums over a row are accumulated in double, except sums of exponentials (terms in (0, 1]).
  */
 #define FN(name) CAT(name, SUFFIX)
 
@@ -60,7 +60,7 @@ static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, REAL scale, 
     int flag = FN(scan_row)(x, length, &top);
     /* the largest scaled score comes from the largest score, or the smallest when the scale is negative */
     REAL anchor = scale > 0 ? top : (scale < 0 && !flag ? FN(smallest_finite)(x, length) : 0);
-    if (flag || !(scale * anchor > -INFINITY && scale * anchor < INFINITY)) { /* overflow: the reference says */
+    if (flag || !(scale * anchor > -INFINITY && scale * anchor < INFINITY)) { /* scaled scores overflow: left to the reference */
         memset(y, 0, length * sizeof(REAL));
         *bad = 1;
         return;
@@ -339,9 +339,6 @@ static void FN(entmax_row)(const REAL* x, REAL* y, int64_t length, double alpha,
     for (int64_t j = 0; j < count; j++) y[index[j]] = t[j] * inverse;
 }
 
-/* grad_x = s * (g - sum(s g) / sum(s)), s = y^(2 - alpha) on the support and 0
- * off it: entmax's Jacobian.  For general alpha the support is gathered first
- * (into `index`, s into `slope`) so that pow runs there only. */
 /*
  * d/d alpha of sum_i g_i y_i, from the output: with beta = 1 / (alpha - 1),
  * S_i = y_i (beta - log y_i) and s_i = y_i^(2 - alpha) on the support,
@@ -361,6 +358,10 @@ static double FN(entmax_alpha_grad_row)(const REAL* y, const REAL* g, int64_t le
     return slope_total > 0 ? beta * (entropy_dot - slope_dot * entropy_total / slope_total) : 0;
 }
 
+/* grad_x = s * (g - sum(s g) / sum(s)), s = y^(2 - alpha) on the support and 0
+ * off it: entmax's Jacobian.  For general alpha the support is gathered first
+ * (into `index`, s into `slope`) so that pow runs there only.  With
+ * alpha_grad, also the row's alpha derivative (entmax_alpha_grad_row). */
 static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t length, double alpha, int32_t* index,
                                 REAL* slope, double* alpha_grad) {
     const int kind = entmax_kind(alpha);
