@@ -26,7 +26,14 @@ from torch.autograd import Function
 
 from attnorm.kernels import native, reference
 from attnorm.kernels.reference import topk_row_count
-from attnorm.kernels.sparse import entmax_alpha_vjp, entmax_vjp, sum_to_shape
+from attnorm.kernels.sparse import (
+    entmax_alpha_vjp,
+    entmax_slopes,
+    entmax_vjp,
+    save_output,
+    saved_output,
+    sum_to_shape,
+)
 
 __all__ = ["entmax_support", "scaled_softmax", "self_adjusted_softmax", "topk_support"]
 
@@ -57,28 +64,15 @@ def _softmax_vjp(out: Tensor, grad: Tensor, scale: float | Tensor) -> Tensor:
     return torch.ops.aten._softmax_backward_data(grad, out, -1, out.dtype) * scale
 
 
-def _save(ctx, out: Tensor, bad: Tensor, parameter: float | Tensor) -> tuple[Tensor, Tensor]:
-    """Save the output and the parameter (a tensor through autograd, a number on ``ctx``)."""
-    ctx.save_for_backward(out, parameter if isinstance(parameter, Tensor) else None)
-    ctx.parameter = parameter
-    ctx.mark_non_differentiable(bad)
-    return out, bad
-
-
-def _saved(ctx) -> tuple[Tensor, float | Tensor]:
-    out, parameter = ctx.saved_tensors
-    return out, ctx.parameter if parameter is None else parameter
-
-
 class _ScaledSoftmax(Function):
     @staticmethod
     def forward(ctx, x: Tensor, scale: float | Tensor, keep: Tensor | None):
         scores, buffer = _scores(x, keep)
-        return _save(ctx, *native.softmax_forward(scores, scale, out=buffer), scale)
+        return save_output(ctx, *native.softmax_forward(scores, scale, out=buffer), scale)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
-        out, scale = _saved(ctx)
+        out, scale = saved_output(ctx)
         return _softmax_vjp(out, grad, scale), None, None
 
 
@@ -109,11 +103,11 @@ class _Entmax(Function):
     @staticmethod
     def forward(ctx, x: Tensor, keep: Tensor | None, alpha: float | Tensor):
         scores, buffer = _scores(x, keep)
-        return _save(ctx, *native.entmax_forward(scores, alpha, out=buffer), alpha)
+        return save_output(ctx, *native.entmax_forward(scores, alpha, out=buffer), alpha)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
-        out, alpha = _saved(ctx)
+        out, alpha = saved_output(ctx)
         alpha_needs_grad = ctx.needs_input_grad[2]
         if _native_backward(out, grad):
             if not alpha_needs_grad:
@@ -122,8 +116,7 @@ class _Entmax(Function):
             per_row = per_row.to(alpha.dtype).view(*out.shape[:-1], 1)
             return grad_x, None, sum_to_shape(per_row, alpha.shape)
         # Jacobian of entmax: diag(s) - s s^T / sum(s), s = out^(2 - alpha) on the support.
-        support = out > 0
-        slopes = torch.where(support, torch.where(support, out, 1.0).pow(2 - alpha), 0.0)
+        slopes = entmax_slopes(out, alpha)
         grad_alpha = entmax_alpha_vjp(grad, out, alpha, slopes) if alpha_needs_grad else None
         return entmax_vjp(grad, slopes), None, grad_alpha
 
@@ -136,12 +129,12 @@ class _TopKSoftmax(Function):
             counts = int(k)
         else:
             counts = topk_row_count(k, allowed_count.expand(*x.shape[:-1], 1))
-        return _save(ctx, *native.topk_forward(scores, counts, scale, out=buffer), scale)
+        return save_output(ctx, *native.topk_forward(scores, counts, scale, out=buffer), scale)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
         # Softmax's backward: positions outside the top k have out = 0 and get 0.
-        out, scale = _saved(ctx)
+        out, scale = saved_output(ctx)
         return _softmax_vjp(out, grad, scale), None, None, None, None
 
 

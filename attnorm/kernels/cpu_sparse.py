@@ -30,7 +30,7 @@ from torch.autograd import Function
 
 from attnorm.kernels.cpu_candidates import Candidates, group_maxima, pack_groups, top_groups
 from attnorm.kernels.reference import masked_softmax, topk_row_count
-from attnorm.kernels.sparse import sum_to_shape
+from attnorm.kernels.sparse import save_output, saved_output, sum_to_shape
 
 __all__ = ["Bracket", "entmax_support", "entmax_threshold", "topk_support"]
 
@@ -236,18 +236,16 @@ class _Entmax(Function):
             weights *= gap.sign_()  # exact zeros off the support
         weights = (weights / weights.sum(-1, keepdim=True)).masked_fill_(bad, 0.0)  # bad rows: no candidates
         out = candidates.scatter(weights, scores if out is None else out).view(x.shape)
-        ctx.save_for_backward(out, alpha if isinstance(alpha, Tensor) else None)
-        ctx.alpha = alpha if not isinstance(alpha, Tensor) else None
-        bad = bad.view(x.shape[:-1])
-        ctx.mark_non_differentiable(bad)
-        return out, bad
+        return save_output(ctx, out, bad.view(x.shape[:-1]), alpha)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
-        out, alpha_tensor = ctx.saved_tensors
+        out, alpha_parameter = saved_output(ctx)
         rows_count = out.numel() // out.shape[-1]
         support, weights, grad_values = _support(out, grad)
-        alpha = ctx.alpha if alpha_tensor is None else support.per_entry(_per_row(alpha_tensor, out.shape, rows_count))
+        alpha = alpha_parameter
+        if isinstance(alpha_parameter, Tensor):
+            alpha = support.per_entry(_per_row(alpha_parameter, out.shape, rows_count))
         # Jacobian of entmax: diag(s) - s s^T / sum(s), s = out^(2 - alpha) on the support.
         if torch.is_grad_enabled():  # a double backward differentiates the slopes
             slopes = _power(weights, 2 - alpha)
@@ -265,7 +263,7 @@ class _Entmax(Function):
             entropy_terms = torch.where(positive, weights * (beta - torch.where(positive, weights, 1.0).log()), 0.0)
             d_out = beta * (entropy_terms - slopes * support.per_entry(support.row_sum(entropy_terms)) / total)
             per_row = support.row_sum(grad_values * d_out).view(*out.shape[:-1], 1)
-            grad_alpha = sum_to_shape(per_row, alpha_tensor.shape)
+            grad_alpha = sum_to_shape(per_row, alpha_parameter.shape)
         return _gradient_buffer(support, grad_x, out), None, grad_alpha
 
 
@@ -332,25 +330,20 @@ class _TopKSoftmax(Function):
             out = scores
         out.zero_()
         out.scatter_add_(1, candidates.columns(top_slots), weights)  # 0 where not kept
-        out = out.view(x.shape)
-        ctx.save_for_backward(out, scale if isinstance(scale, Tensor) else None)
-        ctx.scale = scale if not isinstance(scale, Tensor) else None
-        bad = bad.view(x.shape[:-1])
-        ctx.mark_non_differentiable(bad)
-        return out, bad
+        return save_output(ctx, out.view(x.shape), bad.view(x.shape[:-1]), scale)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_bad: Tensor | None):
         # Softmax's backward: positions outside the top k have out = 0 and get 0.
-        out, scale_tensor = ctx.saved_tensors
+        out, scale = saved_output(ctx)
         grad_logits = torch.ops.aten._softmax_backward_data(grad, out, -1, out.dtype)
-        if scale_tensor is None:
-            return grad_logits * ctx.scale, None, None, None, None
+        if not isinstance(scale, Tensor):
+            return grad_logits * scale, None, None, None, None
         # sum_i grad_logits_i x_i = sum_i grad_logits_i log(out_i) / scale, since
         # scale * x_i = log(out_i) + const on the top k and the grad_logits sum to 0.
         log_weights = out.clamp_min(torch.finfo(out.dtype).tiny).log()
-        per_row = (grad_logits * log_weights).sum(-1, keepdim=True) / scale_tensor
-        return grad_logits * scale_tensor, None, None, sum_to_shape(per_row, scale_tensor.shape), None
+        per_row = (grad_logits * log_weights).sum(-1, keepdim=True) / scale
+        return grad_logits * scale, None, None, sum_to_shape(per_row, scale.shape), None
 
 
 def topk_support(

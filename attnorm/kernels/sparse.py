@@ -14,7 +14,17 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-__all__ = ["entmax15_rows", "entmax_alpha_vjp", "entmax_bisect_rows", "entmax_vjp", "sparsemax_rows", "sum_to_shape"]
+__all__ = [
+    "entmax15_rows",
+    "entmax_alpha_vjp",
+    "entmax_bisect_rows",
+    "entmax_slopes",
+    "entmax_vjp",
+    "save_output",
+    "saved_output",
+    "sparsemax_rows",
+    "sum_to_shape",
+]
 
 
 def sum_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:
@@ -25,6 +35,34 @@ def sum_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:
         if size == 1 and grad.shape[axis] != 1:
             grad = grad.sum(axis, keepdim=True)
     return grad
+
+
+def save_output(ctx, out: Tensor, bad: Tensor, parameter: float | Tensor) -> tuple[Tensor, Tensor]:
+    """Save a row kernel's output and parameter for backward; returns ``(out, bad)``.
+
+    A tensor parameter goes through autograd's saved tensors, a number onto ``ctx``;
+    the ``bad`` row flags are marked non-differentiable.
+    """
+    ctx.save_for_backward(out, parameter if isinstance(parameter, Tensor) else None)
+    ctx.parameter = parameter
+    ctx.mark_non_differentiable(bad)
+    return out, bad
+
+
+def saved_output(ctx) -> tuple[Tensor, float | Tensor]:
+    """``(out, parameter)`` as :func:`save_output` saved them."""
+    out, parameter = ctx.saved_tensors
+    return out, ctx.parameter if parameter is None else parameter
+
+
+def entmax_slopes(out: Tensor, alpha: float | Tensor) -> Tensor:
+    """``out^(2 - alpha)`` on the support, 0 elsewhere: the diagonal of entmax's Jacobian.
+
+    ``pow`` stays off the zeros, where its derivative is infinite for ``alpha > 1``
+    (a double backward would meet ``0 * inf``).
+    """
+    support = out > 0
+    return torch.where(support, out.clamp_min(torch.finfo(out.dtype).tiny).pow(2 - alpha), 0.0)
 
 
 def _subtract_row_max(x: Tensor, allowed: Tensor) -> Tensor:
@@ -133,8 +171,7 @@ class _EntmaxBisect(Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         out, alpha = ctx.saved_tensors
-        support = out > 0
-        gppr = torch.where(support, out.clamp_min(torch.finfo(out.dtype).tiny).pow(2 - alpha), 0.0)
+        gppr = entmax_slopes(out, alpha)
         grad_x = entmax_vjp(grad, gppr)
         grad_alpha = entmax_alpha_vjp(grad, out, alpha, gppr) if ctx.needs_input_grad[2] else None
         return grad_x, None, grad_alpha
