@@ -69,7 +69,7 @@ from profiler_memory import allocator_peak_bytes
 from tqdm import tqdm
 
 import attnorm
-from attnorm.kernels import native
+from attnorm.kernels.cpu import native
 
 MODES = ("forward", "backward", "forward+backward")
 COLUMNS = (
@@ -134,7 +134,7 @@ def attnorm_cases(backend: str, torch_only: bool = False) -> list[Case]:
 def native_one_time_cost() -> dict[str, object]:
     """The native kernels' one-time cost, in fresh processes with an empty cache:
     ``build_info()`` of the first (which compiles) and of the second (which loads)."""
-    script = "import json; from attnorm.kernels import native; print(json.dumps(native.build_info()))"
+    script = "import json; from attnorm.kernels.cpu import native; print(json.dumps(native.build_info()))"
     package_root = str(Path(attnorm.__file__).resolve().parent.parent)
     with tempfile.TemporaryDirectory() as cache:
         environment = {**os.environ, "ATTNORM_CACHE_DIR": cache,

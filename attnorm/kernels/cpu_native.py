@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from attnorm.kernels import native, reference
+from attnorm.kernels import reference
+from attnorm.kernels.cpu import native
 from attnorm.kernels.reference import topk_row_count
 from attnorm.kernels.sparse import (
     entmax_alpha_vjp,

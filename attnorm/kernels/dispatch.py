@@ -91,7 +91,7 @@ def _torch_ops() -> dict[str, RowOp]:
     if not _torch_ops_loaded:
         # Imports the reference first, then registers the fast CPU ops over it, even
         # when the reference module was imported (and registered) on its own before.
-        import attnorm.kernels.cpu  # noqa: F401
+        import attnorm.kernels.fast_cpu  # noqa: F401
         _torch_ops_loaded = True
     return _REGISTRY["torch"]
 

@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from attnorm.kernels import cpu_native, cpu_softmax, cpu_sparse, native, reference
+from attnorm.kernels import cpu_native, cpu_softmax, cpu_sparse, reference
+from attnorm.kernels.cpu import native
 from attnorm.kernels.dispatch import register
 from attnorm.masks import StructuredMask
 
