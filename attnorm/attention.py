@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnorm.kernels.reference import ssmax_scale
+from attnorm.kernels.old_reference import ssmax_scale
 from attnorm.masks import StructuredMask, causal_mask
 from attnorm.normalizers import Normalizer, Softmax
 from attnorm.registry import make

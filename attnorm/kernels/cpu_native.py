@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from attnorm.kernels import reference
+from attnorm.kernels import old_reference as reference
 from attnorm.kernels.cpu import native
-from attnorm.kernels.reference import topk_row_count
+from attnorm.kernels.old_reference import topk_row_count
 from attnorm.kernels.sparse import (
     entmax_alpha_vjp,
     entmax_slopes,

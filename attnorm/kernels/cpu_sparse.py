@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from attnorm.kernels.cpu_candidates import Candidates, group_maxima, pack_groups, top_groups
-from attnorm.kernels.reference import masked_softmax, topk_row_count
+from attnorm.kernels.old_reference import masked_softmax, topk_row_count
 from attnorm.kernels.sparse import save_output, saved_output, sum_to_shape
 
 __all__ = ["Bracket", "entmax_support", "entmax_threshold", "topk_support"]

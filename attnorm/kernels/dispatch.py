@@ -10,7 +10,7 @@ Backends:
 
 * ``"torch"``: pure PyTorch, every device.  CPU tensors take the fast exact path
   of :mod:`attnorm.kernels.cpu`, which falls back, row by row, to the reference
-  in :mod:`attnorm.kernels.reference` (also what other devices run).
+  in :mod:`attnorm.kernels.old_reference` (also what other devices run).
 * ``"triton"``: fused Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 * ``"auto"`` (default): Triton for CUDA tensors when Triton imports, else torch.
 

@@ -1,7 +1,7 @@
 """The fast exact CPU path: the row operations the ``"torch"`` backend runs on CPU tensors.
 
-Results match :mod:`attnorm.kernels.reference` to rounding; the speed comes from
-skipping its :func:`~attnorm.kernels.reference.sanitize` passes in the common case.
+Results match :mod:`attnorm.kernels.old_reference` to rounding; the speed comes from
+skipping its :func:`~attnorm.kernels.old_reference.sanitize` passes in the common case.
 The row kernels come in two implementations with one contract:
 
 * native C kernels (:mod:`attnorm.kernels.cpu_native` over
@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from attnorm.kernels import cpu_native, cpu_softmax, cpu_sparse, reference
+from attnorm.kernels import cpu_native, cpu_softmax, cpu_sparse, old_reference as reference
 from attnorm.kernels.cpu import native
 from attnorm.kernels.dispatch import register
 from attnorm.masks import StructuredMask

@@ -1,4 +1,4 @@
-"""The fast CPU path (attnorm.kernels.cpu) against the torch reference (attnorm.kernels.reference).
+"""The fast CPU path (attnorm.kernels.cpu) against the torch reference (attnorm.kernels.old_reference).
 
 Every row operation, every mask kind, float64 and float32: forward and backward
 (including the gradients of tensor parameters) must match the reference within
@@ -19,7 +19,7 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import attnorm
 from attnorm import functional as F
-from attnorm.kernels import dispatch, reference
+from attnorm.kernels import dispatch, old_reference as reference
 from attnorm.kernels import fast_cpu as cpu
 from attnorm.kernels.cpu import native
 

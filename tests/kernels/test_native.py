@@ -3,7 +3,7 @@
 
 References: ``torch.softmax``; the ``entmax`` package (``sparsemax``, ``entmax15``,
 ``entmax_bisect``); a top-k softmax built here from a stable sort, or for ties from
-an explicit scan; SA-Softmax from :mod:`attnorm.kernels.reference`.  Gradients are
+an explicit scan; SA-Softmax from :mod:`attnorm.kernels.old_reference`.  Gradients are
 compared with autograd through those references, and the public Functions pass
 ``gradcheck``.  Output buffers are filled with NaN before each call, so an element
 a kernel leaves unwritten fails the comparison.
@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 from torch.autograd import gradcheck, gradgradcheck
 
-from attnorm.kernels import cpu_native, reference
+from attnorm.kernels import cpu_native, old_reference as reference
 from attnorm.kernels.cpu import native
 
 pytestmark = [

@@ -25,7 +25,7 @@ PROBE = """
 import json, math, warnings
 import torch
 from attnorm import functional as F
-from attnorm.kernels import fast_cpu as cpu, reference
+from attnorm.kernels import fast_cpu as cpu, old_reference as reference
 from attnorm.kernels.cpu import native
 
 with warnings.catch_warnings(record=True) as caught:

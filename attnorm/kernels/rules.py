@@ -1,0 +1,130 @@
+"""The shared rules every backend applies, written once.
+
+A row operation normalises ``x`` over its last axis.  Which positions of a row take
+part is decided by a :class:`RowMask` and by the scores themselves:
+
+* a position is **allowed** when the mask allows it and its score is not -inf;
+* a row with no allowed position gives zeros (and zero gradients);
+* a row holding +inf at an allowed position is uniform over its +inf positions;
+* a NaN at an allowed position makes the whole row NaN.
+
+Per-row parameters (temperature, s, bias, alpha) are python numbers or tensors of
+shape ``(..., 1)`` with ``x.ndim`` dims that broadcast against ``x``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "RowMask",
+    "accumulation_dtype",
+    "allowed",
+    "allowed_count",
+    "check_key_lengths",
+    "masked_scores",
+    "row_param",
+    "sum_to_shape",
+    "topk_row_count",
+]
+
+
+class RowMask(NamedTuple):
+    """Which keys a row may use, as the kernels take it.
+
+    Attributes:
+        tensor: bool tensor with ``x.ndim`` dims broadcastable to ``x`` (True = may
+            attend), or None.
+        diagonal: causal mask when not None: the row of query ``q`` (its index along
+            ``x``'s dim -2) may use key ``j`` only if ``j <= q + diagonal``.
+        key_lengths: int64 tensor of shape ``(B,)`` or ``(1,)``, or None: batch ``b``
+            (``x``'s dim 0) may use only its first ``key_lengths[b]`` keys.
+    """
+
+    tensor: Tensor | None = None
+    diagonal: int | None = None
+    key_lengths: Tensor | None = None
+
+    @property
+    def structured(self) -> bool:
+        return self.diagonal is not None or self.key_lengths is not None
+
+
+NO_MASK = RowMask()
+
+
+def check_key_lengths(key_lengths: Tensor, shape: tuple[int, ...]) -> None:
+    """Raise unless ``key_lengths`` fits scores of ``shape`` ``(B, ..., Lq, Lk)``."""
+    if len(shape) < 3:
+        raise ValueError(f"key_lengths needs scores shaped (B, ..., Lq, Lk) with a batch axis, got shape {shape}")
+    if key_lengths.ndim != 1 or key_lengths.shape[0] not in (1, shape[0]):
+        raise ValueError(
+            f"key_lengths must have shape (B,) with B = scores.shape[0] = {shape[0]}, got {tuple(key_lengths.shape)}"
+        )
+
+
+def allowed(x: Tensor, mask: RowMask) -> Tensor:
+    """Bool tensor shaped like ``x``: True where the mask allows the position and ``x`` is not -inf."""
+    keep = x != -math.inf
+    if mask.tensor is not None:
+        keep = keep & mask.tensor
+    if mask.structured:
+        lq, lk = x.shape[-2], x.shape[-1]
+        keys = torch.arange(lk, device=x.device)
+        if mask.diagonal is not None:
+            queries = torch.arange(lq, device=x.device)[:, None]
+            keep = keep & (keys <= queries + mask.diagonal)
+        if mask.key_lengths is not None:
+            lengths = mask.key_lengths.to(x.device).reshape(-1, *([1] * (x.ndim - 1)))
+            keep = keep & (keys < lengths)
+    return keep
+
+
+def masked_scores(x: Tensor, mask: RowMask) -> Tensor:
+    """A contiguous copy of ``x`` with -inf wherever the mask forbids a position (``x`` itself when no mask)."""
+    if mask.tensor is None and not mask.structured:
+        return x.contiguous()
+    return x.masked_fill(~allowed(x, mask), -math.inf).contiguous()
+
+
+def allowed_count(keep: Tensor) -> Tensor:
+    """Allowed positions per row, int64 of shape ``(..., 1)``."""
+    return keep.sum(-1, keepdim=True)
+
+
+def topk_row_count(k: float, is_fraction: bool, n: Tensor) -> Tensor:
+    """Positions top-k keeps per row: ``min(k, n)``, or ``max(1, ceil(k n))`` for a fraction (0 when ``n = 0``).
+
+    ``n`` holds integer counts; a tiny slack keeps ``ceil(0.06 * 100)`` at 6 despite rounding.
+    """
+    if is_fraction:
+        count = torch.ceil(n.to(torch.float64) * k - 1e-9).to(n.dtype).clamp_min(1)
+    else:
+        count = torch.full_like(n, int(k))
+    return torch.minimum(count, n)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What kernels accumulate (and store per-row statistics) in: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_param(value: float | Tensor, x: Tensor) -> float | Tensor:
+    """A parameter as one number or as a per-row tensor of shape ``x.shape[:-1]`` (expanded, not copied)."""
+    if not isinstance(value, Tensor):
+        return value
+    return value.expand(*x.shape[:-1], 1).squeeze(-1)
+
+
+def sum_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:
+    """Reduce a gradient broadcast over ``grad.shape`` back to ``shape``."""
+    while grad.ndim > len(shape):
+        grad = grad.sum(0)
+    for axis, size in enumerate(shape):
+        if size == 1 and grad.shape[axis] != 1:
+            grad = grad.sum(axis, keepdim=True)
+    return grad
