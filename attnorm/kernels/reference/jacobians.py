@@ -30,9 +30,14 @@ __all__ = [
 ]
 
 
+def _off_zeros(y: Tensor) -> Tensor:
+    """``y`` with its zeros replaced by 1, so ``log`` and ``pow`` (and their derivatives) stay finite there."""
+    return torch.where(y > 0, y, 1.0)
+
+
 def _safe_log(y: Tensor) -> Tensor:
     """``log y`` where ``y > 0``, 0 elsewhere, with a finite derivative everywhere."""
-    return torch.where(y > 0, y.clamp_min(torch.finfo(y.dtype).tiny).log(), 0.0)
+    return torch.where(y > 0, _off_zeros(y).log(), 0.0)
 
 
 def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -93,7 +98,7 @@ def entmax_slopes(y: Tensor, alpha: float | Tensor) -> Tensor:
     ``pow`` stays off the zeros, where its derivative is infinite for ``alpha > 1``.
     """
     support = y > 0
-    return torch.where(support, y.clamp_min(torch.finfo(y.dtype).tiny).pow(2 - alpha), 0.0)
+    return torch.where(support, _off_zeros(y).pow(2 - alpha), 0.0)
 
 
 def entmax_vjp(y: Tensor, grad: Tensor, gate: float | Tensor, alpha: float | Tensor) -> Tensor:
@@ -132,7 +137,7 @@ def entmax_alpha_grad(y: Tensor, grad: Tensor, gate: float | Tensor, alpha: floa
     is_softmax = alpha == 1
     alpha = torch.where(is_softmax, 2.0, alpha)
     beta = 1 / (alpha - 1)
-    slopes = torch.where(y > 0, y.clamp_min(torch.finfo(y.dtype).tiny).pow(2 - alpha), 0.0)
+    slopes = torch.where(y > 0, _off_zeros(y).pow(2 - alpha), 0.0)
     support = y > 0
     entropic = torch.where(support, y * (beta - _safe_log(y)), 0.0)
     ratio = _safe_divide(entropic.sum(-1, keepdim=True), slopes.sum(-1, keepdim=True))
