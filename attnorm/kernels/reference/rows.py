@@ -16,7 +16,7 @@ from torch import Tensor
 
 from attnorm.kernels import rules
 
-__all__ = ["Rows", "as_param", "finish", "masked_softmax", "per_row", "rows_of", "shifted_scaled"]
+__all__ = ["Rows", "as_param", "finish", "masked_softmax", "per_row", "row_extremes", "rows_of", "shifted_scaled"]
 
 
 class Rows(NamedTuple):

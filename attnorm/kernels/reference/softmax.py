@@ -16,9 +16,11 @@ from attnorm.kernels import rules
 from attnorm.kernels.reference.rows import Rows, as_param, finish, masked_softmax, row_extremes, rows_of, shifted_scaled
 
 __all__ = [
+    "normalized_factor",
     "scalable_softmax",
     "self_adjusted_parts",
     "self_adjusted_softmax",
+    "self_adjusted_stats",
     "softmax",
     "ssmax_multiplier",
     "topk_keep",
