@@ -1,10 +1,12 @@
-"""Minimum bytes each Triton kernel must move, to turn benchmark timings into GB/s.
+"""Minimum bytes a row normalizer must move, to turn benchmark timings into GB/s.
 
 Counted once per row of ``length`` elements: every row-length tensor the kernel
 reads or writes, plus the per-row scalars it saves for (or reads in) the backward.
 That is exactly what a row held in registers (the single-block path of
 :mod:`attnorm.kernels.triton`) moves, and the floor for any implementation that
-keeps its backward to the output and per-row scalars.  Not counted: re-reads of
+keeps its backward to the output and per-row scalars: the benchmarks divide it by
+any provider's time (torch.softmax, the entmax package, ...) as an effective
+bandwidth, as Triton's fused-softmax tutorial does.  Not counted: re-reads of
 long rows on the multi-pass path, an explicit bool mask (a structured mask costs
 one integer per row at most), and parameters (one value per row or per head).
 
@@ -18,7 +20,8 @@ sparsemax, entmax      x, y; 1 per-row scalar    y, g, dx; 1 per-row scalar
 topk_softmax           x, y; 1 per-row scalar    y, g, dx; 1 per-row scalar
 ====================== ========================= =============================
 
-This module does not import triton, so benchmarks can use it anywhere.
+This module imports neither triton nor attnorm, so it works on any machine.  Scripts in ``benchmarks/`` import it as
+``from traffic import bytes_moved``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MODES", "bytes_moved"]
+__all__ = ["MODES", "OPS", "bytes_moved"]
 
 MODES = ("forward", "backward", "forward+backward")
 
@@ -47,10 +50,11 @@ _TRAFFIC = {
     "entmax": _Traffic(2, 1, 3, 1),
     "topk_softmax": _Traffic(2, 1, 3, 1),
 }
+OPS = tuple(_TRAFFIC)
 
 
 def bytes_moved(op: str, rows: int, length: int, dtype: torch.dtype, mode: str) -> int:
-    """Minimum bytes the Triton kernel(s) for ``op`` move over ``rows`` rows of ``length`` elements.
+    """Minimum bytes an implementation of ``op`` moves over ``rows`` rows of ``length`` elements.
 
     ``bytes = rows * (length * itemsize * tensors + scalar_size * row_scalars)``, summed
     over the kernels ``mode`` runs; per-row scalars are float32 (float64 for float64 rows).
@@ -60,8 +64,8 @@ def bytes_moved(op: str, rows: int, length: int, dtype: torch.dtype, mode: str) 
             ``"sparsemax"``, ``"entmax"``, ``"topk_softmax"``).
         rows: number of rows (product of every dim but the normalised one).
         length: elements per row.
-        dtype: dtype of the tensors the kernel reads and writes (the dispatcher hands
-            float16/bfloat16 scores to the kernels as float32).
+        dtype: dtype of the scores, weights and gradients (a kernel that upcasts
+            float16/bfloat16 rows moves more than this floor).
         mode: ``"forward"``, ``"backward"`` or ``"forward+backward"``.
 
     Returns:
@@ -72,7 +76,7 @@ def bytes_moved(op: str, rows: int, length: int, dtype: torch.dtype, mode: str) 
             non-floating ``dtype``.
     """
     if op not in _TRAFFIC:
-        raise ValueError(f"op must be one of {sorted(_TRAFFIC)}, got {op!r}")
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if rows < 0 or length < 0:

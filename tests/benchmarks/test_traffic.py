@@ -1,16 +1,18 @@
-"""attnorm.kernels.traffic: the bytes each Triton kernel must move (no triton needed)."""
+"""benchmarks/traffic.py: the bytes a row normalizer must move (needs neither triton nor attnorm)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from attnorm.kernels.traffic import MODES, bytes_moved
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 
-OPS = ("softmax", "scalable_softmax", "self_adjusted_softmax", "sparsemax", "entmax", "topk_softmax")
+from traffic import MODES, OPS, bytes_moved  # noqa: E402
 
 
 def test_softmax_forward_reads_and_writes_each_element_once():
@@ -32,13 +34,15 @@ def test_forward_and_backward_add_up_and_scale_with_the_problem(op, dtype):
     assert bytes_moved(op, 8, 0, dtype, "forward") < bytes_moved(op, 8, 1, dtype, "forward")
 
 
-def test_every_triton_op_has_a_traffic_entry():
-    pytest.importorskip("triton")
-    from attnorm.kernels import dispatch
+def test_every_normalizer_has_a_traffic_entry():
+    import attnorm
 
-    for op in OPS:
-        dispatch.resolve(op, torch.empty(0), "triton")
-        assert all(bytes_moved(op, 1, 1, torch.float32, mode) > 0 for mode in MODES)
+    normalizers = [value for value in vars(attnorm).values()
+                   if isinstance(value, type) and issubclass(value, attnorm.Normalizer) and value.kernel]
+    assert normalizers
+    for normalizer in normalizers:
+        assert normalizer.kernel in OPS, normalizer.__name__
+        assert all(bytes_moved(normalizer.kernel, 1, 1, torch.float32, mode) > 0 for mode in MODES)
 
 
 @pytest.mark.parametrize(
@@ -55,6 +59,6 @@ def test_bad_arguments_are_named(arguments, message):
         bytes_moved(*arguments)
 
 
-def test_imports_without_triton():
-    program = "import sys; sys.modules['triton'] = None; import attnorm.kernels.traffic"
-    subprocess.run([sys.executable, "-c", program], check=True)
+def test_imports_without_triton_or_attnorm():
+    program = "import sys; sys.modules['triton'] = sys.modules['attnorm'] = None; import traffic"
+    subprocess.run([sys.executable, "-c", program], check=True, cwd=BENCHMARKS)
