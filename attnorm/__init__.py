@@ -6,7 +6,7 @@ Every normalizer maps attention scores to weights with one interface
 
 from attnorm import functional
 from attnorm.attention import attention
-from attnorm.kernels.dispatch import get_backend, set_backend, use_backend
+from attnorm.kernels.backends import get_backend, set_backend, use_backend
 from attnorm.masks import StructuredMask, causal_mask, key_padding_mask
 from attnorm.normalizers import (
     Entmax,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnorm.kernels.old_reference import ssmax_scale
+from attnorm.kernels.rules import ssmax_multiplier
 from attnorm.masks import StructuredMask, causal_mask
 from attnorm.normalizers import Normalizer, Softmax
 from attnorm.registry import make
@@ -205,7 +205,7 @@ def _logit_multiplier(normalizer: Normalizer, mask, additive: Tensor | None, q: 
         return s * math.log(max(lk, 1)) + bias
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     count = torch.tensor(float(lk), device=q.device) if count is None else count
-    return ssmax_scale(count.to(compute_dtype), s, bias)
+    return ssmax_multiplier(count.to(compute_dtype), s, bias)
 
 
 def _row_attends(mask, additive: Tensor | None, q: Tensor, lk: int) -> Tensor | None:

@@ -4,7 +4,8 @@ Every function maps ``x`` to weights along ``dim`` under the shared rules of
 :mod:`attnorm.normalizers.base` (masks, -inf/+inf, fully masked rows, dtypes).
 ``mask`` is a bool tensor broadcastable to ``x`` (True = may attend) or a
 :class:`attnorm.masks.StructuredMask`.  ``backend`` picks the implementation
-(``"torch"``, ``"triton"``, ``"auto"``; None = the global default).
+(``"auto"``, ``"reference"``, ``"native"``, ``"triton"``; None = the global
+default; see :mod:`attnorm.kernels.backends`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 from numbers import Real
 
+import torch
 from torch import Tensor
 
 from attnorm.masks import StructuredMask
@@ -42,9 +44,11 @@ def _check_number(name: str, value) -> None:
 
 
 def _values_checkable(value) -> bool:
-    # Learnable parameters are kept valid by their parametrisation; reading
-    # other tensors' values costs a device sync, which we accept off the GPU only.
-    return isinstance(value, Real) or (not value.requires_grad and value.device.type == "cpu")
+    # Learnable parameters are kept valid by their parametrisation; reading other
+    # tensors' values costs a device sync (or a graph break), accepted on CPU in eager only.
+    if isinstance(value, Real):
+        return True
+    return not value.requires_grad and value.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _holds(value: Scalar, condition) -> bool:
@@ -55,11 +59,18 @@ def _holds(value: Scalar, condition) -> bool:
     return not _values_checkable(value) or bool(condition(value.detach()).all())
 
 
+# The smallest temperature whose reciprocal (the logit multiplier) is finite in float32.
+SMALLEST_TEMPERATURE = 1 / torch.finfo(torch.float32).max
+
+
 def check_temperature(temperature: Scalar) -> Scalar:
-    """Raise unless ``temperature`` is > 0 and finite."""
+    """Raise unless ``temperature`` is finite and >= :data:`SMALLEST_TEMPERATURE` (1/T finite in float32)."""
     _check_number("temperature", temperature)
-    if not _holds(temperature, lambda t: (t > 0) & (t < math.inf)):
-        raise ValueError(f"temperature must be > 0 and finite, got {_show(temperature)}")
+    if not _holds(temperature, lambda t: (t >= SMALLEST_TEMPERATURE) & (t < math.inf)):
+        raise ValueError(
+            f"temperature must be finite and >= {SMALLEST_TEMPERATURE:.3g} (so that 1/T is finite in float32), "
+            f"got {_show(temperature)}"
+        )
     return temperature
 
 
@@ -106,7 +117,7 @@ def softmax(
         dim: axis to normalise over.
         temperature: T > 0 (float or tensor broadcastable to ``x``, constant along ``dim``).
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
 
     Returns:
         Weights like ``x``; each row with an allowed position sums to 1.
@@ -134,7 +145,7 @@ def scalable_softmax(
         s: scaling parameter (finite; float or tensor broadcastable to ``x``, constant along ``dim``).
         bias: additive term of the multiplier (same rules as ``s``).
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
 
     Returns:
         Weights like ``x``; rows sum to 1.
@@ -162,7 +173,7 @@ def self_adjusted_softmax(
         dim: axis to normalise over.
         normalized: use the min-max normalised factor (weights in [0, 1]).
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
 
     Returns:
         Weights like ``x``.
@@ -182,7 +193,7 @@ def sparsemax(x: Tensor, dim: int = -1, *, mask: Mask = None, backend: str | Non
         x: scores.
         dim: axis to normalise over.
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.
@@ -204,7 +215,7 @@ def entmax(x: Tensor, alpha: Scalar = 1.5, dim: int = -1, *, mask: Mask = None, 
         alpha: >= 1 (float, or tensor broadcastable to ``x`` and constant along ``dim``).
         dim: axis to normalise over.
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.
@@ -228,8 +239,8 @@ def topk_softmax(
     """Softmax over the ``k`` largest allowed scores of each row, exactly 0 elsewhere.
 
     ``k`` is an int >= 1, or a float in (0, 1): a fraction of the ``n`` allowed
-    positions, keeping ``max(1, ceil(k * n))``.  Ties at the k-th score are broken
-    by ``torch.topk`` so exactly ``min(k, n)`` positions are kept.
+    positions, keeping ``max(1, ceil(k * n))``.  Ties at the k-th score: the lowest
+    index wins, on every backend and device, so exactly ``min(k, n)`` positions are kept.
 
     Args:
         x: scores.
@@ -237,7 +248,7 @@ def topk_softmax(
         dim: axis to normalise over.
         temperature: T > 0, as in :func:`softmax`.
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.

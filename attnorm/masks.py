@@ -85,6 +85,7 @@ def key_padding_mask(lengths: Tensor) -> StructuredMask:
         raise TypeError(
             f"lengths must be a 1-D integer tensor, got dtype {lengths.dtype} and shape {tuple(lengths.shape)}"
         )
-    if (lengths < 0).any():
+    # Reading a GPU tensor's values would synchronise the device: only CPU lengths are checked.
+    if lengths.device.type == "cpu" and not torch.compiler.is_compiling() and bool((lengths < 0).any()):
         raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
     return StructuredMask(key_lengths=lengths)

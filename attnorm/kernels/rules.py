@@ -28,6 +28,7 @@ __all__ = [
     "check_key_lengths",
     "masked_scores",
     "row_param",
+    "ssmax_multiplier",
     "sum_to_shape",
     "topk_row_count",
 ]
@@ -106,6 +107,11 @@ def topk_row_count(k: float, is_fraction: bool, n: Tensor) -> Tensor:
     else:
         count = torch.full_like(n, int(k))
     return torch.minimum(count, n)
+
+
+def ssmax_multiplier(n: Tensor, s: float | Tensor, bias: float | Tensor) -> Tensor:
+    """Scalable-Softmax's logit multiplier ``s log max(n, 1) + bias`` for rows of ``n`` allowed positions."""
+    return s * torch.log(n.clamp_min(1)) + bias
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

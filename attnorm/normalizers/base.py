@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnorm.kernels import dispatch
+from attnorm.kernels import autograd, backends
+from attnorm.kernels.rules import NO_MASK, RowMask, check_key_lengths
 from attnorm.masks import StructuredMask
 
 __all__ = ["Normalizer", "broadcast_param", "normalize"]
@@ -54,6 +55,8 @@ def _check_mask(mask: Any, scores: Tensor) -> Tensor | StructuredMask | None:
         raise TypeError(f"mask must be a bool tensor, a StructuredMask or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must have dtype torch.bool (True = may attend), got {mask.dtype}")
+    if mask.device != scores.device:
+        raise ValueError(f"mask is on {mask.device} but scores are on {scores.device}: put them on one device")
     _check_broadcasts("mask", mask, scores)
     return mask
 
@@ -85,6 +88,23 @@ def broadcast_param(name: str, value: Tensor, scores: Tensor, dim: int) -> Tenso
     return value
 
 
+def _row_mask(mask: Tensor | StructuredMask | None, x: Tensor, dim: int) -> RowMask:
+    """The mask as the kernels take it, for scores ``x`` moved to normalise over their last axis."""
+    if mask is None:
+        return NO_MASK
+    last = x.ndim - 1
+    if isinstance(mask, StructuredMask):
+        if dim == last and x.ndim >= 2:
+            lengths = mask.key_lengths
+            if lengths is not None:
+                check_key_lengths(lengths, tuple(x.shape))
+                lengths = lengths.to(device=x.device, dtype=torch.int64)
+            return RowMask(None, mask.causal_diagonal, lengths)
+        mask = mask.materialize(x.shape, x.device)
+    mask = mask.reshape((1,) * (x.ndim - mask.ndim) + tuple(mask.shape))
+    return RowMask(mask.movedim(dim, -1), None, None)
+
+
 def normalize(
     op: str,
     scores: Tensor,
@@ -96,12 +116,12 @@ def normalize(
     """Apply the row operation ``op`` along ``dim`` under the shared rules.
 
     Args:
-        op: the kernel name (``"softmax"``, ``"scalable_softmax"``, ...).
+        op: the row operation, a function of :mod:`attnorm.kernels.autograd` (``"softmax"``, ...).
         scores: floating-point tensor of any shape.
         mask: bool tensor broadcastable to ``scores``, a StructuredMask, or None.
         dim: the axis to normalise over.
         params: the op's parameters; python numbers or tensors broadcastable to ``scores``.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None (the global default).
+        backend: one of :data:`attnorm.kernels.backends.BACKENDS`, or None (the global default).
 
     Returns:
         Weights with the shape and dtype of ``scores``.
@@ -112,29 +132,14 @@ def normalize(
     if scores.numel() == 0:
         return scores.clone()  # nothing to normalise (e.g. no keys); row ops reduce over the last axis
     squeeze = scores.ndim == 0
-    shaped = scores.reshape(1) if squeeze else scores
-    x = shaped
-    last = x.ndim - 1
-    if isinstance(mask, StructuredMask) and (dim != last or x.ndim < 2):
-        mask = mask.materialize(x.shape, x.device)
-    implementation = dispatch.resolve(op, x, backend)
-    # Kernels that read half precision themselves (accumulating in fp32) skip the
-    # upcast copy; everything else computes fp16/bf16 in fp32.  Parameters stay fp32+.
+    x = scores.reshape(1) if squeeze else scores
+    row_mask = _row_mask(mask, x, dim)
     param_dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
-    compute_dtype = x.dtype if getattr(implementation, "reads_half_precision", False) else param_dtype
-    x = x.to(compute_dtype).movedim(dim, -1)
-    if isinstance(mask, Tensor):
-        mask = mask.reshape((1,) * (scores.ndim - mask.ndim) + tuple(mask.shape))
-        mask = mask.reshape(1) if squeeze else mask
-        mask = mask.movedim(dim, -1)
     row_params = {
-        name: broadcast_param(name, value, shaped, dim).to(param_dtype)
-        if isinstance(value, Tensor)
-        else value
+        name: broadcast_param(name, value, x, dim).to(param_dtype) if isinstance(value, Tensor) else value
         for name, value in params.items()
     }
-    out = implementation(x, mask, **row_params)
-    out = out.movedim(-1, dim).to(scores.dtype)
+    out = getattr(autograd, op)(x.movedim(dim, -1), row_mask, **row_params, backend=backend).movedim(-1, dim)
     return out.reshape(()) if squeeze else out
 
 
@@ -146,11 +151,13 @@ class Normalizer(nn.Module):
     shared rules described in this module's docstring.
 
     Class attributes describe the normalizer for tables and for the attention
-    fast paths: ``sums_to_one`` (rows sum to 1) and ``sparse`` (can output exact zeros).
+    fast paths and for property tests: ``sums_to_one`` (rows with an allowed position
+    sum to 1), ``nonnegative`` (weights are >= 0) and ``sparse`` (can output exact zeros).
     """
 
     kernel: str = ""
     sums_to_one: bool = True
+    nonnegative: bool = True
     sparse: bool = False
 
     def __init__(self, dim: int = -1, backend: str | None = None) -> None:
@@ -158,17 +165,17 @@ class Normalizer(nn.Module):
         if not isinstance(dim, int) or isinstance(dim, bool):
             raise TypeError(f"dim must be an int, got {dim!r}")
         self.dim = dim
-        self.backend = dispatch.check_backend(backend)
-        # Loaded values skip the constructor's checks; forward checks only numbers
-        # and CPU tensors (reading a GPU tensor's values would sync the device).
-        self.register_load_state_dict_post_hook(_check_loaded_parameters)
+        self.backend = backends.check_backend(backend)
+        # Loaded values skip the constructor's checks: they are checked before anything
+        # is copied, so a failed load leaves the module as it was.
+        self.register_load_state_dict_pre_hook(_check_state_before_loading)
 
     def kernel_params(self) -> dict[str, Any]:
         """The parameters passed to the row operation (numbers or tensors)."""
         return {}
 
-    def check_parameters(self) -> None:
-        """Raise ``ValueError`` if a parameter holds an invalid value (run after ``load_state_dict``)."""
+    def check_state(self, state: dict[str, Tensor]) -> None:
+        """Raise ``ValueError`` if a value about to be loaded (by name) is invalid."""
 
     def forward(self, scores: Tensor, mask: Tensor | StructuredMask | None = None) -> Tensor:
         return normalize(self.kernel, scores, mask, self.dim, self.kernel_params(), self.backend)
@@ -184,8 +191,10 @@ class Normalizer(nn.Module):
         return ", ".join(f"{key}={_format_field(value)}" for key, value in fields.items())
 
 
-def _check_loaded_parameters(module: Normalizer, _incompatible_keys: Any) -> None:
-    module.check_parameters()
+def _check_state_before_loading(module: Normalizer, state_dict, prefix: str, *_args: Any) -> None:
+    names = (*module._parameters, *module._buffers)
+    incoming = {name: state_dict[prefix + name] for name in names if prefix + name in state_dict}
+    module.check_state({name: value.detach().cpu() for name, value in incoming.items()})
 
 
 def _format_field(value: Any) -> str:

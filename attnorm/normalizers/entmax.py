@@ -19,7 +19,7 @@ class Sparsemax(Normalizer):
 
     Args:
         dim: axis to normalise over.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
     """
 
     kernel = "sparsemax"
@@ -38,7 +38,7 @@ class Entmax(Normalizer):
         learnable: train alpha (``alpha_logit`` is the ``nn.Parameter``).
         num_heads: one alpha per head, broadcast over scores ``(..., H, Lq, Lk)``.
         dim: axis to normalise over.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
     """
 
     kernel = "entmax"
@@ -74,14 +74,24 @@ class Entmax(Normalizer):
             return 1 + torch.sigmoid(self.alpha_logit)
         return self.fixed_alpha
 
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        if self.learnable:
+            raise ValueError("alpha is learnable (1 + sigmoid(alpha_logit)): assign alpha_logit instead")
+        F.check_alpha(value)
+        if isinstance(self.fixed_alpha, Tensor):
+            self.fixed_alpha.fill_(float(value))
+        else:
+            self.fixed_alpha = float(value)
+
     def kernel_params(self) -> dict:
         return {"alpha": self.alpha}
 
-    def check_parameters(self) -> None:
-        if self.learnable:
-            F.check_finite("alpha_logit", self.alpha_logit.detach().cpu())
-        else:
-            F.check_alpha(self.fixed_alpha.cpu() if isinstance(self.fixed_alpha, torch.Tensor) else self.fixed_alpha)
+    def check_state(self, state: dict[str, Tensor]) -> None:
+        if "alpha_logit" in state:
+            F.check_finite("alpha_logit", state["alpha_logit"])
+        if "fixed_alpha" in state:
+            F.check_alpha(state["fixed_alpha"])
 
     def _repr_fields(self) -> dict:
         fields: dict = {"alpha": self.alpha, "learnable": self.learnable}

@@ -32,7 +32,7 @@ class ScalableSoftmax(Normalizer):
         num_heads: one ``s`` (and ``bias``) per head, broadcast over scores
             ``(..., H, Lq, Lk)``.
         dim: axis to normalise over.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
     """
 
     kernel = "scalable_softmax"
@@ -61,13 +61,18 @@ class ScalableSoftmax(Normalizer):
         else:
             self.s, self.bias = float(s), float(bias)
 
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("s", "bias") and not isinstance(value, torch.Tensor):
+            F.check_finite(name, value)
+            value = float(value)
+        super().__setattr__(name, value)
+
     def kernel_params(self) -> dict:
         return {"s": self.s, "bias": self.bias}
 
-    def check_parameters(self) -> None:
-        for name in ("s", "bias"):
-            value = getattr(self, name)
-            F.check_finite(name, value.detach().cpu() if isinstance(value, torch.Tensor) else value)
+    def check_state(self, state: dict[str, torch.Tensor]) -> None:
+        for name, value in state.items():
+            F.check_finite(name, value)
 
     def _repr_fields(self) -> dict:
         fields: dict = {"s": self.s, "bias": self.bias, "learnable": self.learnable}

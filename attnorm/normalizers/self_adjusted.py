@@ -14,7 +14,7 @@ class SelfAdjustedSoftmax(Normalizer):
     Args:
         normalized: use the min-max normalised factor.
         dim: axis to normalise over.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
     """
 
     kernel = "self_adjusted_softmax"
@@ -22,9 +22,22 @@ class SelfAdjustedSoftmax(Normalizer):
 
     def __init__(self, normalized: bool = True, dim: int = -1, backend: str | None = None) -> None:
         super().__init__(dim, backend)
-        if not isinstance(normalized, bool):
-            raise TypeError(f"normalized must be a bool, got {normalized!r}")
         self.normalized = normalized
+
+    @property
+    def nonnegative(self) -> bool:
+        """The plain variant ``x * softmax(x)`` is negative where ``x`` is."""
+        return self.normalized
+
+    @property
+    def normalized(self) -> bool:
+        return self._normalized
+
+    @normalized.setter
+    def normalized(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"normalized must be a bool, got {value!r}")
+        self._normalized = value
 
     def kernel_params(self) -> dict:
         return {"normalized": self.normalized}

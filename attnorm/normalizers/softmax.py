@@ -16,14 +16,22 @@ class Softmax(Normalizer):
     Args:
         temperature: T > 0.
         dim: axis to normalise over.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None (global default).
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None (global default).
     """
 
     kernel = "softmax"
 
     def __init__(self, temperature: float = 1.0, dim: int = -1, backend: str | None = None) -> None:
         super().__init__(dim, backend)
-        self.temperature = F.check_temperature(temperature)
+        self.temperature = temperature
+
+    @property
+    def temperature(self) -> float:
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self._temperature = F.check_temperature(value)
 
     def kernel_params(self) -> dict:
         return {"temperature": self.temperature}

@@ -16,7 +16,7 @@ class TopKSoftmax(Normalizer):
         k: int >= 1, or float in (0, 1) meaning ``max(1, ceil(k * n))`` of the n allowed positions.
         temperature: T > 0 applied to the kept scores.
         dim: axis to normalise over.
-        backend: ``"torch"``, ``"triton"``, ``"auto"`` or None.
+        backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
     """
 
     kernel = "topk_softmax"
@@ -24,8 +24,24 @@ class TopKSoftmax(Normalizer):
 
     def __init__(self, k: float, temperature: float = 1.0, dim: int = -1, backend: str | None = None) -> None:
         super().__init__(dim, backend)
-        self.k = F.check_k(k)
-        self.temperature = F.check_temperature(temperature)
+        self.k = k
+        self.temperature = temperature
+
+    @property
+    def k(self) -> int | float:
+        return self._k
+
+    @k.setter
+    def k(self, value: int | float) -> None:
+        self._k = F.check_k(value)
+
+    @property
+    def temperature(self) -> float:
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self._temperature = F.check_temperature(value)
 
     def kernel_params(self) -> dict:
         return {"k": self.k, "temperature": self.temperature}

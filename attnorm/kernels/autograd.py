@@ -1,0 +1,271 @@
+"""The row operations as differentiable functions: each op's forward paired with its backward.
+
+One ``torch.autograd.Function`` per family, in the form ``torch.func`` and
+``torch.compile`` both accept (``setup_context``, ``generate_vmap_rule``):
+``vmap``, ``grad``, ``jacrev`` and ``compile(fullgraph=True)`` all go through it.
+Each backward calls the family's backward op; when autograd records the backward
+itself (double backward, ``torch.func`` transforms) it uses the same closed forms
+written in differentiable torch (:mod:`attnorm.kernels.reference.jacobians`), so
+second derivatives stay exact.
+
+The entry points (:func:`softmax`, :func:`scalable_softmax`, ...) take scores
+normalised over the last axis, a :class:`~attnorm.kernels.rules.RowMask` and
+parameters (numbers, or tensors ``(..., 1)`` broadcast against the scores); they
+resolve the backend (:mod:`attnorm.kernels.backends`), call the reference directly
+for ``"reference"``, and otherwise the op itself when nothing needs a gradient
+(one dispatcher call) or the Function.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+from attnorm.kernels import backends, ops, reference
+from attnorm.kernels.reference import jacobians
+from attnorm.kernels.rules import RowMask, sum_to_shape
+
+__all__ = ["entmax", "scalable_softmax", "self_adjusted_softmax", "softmax", "sparsemax", "topk_softmax"]
+
+Param = float | Tensor
+
+_NO_PARAM_GRAD, _TEMPERATURE_GRAD, _MULTIPLIER_GRAD = 0, 1, 2
+
+
+def _split(value: Param) -> tuple[float, Tensor | None]:
+    """A parameter as the ops take it: a number, and a tensor that replaces it when given."""
+    return (1.0, value) if isinstance(value, Tensor) else (float(value), None)
+
+
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _param_grad(per_row: Tensor, param: Tensor) -> Tensor:
+    """Per-row gradients (``x.shape[:-1]``) reduced to the shape and dtype of the parameter."""
+    return sum_to_shape(per_row.unsqueeze(-1), param.shape).to(param.dtype)
+
+
+def _live(multiplier: Tensor, value: Tensor) -> Tensor:
+    """``value`` per row, 0 where the kernel zeroed the multiplier (rows holding +inf)."""
+    return torch.where(multiplier.unsqueeze(-1) == 0, 0.0, value)
+
+
+def _softmax_grads(ctx, grad: Tensor, multiplier: Tensor, m: Tensor, param_grad: int, x: Tensor | None = None):
+    """``dx`` and the per-row parameter gradient of ``y = softmax(m x)``, from the saved output.
+
+    ``m`` is the multiplier as a differentiable function of the parameters, ``(..., 1)``:
+    only used when autograd records the backward.
+    """
+    y = ctx.saved_tensors[0]
+    if not torch.is_grad_enabled():
+        dx, per_row = ops.softmax_bwd(y, grad, multiplier, x, param_grad, ctx.backend)
+        return dx, per_row if param_grad else None
+    # Recorded by autograd (double backward, torch.func): the same closed forms, differentiable.
+    dx = jacobians.softmax_vjp(y, grad, m)
+    if param_grad == _TEMPERATURE_GRAD:
+        return dx, jacobians.temperature_grad(y, grad, m).squeeze(-1)
+    if param_grad == _MULTIPLIER_GRAD:
+        return dx, _live(multiplier, jacobians.multiplier_grad(y, grad, x)).squeeze(-1)
+    return dx, None
+
+
+def _temperature_multiplier(multiplier: Tensor, temperature_rows: Tensor | None) -> Tensor:
+    if temperature_rows is None:
+        return multiplier.unsqueeze(-1)
+    return _live(multiplier, 1 / temperature_rows)
+
+
+class _Softmax(Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, mask, diagonal, key_lengths, temperature, temperature_rows, backend):
+        return ops.softmax_fwd(x, mask, diagonal, key_lengths, temperature, temperature_rows, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        temperature_rows, ctx.backend = inputs[-2:]
+        y, multiplier = output
+        ctx.mark_non_differentiable(multiplier)
+        ctx.save_for_backward(y, multiplier, temperature_rows)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_multiplier):
+        return _temperature_backward(ctx, grad, ctx.needs_input_grad[5])
+
+
+def _temperature_backward(ctx, grad: Tensor, wants_temperature: bool) -> tuple[Tensor | None, ...]:
+    """Gradients of ``softmax(x / T)`` over fixed positions: ``(dx, None x 4, dT, None)``."""
+    _, multiplier, temperature_rows = ctx.saved_tensors
+    m = _temperature_multiplier(multiplier, temperature_rows)
+    param_grad = _TEMPERATURE_GRAD if wants_temperature else _NO_PARAM_GRAD
+    dx, per_row = _softmax_grads(ctx, grad, multiplier, m, param_grad)
+    return dx, None, None, None, None, _param_grad(per_row, temperature_rows) if wants_temperature else None, None
+
+
+class _ScalableSoftmax(Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, mask, diagonal, key_lengths, s, s_rows, bias, bias_rows, backend):
+        return ops.scalable_softmax_fwd(x, mask, diagonal, key_lengths, s, s_rows, bias, bias_rows, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, (ctx.s, s_rows, ctx.bias, bias_rows, ctx.backend) = inputs[0], inputs[4:]
+        y, multiplier, log_count = output
+        ctx.mark_non_differentiable(multiplier, log_count)
+        wants_params = any(t is not None and t.requires_grad for t in (s_rows, bias_rows))
+        ctx.save_for_backward(y, multiplier, log_count, x if wants_params else None, s_rows, bias_rows)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_multiplier, _grad_log_count):
+        _, multiplier, log_count, x, s_rows, bias_rows = ctx.saved_tensors
+        wants_s, wants_bias = ctx.needs_input_grad[5], ctx.needs_input_grad[7]
+        s = ctx.s if s_rows is None else s_rows
+        bias = ctx.bias if bias_rows is None else bias_rows
+        m = _live(multiplier, s * log_count.unsqueeze(-1) + bias)
+        param_grad = _MULTIPLIER_GRAD if wants_s or wants_bias else _NO_PARAM_GRAD
+        dx, d_multiplier = _softmax_grads(ctx, grad, multiplier, m, param_grad, x)
+        d_s = _param_grad(d_multiplier * log_count, s_rows) if wants_s else None
+        d_bias = _param_grad(d_multiplier, bias_rows) if wants_bias else None
+        return dx, None, None, None, None, d_s, None, d_bias, None
+
+
+class _TopKSoftmax(Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, mask, diagonal, key_lengths, k, is_fraction, temperature, temperature_rows, backend):
+        return ops.topk_softmax_fwd(
+            x, mask, diagonal, key_lengths, k, is_fraction, temperature, temperature_rows, backend
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _Softmax.setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_multiplier):
+        dx, *_, d_temperature, _ = _temperature_backward(ctx, grad, ctx.needs_input_grad[7])
+        return dx, None, None, None, None, None, None, d_temperature, None
+
+
+class _Entmax(Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, mask, diagonal, key_lengths, alpha, alpha_rows, backend):
+        return ops.entmax_fwd(x, mask, diagonal, key_lengths, alpha, alpha_rows, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.alpha, alpha_rows, ctx.backend = inputs[4:]
+        y, gate = output
+        ctx.mark_non_differentiable(gate)
+        ctx.save_for_backward(y, gate, alpha_rows)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_gate):
+        y, gate, alpha_rows = ctx.saved_tensors
+        wants = ctx.needs_input_grad[5]
+        if not torch.is_grad_enabled():
+            dx, per_row = ops.entmax_bwd(y, grad, gate, ctx.alpha, alpha_rows, wants, ctx.backend)
+        else:
+            alpha = ctx.alpha if alpha_rows is None else alpha_rows
+            dx = jacobians.entmax_vjp(y, grad, gate.unsqueeze(-1), alpha)
+            per_row = jacobians.entmax_alpha_grad(y, grad, gate.unsqueeze(-1), alpha).squeeze(-1) if wants else None
+        return dx, None, None, None, None, _param_grad(per_row, alpha_rows) if wants else None, None
+
+
+class _SelfAdjustedSoftmax(Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, mask, diagonal, key_lengths, normalized, backend):
+        return ops.self_adjusted_softmax_fwd(x, mask, diagonal, key_lengths, normalized, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, mask, ctx.diagonal, key_lengths, ctx.normalized, ctx.backend = inputs
+        _, stats = output
+        ctx.mark_non_differentiable(stats)
+        ctx.save_for_backward(x, mask, key_lengths, stats)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_stats):
+        x, mask, key_lengths, stats = ctx.saved_tensors
+        if not torch.is_grad_enabled():
+            dx = ops.self_adjusted_softmax_bwd(
+                x, mask, ctx.diagonal, key_lengths, grad, stats, ctx.normalized, ctx.backend
+            )
+        else:
+            dx = jacobians.self_adjusted_vjp(x, RowMask(mask, ctx.diagonal, key_lengths), grad, ctx.normalized)
+        return dx, None, None, None, None, None
+
+
+# ---- entry points -------------------------------------------------------------------------
+
+
+def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None) -> Tensor:
+    """``softmax(x / T)`` over the allowed positions of each row."""
+    implementation = backends.resolve(backend, x.device)
+    if implementation == "reference":
+        return reference.softmax(x, mask, temperature)
+    value, rows = _split(temperature)
+    args = (x, *mask, value, rows, implementation)
+    return (_Softmax.apply(*args) if _needs_grad(x, rows) else ops.softmax_fwd(*args))[0]
+
+
+def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: str | None) -> Tensor:
+    """``softmax((s log n + bias) x)``, ``n`` the allowed positions of each row."""
+    implementation = backends.resolve(backend, x.device)
+    if implementation == "reference":
+        return reference.scalable_softmax(x, mask, s, bias)
+    s_value, s_rows = _split(s)
+    bias_value, bias_rows = _split(bias)
+    args = (x, *mask, s_value, s_rows, bias_value, bias_rows, implementation)
+    if _needs_grad(x, s_rows, bias_rows):
+        return _ScalableSoftmax.apply(*args)[0]
+    return ops.scalable_softmax_fwd(*args)[0]
+
+
+def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, backend: str | None) -> Tensor:
+    """Softmax of ``x / T`` over the ``k`` largest allowed scores (ties: lowest index), 0 elsewhere."""
+    implementation = backends.resolve(backend, x.device)
+    is_fraction = isinstance(k, float)
+    if implementation == "reference":
+        return reference.topk_softmax(x, mask, float(k), is_fraction, temperature)
+    value, rows = _split(temperature)
+    args = (x, *mask, float(k), is_fraction, value, rows, implementation)
+    return (_TopKSoftmax.apply(*args) if _needs_grad(x, rows) else ops.topk_softmax_fwd(*args))[0]
+
+
+def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None) -> Tensor:
+    """alpha-entmax (alpha >= 1; 1 is softmax, 2 sparsemax)."""
+    implementation = backends.resolve(backend, x.device)
+    if implementation == "reference":
+        return reference.entmax(x, mask, alpha)
+    value, rows = _split(alpha)
+    args = (x, *mask, value, rows, implementation)
+    return (_Entmax.apply(*args) if _needs_grad(x, rows) else ops.entmax_fwd(*args))[0]
+
+
+def sparsemax(x: Tensor, mask: RowMask, backend: str | None) -> Tensor:
+    """Sparsemax, i.e. 2-entmax."""
+    if backends.resolve(backend, x.device) == "reference":
+        return reference.sparsemax(x, mask)
+    return entmax(x, mask, 2.0, backend)
+
+
+def self_adjusted_softmax(x: Tensor, mask: RowMask, normalized: bool, backend: str | None) -> Tensor:
+    """``phi(x) softmax(x)`` (Self-Adjusted Softmax)."""
+    implementation = backends.resolve(backend, x.device)
+    if implementation == "reference":
+        return reference.self_adjusted_softmax(x, mask, normalized)
+    args = (x, *mask, normalized, implementation)
+    if _needs_grad(x):
+        return _SelfAdjustedSoftmax.apply(*args)[0]
+    return ops.self_adjusted_softmax_fwd(*args)[0]

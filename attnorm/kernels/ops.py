@@ -1,0 +1,331 @@
+"""The ``torch.library`` operators: one forward and one backward op per normalizer family.
+
+Every op is defined once here and implemented by the three backends of
+``kernels/README.md`` through the PyTorch dispatcher:
+
+* the **CPU** kernel runs the native C kernels (or the Triton ones when the op's
+  ``backend`` argument says ``"triton"``: tests run them under ``TRITON_INTERPRET=1``);
+* the **CUDA** kernel runs the Triton kernels;
+* the **default** kernel (any other device) runs the pure-torch reference.
+
+Each op also has a fake kernel (shapes only, for ``torch.compile`` and
+``torch.export``), a vmap rule (rows are independent, so a vmapped dim becomes one
+more leading dim) and, for forward ops, an autocast rule (float16/bfloat16 inputs are
+computed in float32).  The ops are not differentiable themselves:
+:mod:`attnorm.kernels.autograd` pairs each forward with its backward.
+
+=============================== ====================================================
+op (``torch.ops.attnorm.*``)     outputs
+=============================== ====================================================
+``softmax_fwd``                 weights, multiplier ``1/T`` per row
+``scalable_softmax_fwd``        weights, multiplier per row, ``log max(n, 1)`` per row
+``topk_softmax_fwd``            weights, multiplier ``1/T`` per row
+``softmax_bwd``                 ``dx``, per-row parameter gradient (shared by the three above)
+``entmax_fwd``                  weights, gate per row (sparsemax is ``alpha = 2``)
+``entmax_bwd``                  ``dx``, per-row alpha gradient
+``self_adjusted_softmax_fwd``   weights, statistics ``(..., 5)`` per row
+``self_adjusted_softmax_bwd``   ``dx``
+=============================== ====================================================
+
+Masks travel as ``(mask, diagonal, key_lengths)``, the fields of
+:class:`attnorm.kernels.rules.RowMask`; a per-row parameter as a number plus an
+optional tensor ``(..., 1)`` that replaces it when given.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnorm.kernels import reference, rules
+from attnorm.kernels.cpu import native
+from attnorm.kernels.rules import RowMask
+
+__all__ = [
+    "entmax_bwd",
+    "entmax_fwd",
+    "scalable_softmax_fwd",
+    "self_adjusted_softmax_bwd",
+    "self_adjusted_softmax_fwd",
+    "softmax_bwd",
+    "softmax_fwd",
+    "topk_softmax_fwd",
+]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_MASK = "Tensor? mask, int? diagonal, Tensor? key_lengths"
+
+
+@functools.cache
+def _triton() -> ModuleType:
+    import attnorm.kernels.triton as kernels
+
+    return kernels
+
+
+def _cpu_kernels(backend: str) -> ModuleType:
+    return _triton() if backend == "triton" else native
+
+
+def _upcast(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], torch.dtype | None]:
+    """The native kernels read float32/float64: half-precision tensors are computed in float32."""
+    dtype = next((a.dtype for a in args if isinstance(a, Tensor) and a.dtype in _LOW_PRECISION), None)
+    if dtype is None:
+        return args, None
+    return tuple(a.float() if isinstance(a, Tensor) and a.dtype in _LOW_PRECISION else a for a in args), dtype
+
+
+def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[..., Any], *,
+            vmap_kinds: tuple[str | None, ...], optional_output: int | None = None, autocast: bool = False):
+    """Define ``attnorm::name`` with ``body(kernels, *args)`` as its kernel on every device."""
+
+    def cpu(*args):
+        kernels = _cpu_kernels(args[-1])
+        if kernels is not native:
+            return body(kernels, *args)
+        args, dtype = _upcast(args)
+        out = body(kernels, *args)
+        if dtype is None:
+            return out
+        if isinstance(out, Tensor):
+            return out.to(dtype)
+        return (out[0].to(dtype), *out[1:])
+
+    op = torch.library.custom_op(
+        f"attnorm::{name}", lambda *args: body(reference, *args), mutates_args=(), schema=schema
+    )
+    op.register_kernel("cpu", cpu)
+    op.register_kernel("cuda", lambda *args: body(_triton(), *args))
+    op.register_fake(fake)
+    torch.library.register_vmap(op, _vmap_rule(op, vmap_kinds, optional_output))
+    if autocast:
+        for device in ("cpu", "cuda"):
+            torch.library.register_autocast(op, device, torch.float32)
+    return op
+
+
+# ---- vmap: a vmapped dim is one more leading dim of every row tensor -------------------------
+
+
+def _vmap_rule(op, kinds: tuple[str | None, ...], optional_output: int | None):
+    """A vmap rule for a row op whose positional arguments are described by ``kinds``.
+
+    ``"x"`` and ``"full"``: tensors shaped like the rows (expanded when not batched);
+    ``"bcast"``: tensors broadcast against ``x`` (a unit dim added when not batched);
+    ``"lengths"``: key lengths, which index ``x``'s dim 0 and so become a bool mask
+    (the ``"bcast"`` argument just before the diagonal) once another dim leads;
+    None: not a tensor.  ``optional_output`` names the flag argument that says whether
+    the second output (a per-row gradient) exists.
+    """
+
+    def rule(info, in_dims, *args):
+        size = info.batch_size
+        args = list(args)
+        x_index = kinds.index("x")
+        logical_shape = _logical_shape(args[x_index], in_dims[x_index])
+        if "lengths" in kinds:
+            lengths_index = kinds.index("lengths")
+            if args[lengths_index] is not None:
+                mask_index = lengths_index - 2
+                mask, mask_dim = _lengths_as_mask(
+                    args[lengths_index], in_dims[lengths_index], args[mask_index], in_dims[mask_index],
+                    logical_shape, size,
+                )
+                args[mask_index], args[lengths_index] = mask, None
+                in_dims = list(in_dims)
+                in_dims[mask_index], in_dims[lengths_index] = mask_dim, None
+        for index, (kind, value, dim) in enumerate(zip(kinds, args, in_dims, strict=True)):
+            if kind is None or value is None or kind == "lengths":
+                continue
+            if dim is not None:
+                args[index] = value.movedim(dim, 0)
+            elif kind == "bcast":
+                args[index] = value.unsqueeze(0)
+            else:
+                args[index] = value.expand(size, *value.shape)
+        out = op(*args)
+        if isinstance(out, Tensor):
+            return out, 0
+        dims = [0] * len(out)
+        if optional_output is not None and not args[optional_output]:
+            dims[1] = None
+        return tuple(out), tuple(dims)
+
+    return rule
+
+
+def _logical_shape(x: Tensor, dim: int | None) -> tuple[int, ...]:
+    shape = list(x.shape)
+    if dim is not None:
+        del shape[dim]
+    return tuple(shape)
+
+
+def _lengths_as_mask(lengths, lengths_dim, mask, mask_dim, shape, size):
+    """Key lengths as a bool mask broadcasting over rows of ``shape``; batched when either input is."""
+    keys = torch.arange(shape[-1], device=lengths.device)
+    if lengths_dim is None:
+        allowed = keys < lengths.reshape(-1, *([1] * (len(shape) - 1)))
+    else:
+        lengths = lengths.movedim(lengths_dim, 0)
+        allowed = keys < lengths.reshape(size, -1, *([1] * (len(shape) - 1)))
+    if mask is None:
+        return allowed, None if lengths_dim is None else 0
+    if lengths_dim is None and mask_dim is None:
+        return allowed & mask, None
+    allowed = allowed if lengths_dim is not None else allowed.unsqueeze(0)
+    mask = mask.movedim(mask_dim, 0) if mask_dim is not None else mask.unsqueeze(0)
+    return allowed & mask, 0
+
+
+# ---- fake kernels ------------------------------------------------------------------------
+
+
+def _rows(x: Tensor, *extra: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], *extra), dtype=rules.accumulation_dtype(x.dtype))
+
+
+def _param(value: float, rows: Tensor | None) -> float | Tensor:
+    return value if rows is None else rows
+
+
+# ---- softmax family: softmax with temperature, Scalable-Softmax, top-k --------------------
+
+_SOFTMAX_KINDS = ("x", "bcast", None, "lengths")
+
+
+def _softmax_fwd(kernels, x, mask, diagonal, key_lengths, temperature, temperature_rows, backend):
+    y, multiplier, _ = kernels.softmax_forward(
+        x, RowMask(mask, diagonal, key_lengths), 0, _param(temperature, temperature_rows), 0.0
+    )
+    return y, multiplier
+
+
+softmax_fwd = _define(
+    "softmax_fwd",
+    f"(Tensor x, {_MASK}, float temperature, Tensor? temperature_rows, str backend) -> (Tensor, Tensor)",
+    _softmax_fwd,
+    lambda x, *args: (torch.empty_like(x), _rows(x)),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None),
+    autocast=True,
+)
+
+
+def _scalable_softmax_fwd(kernels, x, mask, diagonal, key_lengths, s, s_rows, bias, bias_rows, backend):
+    mask = RowMask(mask, diagonal, key_lengths)
+    return kernels.softmax_forward(x, mask, 1, _param(s, s_rows), _param(bias, bias_rows))
+
+
+scalable_softmax_fwd = _define(
+    "scalable_softmax_fwd",
+    f"(Tensor x, {_MASK}, float s, Tensor? s_rows, float bias, Tensor? bias_rows, str backend)"
+    " -> (Tensor, Tensor, Tensor)",
+    _scalable_softmax_fwd,
+    lambda x, *args: (torch.empty_like(x), _rows(x), _rows(x)),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None, "bcast", None),
+    autocast=True,
+)
+
+
+def _topk_softmax_fwd(kernels, x, mask, diagonal, key_lengths, k, is_fraction, temperature, temperature_rows,
+                      backend):
+    mask = RowMask(mask, diagonal, key_lengths)
+    return kernels.topk_forward(x, mask, k, is_fraction, _param(temperature, temperature_rows))
+
+
+topk_softmax_fwd = _define(
+    "topk_softmax_fwd",
+    f"(Tensor x, {_MASK}, float k, bool is_fraction, float temperature, Tensor? temperature_rows, str backend)"
+    " -> (Tensor, Tensor)",
+    _topk_softmax_fwd,
+    lambda x, *args: (torch.empty_like(x), _rows(x)),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, None, None, "bcast", None),
+    autocast=True,
+)
+
+
+def _softmax_bwd(kernels, y, grad, multiplier, x, param_grad, backend):
+    dx, per_row = kernels.softmax_backward(y, grad, multiplier, x, param_grad)
+    return dx, per_row if per_row is not None else y.new_empty(0, dtype=multiplier.dtype)
+
+
+softmax_bwd = _define(
+    "softmax_bwd",
+    "(Tensor y, Tensor grad, Tensor multiplier, Tensor? x, int param_grad, str backend) -> (Tensor, Tensor)",
+    _softmax_bwd,
+    lambda y, grad, multiplier, x, param_grad, backend: (
+        torch.empty_like(y), _rows(y) if param_grad else y.new_empty(0, dtype=multiplier.dtype)
+    ),
+    vmap_kinds=("x", "full", "full", "full", None, None),
+    optional_output=4,
+)
+
+
+# ---- alpha-entmax (sparsemax at alpha = 2) ------------------------------------------------
+
+
+def _entmax_fwd(kernels, x, mask, diagonal, key_lengths, alpha, alpha_rows, backend):
+    return kernels.entmax_forward(x, RowMask(mask, diagonal, key_lengths), _param(alpha, alpha_rows))
+
+
+entmax_fwd = _define(
+    "entmax_fwd",
+    f"(Tensor x, {_MASK}, float alpha, Tensor? alpha_rows, str backend) -> (Tensor, Tensor)",
+    _entmax_fwd,
+    lambda x, *args: (torch.empty_like(x), _rows(x)),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None),
+    autocast=True,
+)
+
+
+def _entmax_bwd(kernels, y, grad, gate, alpha, alpha_rows, alpha_grad, backend):
+    dx, per_row = kernels.entmax_backward(y, grad, gate, _param(alpha, alpha_rows), alpha_grad)
+    return dx, per_row if per_row is not None else y.new_empty(0, dtype=gate.dtype)
+
+
+entmax_bwd = _define(
+    "entmax_bwd",
+    "(Tensor y, Tensor grad, Tensor gate, float alpha, Tensor? alpha_rows, bool alpha_grad, str backend)"
+    " -> (Tensor, Tensor)",
+    _entmax_bwd,
+    lambda y, grad, gate, alpha, alpha_rows, alpha_grad, backend: (
+        torch.empty_like(y), _rows(y) if alpha_grad else y.new_empty(0, dtype=gate.dtype)
+    ),
+    vmap_kinds=("x", "full", "full", None, "bcast", None, None),
+    optional_output=5,
+)
+
+
+# ---- Self-Adjusted Softmax ----------------------------------------------------------------
+
+
+def _self_adjusted_fwd(kernels, x, mask, diagonal, key_lengths, normalized, backend):
+    return kernels.self_adjusted_forward(x, RowMask(mask, diagonal, key_lengths), normalized)
+
+
+self_adjusted_softmax_fwd = _define(
+    "self_adjusted_softmax_fwd",
+    f"(Tensor x, {_MASK}, bool normalized, str backend) -> (Tensor, Tensor)",
+    _self_adjusted_fwd,
+    lambda x, *args: (torch.empty_like(x), _rows(x, 5)),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, None),
+    autocast=True,
+)
+
+
+def _self_adjusted_bwd(kernels, x, mask, diagonal, key_lengths, grad, stats, normalized, backend):
+    return kernels.self_adjusted_backward(x, RowMask(mask, diagonal, key_lengths), grad, stats, normalized)
+
+
+self_adjusted_softmax_bwd = _define(
+    "self_adjusted_softmax_bwd",
+    f"(Tensor x, {_MASK}, Tensor grad, Tensor stats, bool normalized, str backend) -> Tensor",
+    _self_adjusted_bwd,
+    lambda x, *args: torch.empty_like(x),
+    vmap_kinds=(*_SOFTMAX_KINDS, "full", "full", None, None),
+)

@@ -1,0 +1,270 @@
+"""The torch.library operators as PyTorch sees them: opcheck, compile, export, trace, torch.func.
+
+Every normalizer module (fixed and learnable parameters) under every mask kind is
+compiled with ``fullgraph=True`` and must give zero graph breaks and the eager
+values and gradients; ``vmap``, ``grad`` and ``jacrev`` must match loops and the
+reference backend; ``torch.export`` and ``torch.jit.trace`` must reproduce eager.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+import attnorm
+from attnorm.kernels import ops
+
+TRITON = importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OP_BACKENDS = ["native"] * (DEVICE == "cpu") + ["triton"] * TRITON
+
+MODULES = {
+    "softmax_T0.7": lambda **kw: attnorm.Softmax(temperature=0.7, **kw),
+    "ssmax": lambda **kw: attnorm.ScalableSoftmax(s=0.6, bias=0.1, **kw),
+    "ssmax_learnable": lambda **kw: attnorm.ScalableSoftmax(learnable=True, num_heads=2, **kw),
+    "sa": lambda **kw: attnorm.SelfAdjustedSoftmax(**kw),
+    "sa_plain": lambda **kw: attnorm.SelfAdjustedSoftmax(normalized=False, **kw),
+    "sparsemax": lambda **kw: attnorm.Sparsemax(**kw),
+    "entmax1.5": lambda **kw: attnorm.Entmax(alpha=1.5, **kw),
+    "entmax1.3": lambda **kw: attnorm.Entmax(alpha=1.3, **kw),
+    "entmax_learnable": lambda **kw: attnorm.Entmax(alpha=1.5, learnable=True, num_heads=2, **kw),
+    "topk2": lambda **kw: attnorm.TopKSoftmax(k=2, **kw),
+    "topk0.4": lambda **kw: attnorm.TopKSoftmax(k=0.4, temperature=2.0, **kw),
+}
+# Self-Adjusted Softmax's min/max make its Jacobian jump where scores tie; the others are smooth here.
+MASKS = {
+    "none": lambda: None,
+    "bool": lambda: torch.tensor([[1, 1, 0, 1, 0, 1]] * 4, dtype=torch.bool, device=DEVICE),
+    "causal": lambda: attnorm.causal_mask(),
+    "padding": lambda: attnorm.key_padding_mask(torch.tensor([6, 3], device=DEVICE)),
+}
+
+
+def scores(*shape, dtype=torch.float32, requires_grad=False, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=generator, dtype=torch.float64).to(DEVICE, dtype)
+    return x.requires_grad_(requires_grad)
+
+
+def grads_of(module, x, mask, upstream):
+    out = module(x, mask)
+    tensors = [x, *(p for p in module.parameters())]
+    return out, torch.autograd.grad(out, tensors, upstream, allow_unused=True)
+
+
+# ---- opcheck ----------------------------------------------------------------------------------
+
+
+def op_samples(backend: str):
+    """(op, args) pairs covering every op with each kind of mask and parameter."""
+    x = scores(2, 2, 3, 5, dtype=torch.float64)
+    mask = torch.rand(1, 1, 3, 5, generator=torch.Generator().manual_seed(1)).to(DEVICE) > 0.3
+    lengths = torch.tensor([5, 3], device=DEVICE)
+    rows = torch.tensor([0.6, 1.3], dtype=x.dtype, device=DEVICE).reshape(1, 2, 1, 1)
+    grad = scores(2, 2, 3, 5, dtype=torch.float64, seed=2)
+    samples = [
+        (ops.softmax_fwd, (x, mask, None, None, 0.7, None, backend)),
+        (ops.softmax_fwd, (x, None, 0, lengths, 1.0, rows, backend)),
+        (ops.scalable_softmax_fwd, (x, mask, None, None, 0.43, None, 0.1, rows, backend)),
+        (ops.topk_softmax_fwd, (x, None, 0, None, 2.0, False, 1.0, None, backend)),
+        (ops.topk_softmax_fwd, (x, mask, None, lengths, 0.5, True, 1.0, rows, backend)),
+        (ops.entmax_fwd, (x, mask, None, None, 1.5, None, backend)),
+        (ops.entmax_fwd, (x, None, 1, lengths, 1.0, rows + 0.5, backend)),
+        (ops.self_adjusted_softmax_fwd, (x, mask, 0, None, True, backend)),
+    ]
+    y, multiplier = ops.softmax_fwd(x, mask, None, None, 0.7, None, backend)
+    samples.append((ops.softmax_bwd, (y, grad, multiplier, None, 1, backend)))
+    y, multiplier, _ = ops.scalable_softmax_fwd(x, None, 0, None, 0.43, None, 0.0, None, backend)
+    samples.append((ops.softmax_bwd, (y, grad, multiplier, x, 2, backend)))
+    samples.append((ops.softmax_bwd, (y, grad, multiplier, None, 0, backend)))
+    y, gate = ops.entmax_fwd(x, mask, None, None, 1.5, None, backend)
+    samples.append((ops.entmax_bwd, (y, grad, gate, 1.5, None, True, backend)))
+    samples.append((ops.entmax_bwd, (y, grad, gate, 1.5, None, False, backend)))
+    _, stats = ops.self_adjusted_softmax_fwd(x, None, None, lengths, False, backend)
+    samples.append((ops.self_adjusted_softmax_bwd, (x, None, None, lengths, grad, stats, False, backend)))
+    return samples
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_opcheck_every_op(backend):
+    for op, args in op_samples(backend):
+        torch.library.opcheck(op, args)
+
+
+# ---- torch.compile ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask_kind", list(MASKS))
+@pytest.mark.parametrize("name", list(MODULES))
+def test_compile_fullgraph_has_no_graph_break_and_matches_eager(name, mask_kind):
+    torch._dynamo.reset()
+    module = MODULES[name]().to(DEVICE)
+    mask = MASKS[mask_kind]()
+    x = scores(2, 2, 4, 6, requires_grad=True)
+    upstream = scores(2, 2, 4, 6, seed=3)
+
+    def run(t):
+        return module(t, mask)
+
+    assert torch._dynamo.explain(run)(x).graph_break_count == 0
+    expected, expected_grads = grads_of(module, x, mask, upstream)
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    grads = torch.autograd.grad(out, [x, *module.parameters()], upstream, allow_unused=True)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, t: attnorm.functional.softmax(x, temperature=t),
+        lambda x, t: attnorm.functional.scalable_softmax(x, s=t, bias=0.2, mask=attnorm.causal_mask()),
+        lambda x, t: attnorm.functional.entmax(x, alpha=t + 1),
+        lambda x, t: attnorm.functional.topk_softmax(x, 3, temperature=t),
+        lambda x, t: attnorm.functional.sparsemax(x / t),
+        lambda x, t: attnorm.functional.self_adjusted_softmax(x * t, normalized=False),
+    ],
+    ids=["softmax", "ssmax", "entmax", "topk", "sparsemax", "sa"],
+)
+def test_compile_functional_with_tensor_parameters(call):
+    torch._dynamo.reset()
+    x = scores(2, 3, 5, requires_grad=True)
+    t = torch.tensor([[[0.7]], [[1.4]]], device=DEVICE, requires_grad=True)
+    assert torch._dynamo.explain(call)(x, t).graph_break_count == 0
+    out = torch.compile(call, fullgraph=True, backend="aot_eager")(x, t)
+    torch.testing.assert_close(out, call(x, t))
+    got = torch.autograd.grad(out.square().sum(), [x, t])
+    want = torch.autograd.grad(call(x, t).square().sum(), [x, t])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "ssmax", "sa_softmax", "sparsemax", "entmax", "topk:k=2"])
+def test_compile_attention_has_no_graph_break(normalizer):
+    torch._dynamo.reset()
+    q, k, v = (scores(2, 2, 5, 4, seed=seed, requires_grad=True) for seed in range(3))
+
+    def run(q, k, v):
+        return attnorm.attention(q, k, v, normalizer, is_causal=True)
+
+    assert torch._dynamo.explain(run)(q, k, v).graph_break_count == 0
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(out, run(q, k, v))
+
+
+# ---- torch.func --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_vmap_matches_a_loop(name):
+    module = MODULES[name]().to(DEVICE)
+    x = scores(3, 2, 4, 6)
+    batched = torch.func.vmap(module)(x)
+    torch.testing.assert_close(batched, torch.stack([module(row) for row in x]))
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_jacrev_and_grad_match_the_reference(name):
+    module = MODULES[name]().to(DEVICE).double()
+    reference = MODULES[name](backend="reference").to(DEVICE).double()
+    reference.load_state_dict(module.state_dict())
+    x = scores(2, 2, 6, dtype=torch.float64)
+    jacobian = torch.func.jacrev(module)(x)
+    torch.testing.assert_close(jacobian, torch.autograd.functional.jacobian(reference, x))
+    weights = scores(2, 2, 6, dtype=torch.float64, seed=5)
+    gradient = torch.func.grad(lambda t: (module(t) * weights).sum())(x)
+    torch.testing.assert_close(gradient, torch.func.grad(lambda t: (reference(t) * weights).sum())(x))
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_double_backward(name):
+    module = MODULES[name]().to(DEVICE).double()
+    # Away from ties and support changes, where the maps are smooth.
+    x = (torch.arange(12, dtype=torch.float64, device=DEVICE).reshape(2, 6) * 0.37).sin().reshape(1, 2, 1, 6)
+    x.requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda t: module(t), (x,), atol=1e-6)
+
+
+# ---- export and trace ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_export_reproduces_eager(name):
+    module = MODULES[name]().to(DEVICE)
+    x = scores(2, 2, 4, 6)
+    program = torch.export.export(module, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), module(x))
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_jit_trace_reproduces_eager(name):
+    module = MODULES[name]().to(DEVICE)
+    x = scores(2, 2, 4, 6)
+    with torch.no_grad():
+        traced = torch.jit.trace(module, x, check_trace=False)
+        torch.testing.assert_close(traced(scores(2, 2, 4, 6, seed=7)), module(scores(2, 2, 4, 6, seed=7)))
+
+
+# ---- layout ------------------------------------------------------------------------------------
+
+
+def module_imports(path: pathlib.Path, package_root: pathlib.Path) -> set[str]:
+    """attnorm modules imported at module level (not inside functions) by ``path``."""
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("attnorm"):
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names if alias.name.startswith("attnorm"))
+    return names
+
+
+def test_no_import_cycles_inside_attnorm():
+    root = pathlib.Path(attnorm.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph = {name: {dep for dep in module_imports(path, root) if dep in modules and dep != name}
+             for name, path in modules.items()}
+    # A package's __init__ re-exporting its submodules is not a cycle through the package itself.
+    for name in graph:
+        graph[name] = {dep for dep in graph[name] if not name.startswith(dep + ".")}
+    state: dict[str, int] = {}
+
+    def visit(name, stack):
+        state[name] = 1
+        for dep in graph[name]:
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*stack, name, dep]))
+            if dep not in state:
+                visit(dep, [*stack, name])
+        state[name] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(MODULES))
+def test_no_host_synchronisation_on_cuda(name):
+    module = MODULES[name]().cuda()
+    x = scores(2, 2, 64, 128, requires_grad=True)
+    mask = attnorm.causal_mask() & attnorm.key_padding_mask(torch.tensor([128, 70], device="cuda"))
+    module(x, mask)  # first call: compiles kernels, may sync
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        module(x, mask).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
