@@ -1,0 +1,62 @@
+"""What every benchmark script reports beside its timings: versions, percentiles, CSV and markdown.
+
+Imported by the scripts in this folder as ``from reporting import ...``; run nothing here.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.metadata
+import platform
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+OPTIONAL_PACKAGES = ("attnorm", "entmax", "triton", "liger_kernel", "adasplash")
+
+
+def versions(device: str) -> str:
+    """``name=version;...`` for python, torch, the installed optional packages, threads and GPU."""
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in OPTIONAL_PACKAGES:
+        try:
+            found[package] = importlib.metadata.version(package.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    found["threads"] = str(torch.get_num_threads())
+    if device == "cuda":
+        found["gpu"] = torch.cuda.get_device_name()
+    return ";".join(f"{name}={value}" for name, value in found.items())
+
+
+def percentiles(samples: Sequence[float]) -> tuple[float, float, float]:
+    """(median, p20, p80) of ``samples``."""
+    if len(samples) == 1:
+        return samples[0], samples[0], samples[0]
+    cuts = statistics.quantiles(samples, n=10, method="inclusive")
+    return statistics.median(samples), cuts[1], cuts[7]
+
+
+def write_csv(path: Path, rows: Iterable[dict], columns: Sequence[str]) -> None:
+    """Rows as CSV with fixed ``columns`` (missing cells empty), floats to 4 decimals."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows({key: round(value, 4) if isinstance(value, float) else value for key, value in row.items()}
+                         for row in rows)
+
+
+def error_text(error: BaseException) -> str:
+    """One line naming an exception, fit for a CSV cell or a markdown table."""
+    message = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {message[0] if message else ''}".replace("|", "/")[:300]
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A markdown table from a header and rows of cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
