@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable
 
+import torch
+
 from attnorm.normalizers import (
     Entmax,
     Normalizer,
@@ -41,6 +43,7 @@ def available() -> list[str]:
     return list(_FACTORIES) + list(_ALIASES)
 
 
+@torch.compiler.assume_constant_result  # a pure function of a constant string: no need to trace ast
 def _parse_value(text: str):
     lowered = text.strip().lower()
     if lowered in ("true", "false"):

@@ -3,10 +3,13 @@
 Every op is defined once here and implemented by the three backends of
 ``kernels/README.md`` through the PyTorch dispatcher:
 
-* the **CPU** kernel runs the native C kernels (or the Triton ones when the op's
-  ``backend`` argument says ``"triton"``: tests run them under ``TRITON_INTERPRET=1``);
+* the **CPU** kernel runs the native C kernels;
 * the **CUDA** kernel runs the Triton kernels;
 * the **default** kernel (any other device) runs the pure-torch reference.
+
+The op's last argument, ``backend``, overrides that choice on CPU and CUDA (resolved
+by :mod:`attnorm.kernels.backends`): ``"triton"`` on CPU tensors runs the Triton kernels
+under ``TRITON_INTERPRET=1`` (how the tests check them), ``"reference"`` the reference.
 
 Each op also has a fake kernel (shapes only, for ``torch.compile`` and
 ``torch.export``), a vmap rule (rows are independent, so a vmapped dim becomes one
@@ -68,8 +71,12 @@ def _triton() -> ModuleType:
     return kernels
 
 
-def _cpu_kernels(backend: str) -> ModuleType:
-    return _triton() if backend == "triton" else native
+_KERNELS = {"native": lambda: native, "triton": _triton, "reference": lambda: reference}
+
+
+def _kernels(backend: str) -> ModuleType:
+    """The implementation the op's ``backend`` argument names (resolved by :mod:`attnorm.kernels.backends`)."""
+    return _KERNELS[backend]()
 
 
 def _upcast(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], torch.dtype | None]:
@@ -84,8 +91,8 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
             vmap_kinds: tuple[str | None, ...], optional_output: int | None = None, autocast: bool = False):
     """Define ``attnorm::name`` with ``body(kernels, *args)`` as its kernel on every device."""
 
-    def cpu(*args):
-        kernels = _cpu_kernels(args[-1])
+    def device_kernel(*args):
+        kernels = _kernels(args[-1])
         if kernels is not native:
             return body(kernels, *args)
         args, dtype = _upcast(args)
@@ -99,8 +106,8 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
     op = torch.library.custom_op(
         f"attnorm::{name}", lambda *args: body(reference, *args), mutates_args=(), schema=schema
     )
-    op.register_kernel("cpu", cpu)
-    op.register_kernel("cuda", lambda *args: body(_triton(), *args))
+    op.register_kernel("cpu", device_kernel)
+    op.register_kernel("cuda", device_kernel)
     op.register_fake(fake)
     torch.library.register_vmap(op, _vmap_rule(op, vmap_kinds, optional_output))
     if autocast:

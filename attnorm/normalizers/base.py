@@ -166,9 +166,6 @@ class Normalizer(nn.Module):
             raise TypeError(f"dim must be an int, got {dim!r}")
         self.dim = dim
         self.backend = backends.check_backend(backend)
-        # Loaded values skip the constructor's checks: they are checked before anything
-        # is copied, so a failed load leaves the module as it was.
-        self.register_load_state_dict_pre_hook(_check_state_before_loading)
 
     def kernel_params(self) -> dict[str, Any]:
         """The parameters passed to the row operation (numbers or tensors)."""
@@ -176,6 +173,14 @@ class Normalizer(nn.Module):
 
     def check_state(self, state: dict[str, Tensor]) -> None:
         """Raise ``ValueError`` if a value about to be loaded (by name) is invalid."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # Loaded values skip the constructor's checks: they are checked before anything
+        # is copied, so a failed load leaves the module as it was.
+        names = (*self._parameters, *self._buffers)
+        incoming = {name: state_dict[prefix + name] for name in names if prefix + name in state_dict}
+        self.check_state({name: value.detach().cpu() for name, value in incoming.items()})
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, scores: Tensor, mask: Tensor | StructuredMask | None = None) -> Tensor:
         return normalize(self.kernel, scores, mask, self.dim, self.kernel_params(), self.backend)
@@ -191,10 +196,7 @@ class Normalizer(nn.Module):
         return ", ".join(f"{key}={_format_field(value)}" for key, value in fields.items())
 
 
-def _check_state_before_loading(module: Normalizer, state_dict, prefix: str, *_args: Any) -> None:
-    names = (*module._parameters, *module._buffers)
-    incoming = {name: state_dict[prefix + name] for name in names if prefix + name in state_dict}
-    module.check_state({name: value.detach().cpu() for name, value in incoming.items()})
+
 
 
 def _format_field(value: Any) -> str:

@@ -1,0 +1,53 @@
+"""Patched Hugging Face models under torch.compile(fullgraph=True): no graph break of attnorm's making.
+
+transformers itself may break a graph (e.g. a logging call), so each patched model is
+held to the break count of the same model with ``attn_implementation="sdpa"``, and to
+the eager values and gradients of the patched model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers.logging.set_verbosity_error()
+
+from attnorm.integrations.transformers import patch  # noqa: E402
+from tests.integrations.test_transformers import tiny_gpt2, tiny_llama  # noqa: E402
+
+NORMALIZERS = ["softmax:temperature=0.7", "ssmax", "sa_softmax", "sparsemax", "entmax", "topk:k=3"]
+MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+
+
+def graph_breaks(model, ids, mask) -> int:
+    torch._dynamo.reset()
+
+    def step(ids, mask):
+        return model(input_ids=ids, attention_mask=mask).logits
+
+    return torch._dynamo.explain(step)(ids, mask).graph_break_count
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_patched_model_compiles_like_sdpa_and_matches_eager(model_name, normalizer):
+    model = MODELS[model_name]()
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # right padding: a key-padding mask reaches the normalizer
+    model.set_attn_implementation("sdpa")
+    sdpa_breaks = graph_breaks(model, ids, mask)
+    with patch(model, normalizer):
+        assert graph_breaks(model, ids, mask) <= sdpa_breaks
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        (expected_grad,) = torch.autograd.grad(expected.square().sum(), [model.get_input_embeddings().weight])
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        logits = compiled(input_ids=ids, attention_mask=mask).logits
+        (grad,) = torch.autograd.grad(logits.square().sum(), [model.get_input_embeddings().weight])
+    torch.testing.assert_close(logits, expected)
+    torch.testing.assert_close(grad, expected_grad)
