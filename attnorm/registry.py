@@ -7,15 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from attnorm.normalizers import (
-    Entmax,
-    Normalizer,
-    ScalableSoftmax,
-    SelfAdjustedSoftmax,
-    Softmax,
-    Sparsemax,
-    TopKSoftmax,
-)
+from attnorm.normalizers.base import Normalizer
 
 __all__ = ["available", "make", "register_normalizer"]
 
@@ -24,18 +16,15 @@ _ALIASES: dict[str, str] = {}
 
 
 def register_normalizer(name: str, factory: Callable[..., Normalizer], aliases: tuple[str, ...] = ()) -> None:
-    """Make ``factory`` buildable by ``make(name)`` and by each alias."""
+    """Make ``factory`` buildable by ``make(name)`` and by each alias.
+
+    Each normalizer module registers its classes where they are defined.
+    """
     _FACTORIES[name] = factory
     for alias in aliases:
         _ALIASES[alias] = name
 
 
-register_normalizer("softmax", Softmax)
-register_normalizer("ssmax", ScalableSoftmax, ("scalable_softmax", "scalable-softmax"))
-register_normalizer("sa_softmax", SelfAdjustedSoftmax, ("self_adjusted_softmax", "self-adjusted-softmax"))
-register_normalizer("sparsemax", Sparsemax)
-register_normalizer("entmax", Entmax, ("alpha_entmax", "entmax15"))
-register_normalizer("topk", TopKSoftmax, ("topk_softmax", "top-k"))
 
 
 def available() -> list[str]:

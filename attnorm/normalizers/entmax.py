@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from attnorm import functional as F
 from attnorm.normalizers.base import Normalizer
 from attnorm.normalizers.scalable_softmax import head_shape
+from attnorm.registry import register_normalizer
 
 
 class Sparsemax(Normalizer):
@@ -98,3 +99,7 @@ class Entmax(Normalizer):
         if self.num_heads is not None:
             fields["num_heads"] = self.num_heads
         return fields
+
+
+register_normalizer("sparsemax", Sparsemax)
+register_normalizer("entmax", Entmax, ("alpha_entmax", "entmax15"))

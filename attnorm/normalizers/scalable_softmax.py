@@ -7,6 +7,7 @@ from torch import nn
 
 from attnorm import functional as F
 from attnorm.normalizers.base import Normalizer
+from attnorm.registry import register_normalizer
 
 
 def head_shape(num_heads: int | None) -> tuple[int, ...]:
@@ -79,3 +80,6 @@ class ScalableSoftmax(Normalizer):
         if self.num_heads is not None:
             fields["num_heads"] = self.num_heads
         return fields
+
+
+register_normalizer("ssmax", ScalableSoftmax, ("scalable_softmax", "scalable-softmax"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from attnorm.normalizers.base import Normalizer
+from attnorm.registry import register_normalizer
 
 
 class SelfAdjustedSoftmax(Normalizer):
@@ -44,3 +45,6 @@ class SelfAdjustedSoftmax(Normalizer):
 
     def _repr_fields(self) -> dict:
         return {"normalized": self.normalized}
+
+
+register_normalizer("sa_softmax", SelfAdjustedSoftmax, ("self_adjusted_softmax", "self-adjusted-softmax"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from attnorm import functional as F
 from attnorm.normalizers.base import Normalizer
+from attnorm.registry import register_normalizer
 
 
 class Softmax(Normalizer):
@@ -38,3 +39,6 @@ class Softmax(Normalizer):
 
     def _repr_fields(self) -> dict:
         return {"temperature": self.temperature}
+
+
+register_normalizer("softmax", Softmax)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from attnorm import functional as F
 from attnorm.normalizers.base import Normalizer
+from attnorm.registry import register_normalizer
 
 
 class TopKSoftmax(Normalizer):
@@ -48,3 +49,6 @@ class TopKSoftmax(Normalizer):
 
     def _repr_fields(self) -> dict:
         return {"k": self.k, "temperature": self.temperature}
+
+
+register_normalizer("topk", TopKSoftmax, ("topk_softmax", "top-k"))
