@@ -17,10 +17,13 @@ variant in a fresh process after one warm-up call at L = 256:
   ``/proc/self/clear_refs``) minus the resident size just before the call; it also
   includes the C allocator's own overheads.
 
-Usage: ``python benchmarks/bench_attention_memory.py [--lengths 1024 2048 4096 8192] [--threads N]``.
+Usage::
+
+    python benchmarks/bench_attention_memory.py [--lengths 1024 2048 4096 8192] [--threads N]
+
 Timings are secondary here; on a shared machine the SDPA route's per-block ops wait for
 busy cores, so compare them with ``--threads 1`` too.
-Writes ``results/bench_attention_memory.csv`` and ``.png``; exits 1 if the ratio check fails.
+Writes ``benchmarks/results/bench_attention_memory.csv`` and ``.png``; exits 1 if the ratio check fails.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 
 import torch
 from profiler_memory import allocator_peak_bytes
+from reporting import versions
 
 import attnorm
 
@@ -54,7 +58,7 @@ VARIANTS = {
         q, k, v, attnorm.ScalableSoftmax(), is_causal=True, return_weights=True
     ),
 }
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def inputs(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,6 +71,7 @@ def resident_bytes() -> tuple[int, int]:
     """(current resident size, high-water mark) of this process, in bytes."""
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
 
 def measure(variant: str, length: int) -> dict:
     """Run in a fresh process: warm up, measure one call's peak memory both ways, then time it (best of 3)."""
@@ -127,8 +132,7 @@ def main() -> int:
 
     from tqdm import tqdm
 
-    print(f"torch {torch.__version__}, attnorm {attnorm.__version__}, python {platform.python_version()}, "
-          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    print(f"versions: {versions('cpu')}; {platform.processor() or platform.machine()}")
     print(f"causal attention, q/k/v ({BATCH}, {HEADS}, L, {HEAD_DIM}) float32 on CPU, forward under no_grad")
     jobs = [(variant, length) for length in args.lengths for variant in VARIANTS
             if variant != "attnorm_ssmax_materialised" or length <= MATERIALISED_MAX_LENGTH]
