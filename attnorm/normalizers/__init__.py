@@ -3,11 +3,12 @@
 Importing a family's module registers its names with :func:`attnorm.make`.
 """
 
-from attnorm.normalizers.base import Normalizer
-from attnorm.normalizers.softmax import Softmax  # isort: skip  (registration order = attnorm.available() order)
-from attnorm.normalizers.scalable_softmax import ScalableSoftmax  # isort: skip
-from attnorm.normalizers.self_adjusted import SelfAdjustedSoftmax  # isort: skip
-from attnorm.normalizers.entmax import Entmax, Sparsemax  # isort: skip
-from attnorm.normalizers.topk import TopKSoftmax  # isort: skip
+# Registration order is the order of attnorm.available().
+from attnorm.normalizers.base import Normalizer  # noqa: I001
+from attnorm.normalizers.softmax import Softmax
+from attnorm.normalizers.scalable_softmax import ScalableSoftmax
+from attnorm.normalizers.self_adjusted import SelfAdjustedSoftmax
+from attnorm.normalizers.entmax import Entmax, Sparsemax
+from attnorm.normalizers.topk import TopKSoftmax
 
 __all__ = ["Entmax", "Normalizer", "ScalableSoftmax", "SelfAdjustedSoftmax", "Softmax", "Sparsemax", "TopKSoftmax"]
