@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import csv
 import importlib.metadata
+import importlib.util
 import platform
 import statistics
+import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -25,10 +27,27 @@ def versions(device: str) -> str:
             found[package] = importlib.metadata.version(package.replace("_", "-"))
         except importlib.metadata.PackageNotFoundError:
             continue
+    if commit := attnorm_commit():
+        found["attnorm_commit"] = commit
     found["threads"] = str(torch.get_num_threads())
     if device == "cuda":
         found["gpu"] = torch.cuda.get_device_name()
     return ";".join(f"{name}={value}" for name, value in found.items())
+
+
+def attnorm_commit() -> str | None:
+    """The git commit of the attnorm checkout in use (``+dirty`` when attnorm/ has changes), if any."""
+    spec = importlib.util.find_spec("attnorm")
+    if spec is None or spec.origin is None:
+        return None
+    package = Path(spec.origin).parent
+    git = ["git", "-C", str(package)]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        changes = subprocess.run([*git, "status", "--porcelain", "--", "."], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit.stdout.strip() + ("+dirty" if changes.stdout.strip() else "")
 
 
 def percentiles(samples: Sequence[float]) -> tuple[float, float, float]:
