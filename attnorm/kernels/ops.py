@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -71,16 +71,28 @@ def _triton() -> ModuleType:
     return kernels
 
 
-_KERNELS = {"native": lambda: native, "triton": _triton, "reference": lambda: reference}
+CONTRACT = (
+    "softmax_forward",
+    "softmax_backward",
+    "topk_forward",
+    "entmax_forward",
+    "entmax_backward",
+    "self_adjusted_forward",
+    "self_adjusted_backward",
+)
+"""The backend functions of ``kernels/README.md``; a backend that lacks one runs the reference's."""
 
 
-def _kernels(backend: str) -> ModuleType:
+@functools.cache
+def _kernels(backend: str) -> SimpleNamespace:
     """The implementation the op's ``backend`` argument names (resolved by :mod:`attnorm.kernels.backends`)."""
-    return _KERNELS[backend]()
+    module = _triton() if backend == "triton" else native if backend == "native" else reference
+    functions = {name: getattr(module, name, getattr(reference, name)) for name in CONTRACT}
+    # The native kernels read float32/float64: half precision is computed in float32.
+    return SimpleNamespace(**functions, upcast=module is native)
 
 
 def _upcast(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], torch.dtype | None]:
-    """The native kernels read float32/float64: half-precision tensors are computed in float32."""
     dtype = next((a.dtype for a in args if isinstance(a, Tensor) and a.dtype in _LOW_PRECISION), None)
     if dtype is None:
         return args, None
@@ -93,7 +105,7 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
 
     def device_kernel(*args):
         kernels = _kernels(args[-1])
-        if kernels is not native:
+        if not kernels.upcast:
             return body(kernels, *args)
         args, dtype = _upcast(args)
         out = body(kernels, *args)
@@ -104,7 +116,7 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
         return (out[0].to(dtype), *out[1:])
 
     op = torch.library.custom_op(
-        f"attnorm::{name}", lambda *args: body(reference, *args), mutates_args=(), schema=schema
+        f"attnorm::{name}", lambda *args: body(_kernels("reference"), *args), mutates_args=(), schema=schema
     )
     op.register_kernel("cpu", device_kernel)
     op.register_kernel("cuda", device_kernel)
