@@ -370,8 +370,7 @@ def ratio_table(results: list[dict], shapes, dtype: str) -> str:
 def bandwidth_table(results: list[dict], shapes, dtype: str, peak: float | None) -> str:
     """Markdown: achieved GB/s of forward+backward (and % of the device's peak), per shape."""
     found = _indexed(results)
-    keys = dict.fromkeys((r["normalizer"], r["backend"], r["provider"]) for r in results
-                         if r["dtype"] == dtype and r["metric"] == "bandwidth")
+    keys = dict.fromkeys((r["normalizer"], r["backend"], r["provider"]) for r in results if r["dtype"] == dtype)
     header = ["normalizer", "backend", "provider", *(f"{rows}x{length} fwd+bwd GB/s" for rows, length in shapes)]
 
     def cell(key, rows, length) -> str:
