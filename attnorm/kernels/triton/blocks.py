@@ -1,10 +1,13 @@
 """Device helpers shared by the kernels: a block of a row under its mask, +inf rows, row scans.
 
-The shared mask rules of :mod:`attnorm.normalizers.base` live here once:
-``load_block`` marks a position allowed when it lies inside the row, passes the
-mask and is not -inf; ``keep_posinf`` rewrites a row holding +inf so that only
-its +inf positions are allowed, each with score 0 (every normaliser is then
-uniform over them, the limit of the finite case).
+The shared rules of :mod:`attnorm.kernels.rules` live here once: ``load_block``
+marks a position allowed when it lies inside the row, passes the mask and is not
+-inf; ``keep_posinf`` rewrites a row holding +inf so that only its +inf positions
+are allowed, each with score 0 (every normaliser is then uniform over them, the
+limit of the finite case); a row holding NaN at an allowed position is written NaN
+whole.  ``scaled`` is how every kernel applies a multiplier: to scores already
+shifted by the row's max (``m >= 0``) or min (``m < 0``), so finite scores never
+give NaN or +inf.
 """
 
 from __future__ import annotations
@@ -12,23 +15,42 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["keep_posinf", "load_block", "load_output_and_grad", "load_row", "load_row_param", "scan_row"]
+__all__ = [
+    "keep_posinf",
+    "load_block",
+    "load_output_and_grad",
+    "load_row",
+    "load_row_param",
+    "scaled",
+    "scan_row",
+    "store_row",
+]
 
 
 @triton.jit
-def load_row_param(param, row):
+def load_row_param(values, stride, row):
     """Row ``row``'s value of a parameter passed as ``(values, stride)``."""
-    values, stride = param
     return tl.load(values + row * stride)
 
 
 @triton.jit
-def load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE):
+def scaled(shifted, multiplier):
+    """``multiplier * shifted`` for scores shifted towards 0 by the row's extreme.
+
+    The shifted scores are <= 0 when ``multiplier >= 0`` (>= 0 otherwise), so the
+    product is never +inf; the difference may overflow to -inf (+inf), where a zero
+    multiplier gives 0 instead of NaN.
+    """
+    return tl.where(multiplier == 0, 0.0, multiplier * shifted)
+
+
+@triton.jit
+def load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE):
     """Scores of ``row`` at ``cols`` (in ``COMPUTE``) and whether each position is allowed.
 
-    ``masking`` is :class:`attnorm.kernels.triton.launch.MaskArgs` ``.args``; a
-    structured mask is evaluated from the row index, nothing is read for it but
-    one key length per row.
+    ``masking`` is the tuple of :class:`attnorm.kernels.triton.launch.MaskArgs`
+    ``.args``; the causal diagonal and key lengths are evaluated from the row index,
+    nothing is read for them but one key length per row.
     """
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal = (
         masking
@@ -36,7 +58,7 @@ def load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, L
     inside = cols < length
     x = tl.load(X + row * x_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
     allowed = inside & (x != float("-inf"))
-    if MASK_KIND == 1:
+    if BOOL_MASK:
         permitted = tl.load(mask_ptr + row * mask_row_stride + cols * mask_col_stride, mask=inside, other=0)
         allowed = allowed & (permitted != 0)
     if CAUSAL:
@@ -60,18 +82,27 @@ def keep_posinf(x, allowed, posinf_row):
 
 
 @triton.jit
-def load_row(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE):
+def load_row(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE):
     """A whole row in registers under the shared rules.
 
-    Returns ``(x, allowed, posinf_row, count)``: scores and allowed positions after
-    the +inf rule, whether the row holds +inf, and the number of allowed positions
-    before that rule (``sum(allowed)`` is the number after it).
+    Returns ``(x, allowed, posinf_row, nan_row, count)``: scores and allowed
+    positions after the +inf rule, whether the row holds +inf and NaN (at allowed
+    positions), and the number of allowed positions before the +inf rule
+    (``sum(allowed)`` is the number after it).
     """
-    x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+    x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
     count = tl.sum(allowed.to(tl.int32), 0)
     posinf_row = tl.sum((allowed & (x == float("inf"))).to(tl.int32), 0) > 0
+    nan_row = tl.sum((allowed & (x != x)).to(tl.int32), 0) > 0
     x, allowed = keep_posinf(x, allowed, posinf_row)
-    return x, allowed, posinf_row, count
+    return x, allowed, posinf_row, nan_row, count
+
+
+@triton.jit
+def store_row(OUT, row, cols, length, out_row_stride, values, nan_row):
+    """Write one block of a row's output; a row holding NaN is written NaN at every position."""
+    values = tl.where(nan_row, float("nan"), values)
+    tl.store(OUT + row * out_row_stride + cols, values.to(OUT.dtype.element_ty), mask=cols < length)
 
 
 @triton.jit
@@ -84,15 +115,16 @@ def load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, CO
 
 
 @triton.jit
-def scan_row(X, row, length, x_row_stride, masking, scale, BLOCK, ONLINE_SUM, MASK_KIND, CAUSAL, LENGTHS, COMPUTE):
+def scan_row(X, row, length, x_row_stride, masking, scale, BLOCK, ONLINE_SUM, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE):
     """First pass over a long row: statistics of its allowed scores.
 
     Returns ``(count, posinf_count, nan_count, max_x, min_x, sum_below_max, sum_exp)``:
     ``count`` allowed positions, of which ``posinf_count`` hold +inf and ``nan_count``
     NaN; extrema of the allowed finite scores; ``sum(x - max_x)`` over them
     (accumulated against the running max, so large scores do not cancel); and,
-    when ``ONLINE_SUM``, ``sum exp(scale * (x - max_x))`` (``scale > 0``).  In a row
-    holding +inf the statistics are those of the +inf rule (every score 0; the
+    when ``ONLINE_SUM``, ``sum exp(scale * (x - ref))`` with ``ref = max_x`` for
+    ``scale >= 0`` and ``min_x`` otherwise (online, rescaled as ``ref`` moves).  In a
+    row holding +inf the statistics are those of the +inf rule (every score 0; the
     sum of exponentials counts the +inf positions).
     """
     count = tl.zeros((), tl.int32)
@@ -104,26 +136,29 @@ def scan_row(X, row, length, x_row_stride, masking, scale, BLOCK, ONLINE_SUM, MA
     sum_exp = tl.zeros((), COMPUTE)
     for start in range(0, length, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+        x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
         posinf = allowed & (x == float("inf"))
-        finite = allowed & ~posinf
-        seen = (count - posinf_count).to(COMPUTE)
+        nan = allowed & (x != x)
+        finite = allowed & ~posinf & ~nan
+        seen = count - posinf_count - nan_count
         count += tl.sum(allowed.to(tl.int32), 0)
         posinf_count += tl.sum(posinf.to(tl.int32), 0)
-        nan_count += tl.sum((allowed & (x != x)).to(tl.int32), 0)
+        nan_count += tl.sum(nan.to(tl.int32), 0)
         new_max = tl.maximum(max_x, tl.max(tl.where(finite, x, float("-inf")), 0))
-        min_x = tl.minimum(min_x, tl.min(tl.where(finite, x, float("inf")), 0))
-        rebase = tl.where(seen > 0, seen * (max_x - new_max), 0.0)
+        new_min = tl.minimum(min_x, tl.min(tl.where(finite, x, float("inf")), 0))
+        rebase = tl.where(seen > 0, seen.to(COMPUTE) * (max_x - new_max), 0.0)
         sum_below_max += rebase + tl.sum(tl.where(finite, x - new_max, 0.0), 0)
         if ONLINE_SUM:
-            rescale = tl.where(new_max == float("-inf"), 1.0, tl.exp(scale * (max_x - new_max)))
-            terms = tl.where(finite, tl.exp(scale * (x - new_max)), 0.0)
+            old_ref = tl.where(scale >= 0, max_x, min_x)
+            new_ref = tl.where(scale >= 0, new_max, new_min)
+            rescale = tl.where(seen > 0, tl.exp(scaled(old_ref - new_ref, scale)), 1.0)
+            terms = tl.where(finite, tl.exp(scaled(x - new_ref, scale)), 0.0)
             sum_exp = sum_exp * rescale + tl.sum(terms, 0)
         max_x = new_max
+        min_x = new_min
     posinf_row = posinf_count > 0
     max_x = tl.where(posinf_row, 0.0, max_x)
     min_x = tl.where(posinf_row, 0.0, min_x)
     sum_below_max = tl.where(posinf_row, 0.0, sum_below_max)
     sum_exp = tl.where(posinf_row, posinf_count.to(COMPUTE), sum_exp)
-    nan_count = tl.where(posinf_row, 0, nan_count)
     return count, posinf_count, nan_count, max_x, min_x, sum_below_max, sum_exp

@@ -13,6 +13,17 @@ Michelot's algorithm, finished exactly: ``tau = (sum_{z_i > tau} z_i - 1) / |sup
 Other alphas are renormalised (row sums exact to rounding); alpha = 1 rows are
 softmax.  No sort: a single-block row stays in registers across iterations.
 
+For alpha > 2 (``p < 1``) a weight ``(z_i - tau)^p`` amplifies the rounding of
+``z_i - tau``: at alpha = 10 a weight of 0.02 needs ``z_i - tau = 0.02^9 ~ 5e-16``,
+below the resolution of ``tau``.  Those rows are finished in a well-conditioned
+form: tau is written relative to the smallest support score ``x_s`` (the pivot)
+as ``z_s - tau = w^(alpha - 1)``, ``w`` the pivot's own weight, so every weight
+``y_i = ((alpha - 1)(x_i - x_s) + w^(alpha - 1))^p`` is a sum of two nonnegative
+terms.  The pivot is the smallest score with ``F(x_s) = sum_i [(alpha - 1)(x_i - x_s)]_+^p < 1``,
+found by walking from tau's estimate over neighbouring scores; ``w`` solves
+``H(w) = sum_{x_i >= x_s} y_i = 1`` by Newton's method from above (``H`` is convex,
+``1 <= H' <= |support|``).
+
 Backward (closed form, saves only ``y`` and a per-row gate that is 0 in +inf rows):
 ``dx = gppr * g - gppr * sum(gppr * g) / sum(gppr)`` with ``gppr = y^(2 - alpha)`` on
 the support, and ``d alpha = beta * (sum(g S) - sum(S) / sum(gppr) * sum(g gppr))``
@@ -25,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.autograd import Function
 
+from attnorm.kernels import rules
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.blocks import (
     keep_posinf,
@@ -35,9 +46,10 @@ from attnorm.kernels.triton.blocks import (
     load_row,
     load_row_param,
     scan_row,
+    store_row,
 )
 
-__all__ = ["EntmaxFunction"]
+__all__ = ["entmax_backward", "entmax_forward"]
 
 
 @triton.jit
@@ -77,9 +89,9 @@ def _block_sums(z, allowed, tau, power, softmax_row):
 
 @triton.jit
 def _load_z(X, row, cols, length, x_row_stride, masking, posinf_row, top, multiplier,
-            MASK_KIND, CAUSAL, LENGTHS, COMPUTE):
+            BOOL_MASK, CAUSAL, LENGTHS, COMPUTE):
     """``z = (alpha - 1) (x - max x)`` for one block of a long row, and its allowed positions."""
-    x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+    x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
     x, allowed = keep_posinf(x, allowed, posinf_row)
     return (x - top) * multiplier, allowed
 
@@ -87,7 +99,7 @@ def _load_z(X, row, cols, length, x_row_stride, masking, posinf_row, top, multip
 @triton.jit
 def _row_sums(
     X, row, length, x_row_stride, masking, posinf_row, top, multiplier, tau, power, softmax_row,
-    BLOCK, MASK_KIND, CAUSAL, LENGTHS, COMPUTE,
+    BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
 ):
     """:func:`_block_sums` over a long row, streamed from memory."""
     mass = tl.zeros((), COMPUTE)
@@ -97,7 +109,7 @@ def _row_sums(
     for start in range(0, length, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         z, allowed = _load_z(X, row, cols, length, x_row_stride, masking, posinf_row, top, multiplier,
-                             MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+                             BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
         block_mass, block_slope, block_support, block_z = _block_sums(z, allowed, tau, power, softmax_row)
         mass += block_mass
         slope += block_slope
@@ -107,48 +119,154 @@ def _row_sums(
 
 
 @triton.jit
-def _weights(z, allowed, tau, power, softmax_row, exact_tau, total, nan_row):
+def _weights(z, allowed, tau, power, softmax_row, exact_tau, total):
     """Final weights of one block: exact sparsemax, or mass renormalised by ``total``."""
     if (power == 1) & ~softmax_row:
         y = tl.where(allowed, tl.maximum(z - exact_tau, 0.0), 0.0)
     else:
         y = _mass(z, allowed, tau, power, softmax_row) / total
-    return tl.where(allowed & nan_row, float("nan"), y)
+    return y
+
+
+@triton.jit
+def _anchored(x, allowed, pivot, w, multiplier, power):
+    """Weights ``((alpha - 1)(x - pivot) + w^(alpha - 1))^p`` on ``x >= pivot`` (the pivot's own: ``w``)."""
+    on = allowed & (x >= pivot)
+    gap = multiplier * (x - pivot)
+    y = tl.where(gap == 0, w, _power(gap + _power(w, multiplier), power))
+    return tl.where(on, y, 0.0)
+
+
+@triton.jit
+def _anchored_block(x, allowed, pivot, w, multiplier, power):
+    """Over one block: ``H(w) = sum y``, ``H'(w) = sum (w / y)^(alpha - 2)`` and the scores next to ``pivot``."""
+    y = _anchored(x, allowed, pivot, w, multiplier, power)
+    slope = tl.where(y > 0, _power(w / tl.where(y > 0, y, 1.0), multiplier - 1), 0.0)
+    above = tl.min(tl.where(allowed & (x > pivot), x, float("inf")), 0)
+    below = tl.max(tl.where(allowed & (x < pivot), x, float("-inf")), 0)
+    return tl.sum(y, 0), tl.sum(slope, 0), above, below
+
+
+@triton.jit
+def _anchored_sums(
+    X, row, length, x_row_stride, masking, posinf_row, x, allowed, pivot, w, multiplier, power,
+    SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+):
+    """:func:`_anchored_block` over the row: in registers (SINGLE) or streamed."""
+    if SINGLE:
+        mass, slope, above, below = _anchored_block(x, allowed, pivot, w, multiplier, power)
+    else:
+        mass = tl.zeros((), COMPUTE)
+        slope = tl.zeros((), COMPUTE)
+        above = tl.full((), float("inf"), COMPUTE)
+        below = tl.full((), float("-inf"), COMPUTE)
+        for start in range(0, length, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            block_x, block_allowed = load_block(
+                X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+            )
+            block_x, block_allowed = keep_posinf(block_x, block_allowed, posinf_row)
+            block_mass, block_slope, block_above, block_below = _anchored_block(
+                block_x, block_allowed, pivot, w, multiplier, power
+            )
+            mass += block_mass
+            slope += block_slope
+            above = tl.minimum(above, block_above)
+            below = tl.maximum(below, block_below)
+    return mass, slope, above, below
+
+
+@triton.jit
+def _anchor(
+    X, row, length, x_row_stride, masking, posinf_row, x, allowed, start, top, multiplier, power, max_iters,
+    SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+):
+    """The pivot ``x_s`` and its weight ``w`` (module docstring), walking from the score ``start``."""
+    # Walk: F(c) = H(0) at candidate c; F < 1 means c is in the support.  Down while it
+    # is, up while it is not; the pivot is the lowest candidate in the support.
+    zero = tl.zeros((), COMPUTE)
+    candidate = start
+    pivot = top
+    pivot_below = tl.full((), float("-inf"), COMPUTE)
+    direction = 0
+    iteration = 0
+    walking = True
+    while walking:
+        mass, _, above, below = _anchored_sums(
+            X, row, length, x_row_stride, masking, posinf_row, x, allowed, candidate, zero, multiplier, power,
+            SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+        )
+        in_support = mass < 1
+        pivot = tl.where(in_support, candidate, pivot)
+        pivot_below = tl.where(in_support, below, pivot_below)
+        none_below = below == float("-inf")
+        done = tl.where(direction > 0, in_support, tl.where(direction < 0, ~in_support, False)) | (
+            in_support & none_below
+        )
+        direction = tl.where(in_support, -1, 1)
+        candidate = tl.where(in_support, below, above)
+        iteration += 1
+        walking = ~done & (tl.abs(candidate) < float("inf")) & (iteration < max_iters)
+    # Newton from above on the convex H: H(min(1, gap^p)) >= 1, where gap reaches the next lower score.
+    gap = multiplier * (pivot - pivot_below)
+    w = tl.where(pivot_below == float("-inf"), 1.0, tl.minimum(_power(gap, power), 1.0))
+    iteration = 0
+    descending = True
+    while descending:
+        mass, slope, _, _ = _anchored_sums(
+            X, row, length, x_row_stride, masking, posinf_row, x, allowed, pivot, w, multiplier, power,
+            SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+        )
+        step = tl.maximum(w - (mass - 1) / tl.where(slope > 0, slope, 1.0), 0.0)
+        iteration += 1
+        descending = (step < w) & (iteration < max_iters)
+        w = tl.where(step < w, step, w)
+    mass, _, _, _ = _anchored_sums(
+        X, row, length, x_row_stride, masking, posinf_row, x, allowed, pivot, w, multiplier, power,
+        SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+    )
+    return pivot, w, mass
 
 
 @triton.jit
 def _entmax_forward_kernel(
-    X, OUT, GRAD_SCALE, alpha_param, masking, length, x_row_stride, out_row_stride, max_iters,
+    X, OUT, GATE, alpha_values, alpha_stride,
+    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    length, x_row_stride, out_row_stride, max_iters,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr,
-    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
 ):
     """alpha-entmax of one row (see the module docstring for the method).
 
-    Bytes moved (:func:`attnorm.kernels.traffic.bytes_moved`): a single-block row
-    reads x and writes y once, ``L * (in + out)``, plus one per-row gate; every
-    Newton step works on the row held in registers.  A multi-pass row reads x once
-    per Newton step (1-6 for alpha <= 2, up to ~25 bisection-safeguarded ones above)
-    plus twice (statistics, write).
+    Passes over the row and bytes moved: a single-block row reads x once and writes
+    y once, ``L * (in + out)``, plus one per-row gate; every Newton step works on the
+    row held in registers.  A multi-pass row reads x once per Newton step (1-6 for
+    alpha <= 2, up to ~25 bisection-safeguarded ones above; for alpha > 2 a few more
+    for the pivot walk and the pivot's Newton steps, typically 3-8) plus twice
+    (statistics, write).  A bool mask adds one byte per element and pass.
     """
+    masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
+               diagonal)
     row = tl.program_id(0).to(tl.int64)
-    alpha = load_row_param(alpha_param, row).to(COMPUTE)
+    alpha = load_row_param(alpha_values, alpha_stride, row).to(COMPUTE)
     softmax_row = alpha == 1
     multiplier = tl.where(softmax_row, 1.0, alpha - 1)
     power = tl.where(softmax_row, 1.0, 1.0 / multiplier)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
-        x, allowed, posinf_row, _ = load_row(
-            X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        x, allowed, posinf_row, nan_row, _ = load_row(
+            X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
         )
         count = tl.sum(allowed.to(tl.int32), 0)
-        nan_row = tl.sum((allowed & (x != x)).to(tl.int32), 0) > 0
         top = tl.max(tl.where(allowed, x, float("-inf")), 0)
         top = tl.where(top == float("-inf"), 0.0, top)
         z = (x - top) * multiplier
         z_sum = tl.sum(tl.where(allowed, z, 0.0), 0)
     else:
+        x = tl.zeros((), COMPUTE)  # the row stays in memory
+        allowed = tl.zeros((), tl.int1)
         count, posinf_count, nan_count, top, _, sum_below_max, _ = scan_row(
-            X, row, length, x_row_stride, masking, 1.0, BLOCK, False, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+            X, row, length, x_row_stride, masking, 1.0, BLOCK, False, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
         )
         posinf_row = posinf_count > 0
         count = tl.where(posinf_row, posinf_count, count)
@@ -174,7 +292,7 @@ def _entmax_forward_kernel(
         else:
             mass, slope, support, support_z = _row_sums(
                 X, row, length, x_row_stride, masking, posinf_row, top, multiplier, tau, power, softmax_row,
-                BLOCK, MASK_KIND, CAUSAL, LENGTHS, COMPUTE,
+                BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
             )
         above = mass >= 1
         low = tl.where(above, tau, low)
@@ -193,22 +311,54 @@ def _entmax_forward_kernel(
         tau = tl.where(evaluating, step, tau)
     exact_tau = (support_z - 1) / tl.maximum(support, 1).to(COMPUTE)
     total = tl.where(mass > 0, mass, 1.0)
+    anchored = searchable & (power < 1)
+    pivot = top
+    w = tl.zeros((), COMPUTE)
+    if anchored:
+        # The smallest score tau's estimate puts in the support starts the walk.
+        if SINGLE:
+            start = tl.min(tl.where(allowed & (z > tau), x, float("inf")), 0)
+        else:
+            start = tl.full((), float("inf"), COMPUTE)
+            for block_start in range(0, length, BLOCK):
+                cols = block_start + tl.arange(0, BLOCK)
+                block_x, block_allowed = load_block(
+                    X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+                )
+                block_x, block_allowed = keep_posinf(block_x, block_allowed, posinf_row)
+                in_support = block_allowed & ((block_x - top) * multiplier > tau)
+                start = tl.minimum(start, tl.min(tl.where(in_support, block_x, float("inf")), 0))
+        start = tl.where(start == float("inf"), top, start)
+        pivot, w, total = _anchor(
+            X, row, length, x_row_stride, masking, posinf_row, x, allowed, start, top, multiplier, power, max_iters,
+            SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+        )
     if SINGLE:
-        y = _weights(z, allowed, tau, power, softmax_row, exact_tau, total, nan_row)
-        tl.store(OUT + row * out_row_stride + cols, y.to(OUT.dtype.element_ty), mask=cols < length)
+        if anchored:
+            y = _anchored(x, allowed, pivot, w, multiplier, power) / total
+        else:
+            y = _weights(z, allowed, tau, power, softmax_row, exact_tau, total)
+        store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
     else:
-        for start in range(0, length, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            z, allowed = _load_z(X, row, cols, length, x_row_stride, masking, posinf_row, top, multiplier,
-                                 MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
-            y = _weights(z, allowed, tau, power, softmax_row, exact_tau, total, nan_row)
-            tl.store(OUT + row * out_row_stride + cols, y.to(OUT.dtype.element_ty), mask=cols < length)
-    tl.store(GRAD_SCALE + row, tl.where(posinf_row, 0.0, 1.0))
+        for block_start in range(0, length, BLOCK):
+            cols = block_start + tl.arange(0, BLOCK)
+            if anchored:
+                block_x, block_allowed = load_block(
+                    X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+                )
+                block_x, block_allowed = keep_posinf(block_x, block_allowed, posinf_row)
+                y = _anchored(block_x, block_allowed, pivot, w, multiplier, power) / total
+            else:
+                z, block_allowed = _load_z(X, row, cols, length, x_row_stride, masking, posinf_row, top, multiplier,
+                                           BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+                y = _weights(z, block_allowed, tau, power, softmax_row, exact_tau, total)
+            store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
+    tl.store(GATE + row, tl.where(posinf_row, 0.0, 1.0))
 
 
 @triton.jit
-def _backward_block_sums(y, g, alpha, beta, ALPHA_GRAD):
-    """``sum(gppr g)``, ``sum(gppr)`` and, for the alpha gradient, ``sum(g S)``, ``sum(S)``."""
+def _backward_block_sums(y, g, alpha, beta, ALPHA_GRAD: tl.constexpr):
+    """``sum(s g)``, ``sum(s)`` and, for the alpha gradient, ``sum(g S)``, ``sum(S)``."""
     gppr = _power(y, 2 - alpha)
     gppr_g = tl.sum(gppr * g, 0)
     entropy_g = tl.zeros_like(gppr_g)
@@ -223,18 +373,19 @@ def _backward_block_sums(y, g, alpha, beta, ALPHA_GRAD):
 
 @triton.jit
 def _entmax_backward_kernel(
-    Y, G, DX, GRAD_SCALE, D_ALPHA, alpha_param, length, y_row_stride, g_row_stride, dx_row_stride,
+    Y, G, DX, D_ALPHA, gate_values, gate_stride, alpha_values, alpha_stride,
+    length, y_row_stride, g_row_stride, dx_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, ALPHA_GRAD: tl.constexpr, COMPUTE: tl.constexpr,
 ):
     """Closed-form entmax backward for one row (formulas in the module docstring).
 
-    Bytes moved: a single-block row reads y and g and writes dx once,
-    ``3 * L * itemsize``, plus the per-row gate (and alpha's gradient); a multi-pass
-    row re-reads y and g once.
+    Passes and bytes moved: a single-block row reads y and g once and writes dx
+    once, ``3 L itemsize``, plus the per-row gate (and alpha's gradient); a
+    multi-pass row reads y and g twice (sums, then dx), ``5 L itemsize``.
     """
     row = tl.program_id(0).to(tl.int64)
-    alpha = load_row_param(alpha_param, row).to(COMPUTE)
-    gate = tl.load(GRAD_SCALE + row)
+    alpha = load_row_param(alpha_values, alpha_stride, row).to(COMPUTE)
+    gate = load_row_param(gate_values, gate_stride, row).to(COMPUTE)
     beta = tl.where(alpha == 1, 0.0, 1.0 / tl.where(alpha == 1, 2.0, alpha - 1))
     if SINGLE:
         cols = tl.arange(0, BLOCK)
@@ -276,38 +427,62 @@ def _max_iterations(x: Tensor) -> int:
     return 120 if x.dtype == torch.float64 else 60
 
 
-class EntmaxFunction(Function):
-    """alpha-entmax over the last axis; ``alpha`` a number >= 1 or a tensor of shape ``(..., 1)``."""
+def entmax_forward(x: Tensor, mask: rules.RowMask, alpha: float | Tensor) -> tuple[Tensor, Tensor]:
+    """alpha-entmax over the allowed positions of each row, any ``alpha >= 1`` per row.
 
-    @staticmethod
-    def forward(ctx, x: Tensor, mask, alpha: float | Tensor) -> Tensor:
-        run = launch.prepare(x)
-        gate = run.row_stats()
-        masking = launch.mask_args(mask, x)
-        _entmax_forward_kernel[run.grid](
-            run.rows, run.out, gate, launch.row_param(alpha, x), masking.args,
-            run.length, run.rows.stride(0), run.out.stride(0), _max_iterations(x),
-            BLOCK=run.config.block, SINGLE=run.config.single, COMPUTE=launch.compute_dtype(x),
-            num_warps=run.config.num_warps, **masking.constants,
-        )
-        out = run.out.reshape(x.shape)
-        ctx.save_for_backward(out, gate)
-        ctx.alpha = alpha.detach() if isinstance(alpha, Tensor) else alpha
-        ctx.alpha_spec = launch.ParamSpec.of(alpha)
-        return out
+    ``y = [(alpha - 1) x - tau]_+^(1 / (alpha - 1))`` with ``tau`` such that each row sums
+    to 1 (Peters, Niculae & Martins, 2019); alpha = 1 is softmax, alpha = 2 sparsemax.
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        out, gate = ctx.saved_tensors
-        wants_alpha = ctx.needs_input_grad[2]
-        run = launch.prepare(out)
-        g = launch.rows_view(grad)
-        d_alpha = run.row_stats() if wants_alpha else gate
-        _entmax_backward_kernel[run.grid](
-            run.rows, g, run.out, gate, d_alpha, launch.row_param(ctx.alpha, out),
-            run.length, run.rows.stride(0), g.stride(0), run.out.stride(0),
-            BLOCK=run.config.block, SINGLE=run.config.single, ALPHA_GRAD=wants_alpha,
-            COMPUTE=launch.compute_dtype(out), num_warps=run.config.num_warps,
-        )
-        alpha_grad = launch.param_grad(d_alpha, out, ctx.alpha_spec) if wants_alpha else None
-        return run.out.reshape(out.shape), None, alpha_grad
+    Args:
+        x: scores ``(..., L)``, float16/bfloat16/float32/float64.
+        mask: which positions each row may use.
+        alpha: python number or tensor ``(..., 1)`` broadcastable to ``x``, >= 1.
+
+    Returns:
+        ``(y, gate)``: weights like ``x``; ``gate`` per row ``x.shape[:-1]``, 1, or 0 in rows
+        holding +inf.
+    """
+    run = launch.prepare(x)
+    gate = run.row_stats()
+    masking = launch.mask_args(mask, x)
+    launch.run(
+        _entmax_forward_kernel, run,
+        run.rows, run.out, gate, *launch.row_param(alpha, x), *masking.args,
+        run.length, run.rows.stride(0), run.out.stride(0), _max_iterations(x),
+        BLOCK=run.config.block, SINGLE=run.config.single, COMPUTE=launch.compute_dtype(x), **masking.constants,
+    )
+    return run.out.reshape(x.shape), gate.reshape(x.shape[:-1])
+
+
+def entmax_backward(
+    y: Tensor, grad: Tensor, gate: Tensor, alpha: float | Tensor, alpha_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The closed-form entmax Jacobian-vector product, from the output alone.
+
+    ``dx = gate (s g - s sum(s g) / sum(s))`` with ``s = y^(2 - alpha)`` on the support;
+    with ``alpha_grad``, ``d alpha = gate beta (sum(g S) - sum(S) / sum(s) sum(g s))``,
+    ``beta = 1 / (alpha - 1)``, ``S = y (beta - log y)`` (0 for alpha = 1 rows).
+
+    Args:
+        y: the forward's weights ``(..., L)``.
+        grad: the incoming gradient, like ``y``.
+        gate: the forward's gate per row ``y.shape[:-1]``.
+        alpha: the forward's alpha.
+        alpha_grad: also return alpha's gradient per row.
+
+    Returns:
+        ``(dx, per_row)``: ``dx`` like ``y``; alpha's gradient per row ``y.shape[:-1]`` in the
+        accumulation dtype, or None.
+    """
+    run = launch.prepare(y)
+    g = launch.rows_view(grad)
+    d_alpha = run.row_stats() if alpha_grad else None
+    launch.run(
+        _entmax_backward_kernel, run,
+        run.rows, g, run.out, run.out if d_alpha is None else d_alpha,
+        *launch.per_row_param(gate, y), *launch.row_param(alpha, y),
+        run.length, run.rows.stride(0), g.stride(0), run.out.stride(0),
+        BLOCK=run.config.block, SINGLE=run.config.single, ALPHA_GRAD=bool(alpha_grad),
+        COMPUTE=launch.compute_dtype(y),
+    )
+    return run.out.reshape(y.shape), None if d_alpha is None else d_alpha.reshape(y.shape[:-1])

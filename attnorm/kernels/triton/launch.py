@@ -6,8 +6,11 @@ once); a longer row is streamed in blocks of :data:`MULTI_PASS_BLOCK` elements
 over several passes.  Both constants are module attributes so that tests can force
 the multi-pass path with short rows.
 
-Every output tensor is allocated through :func:`empty`, the one place tests
-patch to poison outputs (an element a kernel forgets to write then fails).
+Kernels are launched through :func:`torch.library.wrap_triton` (:func:`run`) with
+tensors and numbers only, so the backend functions can be registered with
+:func:`torch.library.triton_op` and traced by ``torch.compile``.  Every output
+tensor is allocated through :func:`empty`, the one place tests patch to poison
+outputs (an element a kernel forgets to write then fails).
 """
 
 from __future__ import annotations
@@ -20,8 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnorm.kernels.sparse import sum_to_shape
-from attnorm.masks import StructuredMask
+from attnorm.kernels import rules
 
 __all__ = [
     "MULTI_PASS_BLOCK",
@@ -29,15 +31,15 @@ __all__ = [
     "BlockConfig",
     "Launch",
     "MaskArgs",
-    "ParamSpec",
     "block_config",
     "compute_dtype",
     "empty",
     "mask_args",
-    "param_grad",
+    "per_row_param",
     "prepare",
     "row_param",
     "rows_view",
+    "run",
 ]
 
 SINGLE_BLOCK_MAX = 8192
@@ -48,8 +50,6 @@ per thread with no spills; at 16384 some spill to local memory."""
 
 MULTI_PASS_BLOCK = 4096
 """Elements streamed per step on the multi-pass path."""
-
-_NO_MASK, _BOOL_MASK, _STRUCTURED_MASK = 0, 1, 2
 
 
 class BlockConfig(NamedTuple):
@@ -89,16 +89,26 @@ class Launch(NamedTuple):
     def length(self) -> int:
         return self.rows.shape[1]
 
-    def row_stats(self) -> Tensor:
-        """A per-row scalar output, in the accumulation dtype (from :func:`empty`)."""
-        dtype = torch.float64 if self.rows.dtype == torch.float64 else torch.float32
-        return empty((self.rows.shape[0],), dtype, self.rows.device)
+    def row_stats(self, *extra: int) -> Tensor:
+        """A per-row output ``(rows, *extra)`` in the accumulation dtype (from :func:`empty`)."""
+        return empty((self.rows.shape[0], *extra), rules.accumulation_dtype(self.rows.dtype), self.rows.device)
 
 
 def prepare(source: Tensor) -> Launch:
     """Rows of ``source``, an output shaped like them (same dtype) and the block configuration."""
     rows = rows_view(source)
     return Launch(rows, empty(tuple(rows.shape), source.dtype, source.device), block_config(rows.shape[1]))
+
+
+def run(kernel: Any, launch: Launch, *args: Any, **constants: Any) -> None:
+    """Launch ``kernel`` with one program per row, through :func:`torch.library.wrap_triton`.
+
+    Rows of length 0 or no rows at all launch nothing (the outputs are empty, or
+    per-row outputs of rows with no allowed position, written by the caller).
+    """
+    if launch.rows.numel() == 0:
+        return
+    torch.library.wrap_triton(kernel)[launch.grid](*args, num_warps=launch.config.num_warps, **constants)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -119,90 +129,70 @@ def rows_view(x: Tensor) -> Tensor:
 
 
 def row_param(value: float | Tensor, x: Tensor) -> tuple[Tensor, int]:
-    """A row parameter as ``(values, stride)``: row ``r`` reads ``values[r * stride]``.
+    """A row parameter as ``(values, stride)``: row ``r`` of ``x`` reads ``values[r * stride]``.
 
     Python numbers become one element with stride 0; tensors of shape ``(..., 1)``
-    broadcastable to ``x`` are expanded over the rows (a view when possible).
+    broadcastable to ``x`` are expanded over the rows (a view when possible), in the
+    accumulation dtype.
     """
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = rules.accumulation_dtype(x.dtype)
     if not isinstance(value, Tensor):
         return torch.full((1,), float(value), dtype=dtype, device=x.device), 0
     values = value.detach().to(device=x.device, dtype=dtype)
     values = values.expand(*x.shape[:-1], 1).reshape(-1)
-    return values, values.stride(0)
+    return values, values.stride(0) if values.numel() > 1 else 0
 
 
-class ParamSpec(NamedTuple):
-    """Shape and dtype of a tensor parameter: what its gradient must have."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-
-    @staticmethod
-    def of(value: float | Tensor) -> ParamSpec | None:
-        return ParamSpec(value.shape, value.dtype) if isinstance(value, Tensor) else None
-
-
-def param_grad(per_row: Tensor, x: Tensor, param: ParamSpec) -> Tensor:
-    """Reduce per-row gradients of a parameter broadcast over ``x``'s rows back to its shape."""
-    per_row = per_row.reshape(*x.shape[:-1], 1)
-    return sum_to_shape(per_row, param.shape).to(param.dtype)
+def per_row_param(value: float | Tensor, x: Tensor) -> tuple[Tensor, int]:
+    """A per-row value of the contract's shape ``x.shape[:-1]`` (or a number) as :func:`row_param` arguments."""
+    return row_param(value.unsqueeze(-1) if isinstance(value, Tensor) else value, x)
 
 
 class MaskArgs(NamedTuple):
-    """A mask as kernel arguments.
+    """A :class:`~attnorm.kernels.rules.RowMask` as kernel arguments.
 
-    ``args`` is the tuple every kernel takes as ``masking``:
-    ``(mask, mask_row_stride, mask_col_stride, key_lengths, lengths_stride,
-    rows_per_batch, num_queries, diagonal)``; ``constants`` are the constexpr
-    ``MASK_KIND`` (0 none, 1 bool tensor, 2 structured), ``CAUSAL`` and ``LENGTHS``.
+    ``args`` are the eight arguments every masked kernel takes after its parameters:
+    ``mask, mask_row_stride, mask_col_stride, key_lengths, lengths_stride,
+    rows_per_batch, num_queries, diagonal``; ``constants`` are the constexpr flags
+    ``BOOL_MASK`` (a bool tensor is given), ``CAUSAL`` and ``LENGTHS``.
     """
 
     args: tuple[Any, ...]
-    constants: dict[str, int]
+    constants: dict[str, bool]
 
 
-def mask_args(mask: Tensor | StructuredMask | None, x: Tensor) -> MaskArgs:
+def mask_args(mask: rules.RowMask, x: Tensor) -> MaskArgs:
     """Translate ``mask`` for scores ``x`` (normalised over the last axis) into kernel arguments.
 
-    A bool mask is viewed as ``(rows, L)`` through broadcasting strides (copied only
-    when no such view exists).  A :class:`StructuredMask` is never materialised: the
-    kernel derives the query ``q = row % Lq`` and batch ``b = row // (rows / B)`` of
-    each row and tests ``j <= q + diagonal`` and ``j < key_lengths[b]``.
+    A bool tensor is viewed as ``(rows, L)`` through broadcasting strides (copied
+    only when no such view exists).  The causal diagonal and key lengths are never
+    materialised: the kernel derives the query ``q = row % Lq`` and batch
+    ``b = row // (rows / B)`` of each row and tests ``j <= q + diagonal`` and
+    ``j < key_lengths[b]``.  All three may be given together.
 
     Raises:
-        ValueError: a structured mask on scores with fewer than 2 dims, key_lengths on
-            scores without a batch axis (fewer than 3 dims) or not of shape ``(B,)`` / ``(1,)``.
+        ValueError: a causal diagonal or key lengths on scores with fewer than 2 dims,
+            key lengths on scores without a batch axis (fewer than 3 dims) or not of
+            shape ``(B,)`` / ``(1,)``.
     """
     length = x.shape[-1] if x.ndim else 1
     placeholder = x
-    if mask is None:
-        return MaskArgs((placeholder, 0, 0, placeholder, 0, 1, 1, 0), _constants(_NO_MASK))
-    if isinstance(mask, Tensor):
-        flat = mask.expand(x.shape).reshape(-1, length).view(torch.uint8)
-        return MaskArgs((flat, flat.stride(0), flat.stride(1), placeholder, 0, 1, 1, 0), _constants(_BOOL_MASK))
-    if x.ndim < 2:
+    flat, mask_row_stride, mask_col_stride = placeholder, 0, 0
+    if mask.tensor is not None:
+        flat = mask.tensor.to(x.device).expand(x.shape).reshape(-1, length).view(torch.uint8)
+        mask_row_stride, mask_col_stride = flat.stride(0), flat.stride(1)
+    if mask.structured and x.ndim < 2:
         raise ValueError(f"a structured mask needs scores of at least 2 dims (..., Lq, Lk), got shape {tuple(x.shape)}")
-    rows_per_batch = math.prod(x.shape[1:-1])
-    num_queries = x.shape[-2]
-    causal = mask.causal_diagonal is not None
-    diagonal = mask.causal_diagonal if causal else 0
     lengths, lengths_stride = placeholder, 0
     if mask.key_lengths is not None:
-        lengths = mask.key_lengths
-        if x.ndim < 3:
-            raise ValueError(
-                f"key_lengths needs scores shaped (B, ..., Lq, Lk) with a batch axis, got shape {tuple(x.shape)}"
-            )
-        if lengths.ndim != 1 or lengths.shape[0] not in (1, x.shape[0]):
-            raise ValueError(
-                f"key_lengths must have shape (B,) with B = scores.shape[0] = {x.shape[0]}, got {tuple(lengths.shape)}"
-            )
-        lengths = lengths.to(device=x.device, dtype=torch.int64)
+        rules.check_key_lengths(mask.key_lengths, tuple(x.shape))
+        lengths = mask.key_lengths.to(device=x.device, dtype=torch.int64)
         lengths_stride = 0 if lengths.shape[0] == 1 else lengths.stride(0)
-    args = (placeholder, 0, 0, lengths, lengths_stride, rows_per_batch, num_queries, diagonal)
-    return MaskArgs(args, _constants(_STRUCTURED_MASK, causal, mask.key_lengths is not None))
-
-
-def _constants(kind: int, causal: bool = False, lengths: bool = False) -> dict[str, int]:
-    return {"MASK_KIND": kind, "CAUSAL": causal, "LENGTHS": lengths}
+    rows_per_batch = math.prod(x.shape[1:-1]) if x.ndim >= 2 else 1
+    num_queries = x.shape[-2] if x.ndim >= 2 else 1
+    diagonal = 0 if mask.diagonal is None else int(mask.diagonal)
+    args = (flat, mask_row_stride, mask_col_stride, lengths, lengths_stride, max(rows_per_batch, 1),
+            max(num_queries, 1), diagonal)
+    constants = {"BOOL_MASK": mask.tensor is not None, "CAUSAL": mask.diagonal is not None,
+                 "LENGTHS": mask.key_lengths is not None}
+    return MaskArgs(args, constants)

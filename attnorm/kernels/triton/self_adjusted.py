@@ -1,18 +1,21 @@
-"""Fused Self-Adjusted Softmax (Zheng et al., 2025): ``a = phi(x) * softmax(x)``.
+"""Fused Self-Adjusted Softmax (Zheng et al., 2025, arXiv 2502.18277): ``y = phi(x) softmax(x)``.
 
-``phi(x) = x`` (plain) or ``(x - low) / (high - low)`` with ``low = min(x_min, 0)``,
-``high = max(x_max, 0)`` over the allowed positions (normalized; ``phi = 0`` when
-``high == low``).  A +inf row gives the softmax limit: uniform weights (normalized)
-or +inf on the +inf positions (plain).
+``phi(x) = x`` (plain) or ``(x - low) / (high - low)`` with ``low = min(min x, 0)``,
+``high = max(max x, 0)`` over the allowed finite scores (normalized; ``phi = 0`` when
+``high == low``).  The span is computed without overflow or underflow: on halved
+scores when ``high - low`` exceeds the dtype's range, on scores scaled by ``2^64``
+when it is tiny (denormal spans would otherwise give ``1 / span = inf``).  A +inf
+row gives the softmax limit: uniform weights (normalized) or +inf on the +inf
+positions (plain).
 
-The output does not determine ``x`` (``x * w`` mixes both), so the backward saves
-the input ``x`` and per-row ``log sum exp``, ``low``, ``high`` and a gate (0 in +inf
-rows, whose gradient is 0), and rebuilds ``w = exp(x - lse)``.  With
-``P = sum(g phi w)`` and ``Q = sum(g w)``:
+The output does not determine ``x`` (``x w`` mixes both), so the backward takes
+the input ``x`` and per-row stats ``(c0, c1, low, high, gate)`` (``gate`` 0 in
+rows holding +inf or fully masked, whose gradient is 0) and rebuilds
+``w = exp((x - c0) - c1)``.  With ``P = sum(g phi w)`` and ``Q = sum(g w)``:
 ``dx_j = w_j (g_j phi_j - P) + g_j w_j phi'`` where ``phi' = 1`` (plain) or
-``1 / span`` plus the paths through ``low`` and ``high``:
-``(P - Q) / span`` shared by the positions attaining ``low`` and ``-P / span`` by those
-attaining ``high`` (as torch's amin/amax and clamp gradients share them).
+``1 / span`` plus the paths through ``low`` and ``high``: ``(P - Q) / span`` shared
+by the positions attaining ``low`` and ``-P / span`` by those attaining ``high``
+(as torch's amin/amax and clamp gradients share them).
 """
 
 from __future__ import annotations
@@ -20,27 +23,42 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.autograd import Function
 
+from attnorm.kernels import rules
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row, scan_row
+from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row, scan_row, store_row
 
-__all__ = ["SelfAdjustedSoftmaxFunction"]
+__all__ = ["self_adjusted_backward", "self_adjusted_forward"]
+
+_STATS = 5  # c0, c1, low, high, gate
 
 
 @triton.jit
-def _factor(x, low, high, NORMALIZED):
+def _span(low, high):
+    """``(scale, scaled span)``: ``phi = (x scale - low scale) / scaled span`` never overflows or divides by a denormal.
+
+    ``scale`` is 1/2 when ``high - low`` overflows, ``2^64`` when it is below ``2^-60``
+    (exact: powers of two), else 1.
+    """
+    span = high - low
+    scale = tl.where(span == float("inf"), 0.5, tl.where(span < 8.673617379884035e-19, 18446744073709551616.0, 1.0))
+    return scale, high * scale - low * scale
+
+
+@triton.jit
+def _factor(x, low, scale, scaled_span, NORMALIZED: tl.constexpr):
     """``phi(x)``: ``x`` or its min-max normalised form (0 when the span is 0)."""
     factor = x
     if NORMALIZED:
-        span = high - low
-        factor = tl.where(span > 0, (x - low) / tl.where(span > 0, span, 1.0), 0.0)
+        positive = scaled_span > 0
+        factor = tl.where(positive, (x * scale - low * scale) / tl.where(positive, scaled_span, 1.0), 0.0)
     return factor
 
 
 @triton.jit
-def _output(x, allowed, weights, low, high, posinf_row, NORMALIZED):
-    out = _factor(x, low, high, NORMALIZED) * weights
+def _output(x, allowed, weights, low, high, posinf_row, NORMALIZED: tl.constexpr):
+    scale, scaled_span = _span(low, high)
+    out = _factor(x, low, scale, scaled_span, NORMALIZED) * weights
     if NORMALIZED:
         out = tl.where(posinf_row, weights, out)
     else:
@@ -50,73 +68,86 @@ def _output(x, allowed, weights, low, high, posinf_row, NORMALIZED):
 
 @triton.jit
 def _self_adjusted_forward_kernel(
-    X, OUT, LSE, LOW, HIGH, GATE, masking, length, x_row_stride, out_row_stride,
+    X, OUT, STATS,
+    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, NORMALIZED: tl.constexpr,
-    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
 ):
-    """SA-Softmax of one row; writes ``lse``, ``low``, ``high`` and the gate for the backward.
+    """SA-Softmax of one row; writes its stats ``(c0, c1, low, high, gate)`` for the backward.
 
-    Bytes moved (:func:`attnorm.kernels.traffic.bytes_moved`): a single-block row
-    reads x and writes the output once, ``L * (in + out)``, plus 4 per-row scalars;
-    a multi-pass row re-reads x once (online max and sum, then the write).
+    Passes over the row and bytes moved: a single-block row reads x once and writes
+    the output once, ``L * (in + out)``, plus 5 per-row scalars (4 bytes each, 8 for
+    float64); a multi-pass row reads x twice (online max and sum, then the write),
+    ``L * (2 in + out)``.  A bool mask adds one byte per element and pass.
     """
+    masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
+               diagonal)
     row = tl.program_id(0).to(tl.int64)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
-        x, allowed, posinf_row, _ = load_row(
-            X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        x, allowed, posinf_row, nan_row, _ = load_row(
+            X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
         )
-        count = tl.sum(allowed.to(tl.int32), 0)
-        top = tl.where(count > 0, tl.max(tl.where(allowed, x, float("-inf")), 0), 0.0)
+        live = tl.sum(allowed.to(tl.int32), 0) > 0
+        top = tl.where(live, tl.max(tl.where(allowed, x, float("-inf")), 0), 0.0)
         e = tl.where(allowed, tl.exp(x - top), 0.0)
         total = tl.sum(e, 0)
         low = tl.minimum(tl.min(tl.where(allowed, x, float("inf")), 0), 0.0)
         high = tl.maximum(top, 0.0)
-        out = _output(x, allowed, e / total, low, high, posinf_row, NORMALIZED)
-        tl.store(OUT + row * out_row_stride + cols, out.to(OUT.dtype.element_ty), mask=cols < length)
+        out = _output(x, allowed, e / tl.where(total > 0, total, 1.0), low, high, posinf_row, NORMALIZED)
+        store_row(OUT, row, cols, length, out_row_stride, out, nan_row)
     else:
-        count, posinf_count, _, top, min_x, _, total = scan_row(
-            X, row, length, x_row_stride, masking, 1.0, BLOCK, True, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        count, posinf_count, nan_count, top, min_x, _, total = scan_row(
+            X, row, length, x_row_stride, masking, 1.0, BLOCK, True, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
         )
         posinf_row = posinf_count > 0
-        top = tl.where(count > 0, top, 0.0)
+        nan_row = nan_count > 0
+        live = count > 0
+        top = tl.where(top == float("-inf"), 0.0, top)
         low = tl.minimum(min_x, 0.0)
         high = tl.maximum(top, 0.0)
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
             x, allowed = keep_posinf(x, allowed, posinf_row)
-            weights = tl.where(allowed, tl.exp(x - top) / total, 0.0)
+            weights = tl.where(allowed, tl.exp(x - top) / tl.where(total > 0, total, 1.0), 0.0)
             out = _output(x, allowed, weights, low, high, posinf_row, NORMALIZED)
-            tl.store(OUT + row * out_row_stride + cols, out.to(OUT.dtype.element_ty), mask=cols < length)
-    tl.store(LSE + row, top + tl.log(total))
-    tl.store(LOW + row, low)
-    tl.store(HIGH + row, high)
-    tl.store(GATE + row, tl.where(posinf_row, 0.0, 1.0))
+            store_row(OUT, row, cols, length, out_row_stride, out, nan_row)
+    gate = live & ~posinf_row
+    stats = STATS + row * 5  # a fresh (rows, 5) tensor
+    tl.store(stats, tl.where(gate, top, 0.0))
+    tl.store(stats + 1, tl.where(gate, tl.log(tl.where(gate, total, 1.0)), 0.0))
+    tl.store(stats + 2, low)
+    tl.store(stats + 3, high)
+    tl.store(stats + 4, tl.where(gate, 1.0, 0.0))
 
 
 @triton.jit
-def _block_sums(x, allowed, g, lse, low, high, NORMALIZED):
+def _block_sums(x, allowed, g, c0, c1, low, high, NORMALIZED: tl.constexpr):
     """``sum(g phi w)``, ``sum(g w)`` and how many positions attain ``low`` and ``high``."""
-    weights = tl.where(allowed, tl.exp(x - lse), 0.0)
+    weights = tl.where(allowed, tl.exp((x - c0) - c1), 0.0)
     weighted_g = tl.where(allowed, g * weights, 0.0)
-    phi = _factor(x, low, high, NORMALIZED)
+    scale, scaled_span = _span(low, high)
+    phi = _factor(x, low, scale, scaled_span, NORMALIZED)
     at_low = tl.sum((allowed & (x == low)).to(tl.int32), 0)
     at_high = tl.sum((allowed & (x == high)).to(tl.int32), 0)
     return tl.sum(weighted_g * phi, 0), tl.sum(weighted_g, 0), at_low, at_high
 
 
 @triton.jit
-def _input_grad(x, allowed, g, lse, low, high, phi_g_w, g_w, at_low, at_high, NORMALIZED):
-    weights = tl.where(allowed, tl.exp(x - lse), 0.0)
-    phi = _factor(x, low, high, NORMALIZED)
+def _input_grad(x, allowed, g, c0, c1, low, high, phi_g_w, g_w, at_low, at_high, NORMALIZED: tl.constexpr):
+    weights = tl.where(allowed, tl.exp((x - c0) - c1), 0.0)
+    scale, scaled_span = _span(low, high)
+    phi = _factor(x, low, scale, scaled_span, NORMALIZED)
     dx = weights * (g * phi - phi_g_w)
     if NORMALIZED:
-        span = high - low
-        inverse_span = tl.where(span > 0, 1.0 / tl.where(span > 0, span, 1.0), 0.0)
-        through_low = tl.where(x == low, (phi_g_w - g_w) * inverse_span / tl.maximum(at_low, 1), 0.0)
-        through_high = tl.where(x == high, phi_g_w * inverse_span / tl.maximum(at_high, 1), 0.0)
-        dx += g * weights * inverse_span + tl.where(span > 0, through_low - through_high, 0.0)
+        # Every 1 / span term is (value * scale) / scaled span: finite values never give NaN.
+        positive = scaled_span > 0
+        divisor = tl.where(positive, scaled_span, 1.0)
+        through_low = tl.where(x == low, (phi_g_w - g_w) * scale / divisor / tl.maximum(at_low, 1), 0.0)
+        through_high = tl.where(x == high, phi_g_w * scale / divisor / tl.maximum(at_high, 1), 0.0)
+        dx += tl.where(positive, g * weights * scale / divisor + through_low - through_high, 0.0)
     else:
         dx += g * weights
     return tl.where(allowed, dx, 0.0)
@@ -124,93 +155,122 @@ def _input_grad(x, allowed, g, lse, low, high, phi_g_w, g_w, at_low, at_high, NO
 
 @triton.jit
 def _load_backward_block(
-    X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+    X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
 ):
-    """Scores (0 where not allowed), allowed positions (none when not ``live``) and the incoming gradient."""
-    x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+    """Scores (0 where not used), used positions (none when not ``live``), NaN at allowed positions, the gradient."""
+    x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+    nan = tl.sum((allowed & (x != x)).to(tl.int32), 0)
     allowed = tl.where(live, allowed, False)
     g = tl.load(G + row * g_row_stride + cols, mask=cols < length, other=0.0).to(COMPUTE)
-    return tl.where(allowed, x, 0.0), allowed, g
+    return tl.where(allowed, x, 0.0), allowed, nan, g
 
 
 @triton.jit
 def _self_adjusted_backward_kernel(
-    X, G, DX, LSE, LOW, HIGH, GATE, masking, length, x_row_stride, g_row_stride, dx_row_stride,
+    X, G, DX, STATS, stats_row_stride, stats_col_stride,
+    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    length, x_row_stride, g_row_stride, dx_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, NORMALIZED: tl.constexpr,
-    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
 ):
-    """SA-Softmax backward of one row (formula in the module docstring).
+    """SA-Softmax backward of one row (formula in the module docstring); NaN rows give NaN.
 
-    Bytes moved: a single-block row reads x and g and writes dx once,
-    ``3 * L * itemsize``, plus 4 per-row scalars (and the bool mask, if one was
-    given); a multi-pass row re-reads x and g once.
+    Passes over the row and bytes moved: a single-block row reads x and g once and
+    writes dx once, ``3 L itemsize``, plus 5 per-row scalars (and the bool mask, if
+    given); a multi-pass row reads x and g twice (sums, then dx), ``5 L itemsize``.
     """
+    masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
+               diagonal)
     row = tl.program_id(0).to(tl.int64)
-    lse = tl.load(LSE + row)
-    low = tl.load(LOW + row)
-    high = tl.load(HIGH + row)
-    live = tl.load(GATE + row) != 0
+    stats = STATS + row * stats_row_stride
+    c0 = tl.load(stats).to(COMPUTE)
+    c1 = tl.load(stats + stats_col_stride).to(COMPUTE)
+    low = tl.load(stats + 2 * stats_col_stride).to(COMPUTE)
+    high = tl.load(stats + 3 * stats_col_stride).to(COMPUTE)
+    live = tl.load(stats + 4 * stats_col_stride) != 0
     if SINGLE:
         cols = tl.arange(0, BLOCK)
-        x, allowed, g = _load_backward_block(
-            X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        x, allowed, nan, g = _load_backward_block(
+            X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
         )
-        phi_g_w, g_w, at_low, at_high = _block_sums(x, allowed, g, lse, low, high, NORMALIZED)
-        dx = _input_grad(x, allowed, g, lse, low, high, phi_g_w, g_w, at_low, at_high, NORMALIZED)
-        tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=cols < length)
+        phi_g_w, g_w, at_low, at_high = _block_sums(x, allowed, g, c0, c1, low, high, NORMALIZED)
+        dx = _input_grad(x, allowed, g, c0, c1, low, high, phi_g_w, g_w, at_low, at_high, NORMALIZED)
+        store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
     else:
         phi_g_w = tl.zeros((), COMPUTE)
         g_w = tl.zeros((), COMPUTE)
         at_low = tl.zeros((), tl.int32)
         at_high = tl.zeros((), tl.int32)
+        nan = tl.zeros((), tl.int32)
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed, g = _load_backward_block(
-                X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+            x, allowed, block_nan, g = _load_backward_block(
+                X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
             )
-            block_phi_g_w, block_g_w, block_low, block_high = _block_sums(x, allowed, g, lse, low, high, NORMALIZED)
+            block_phi_g_w, block_g_w, block_low, block_high = _block_sums(
+                x, allowed, g, c0, c1, low, high, NORMALIZED
+            )
             phi_g_w += block_phi_g_w
             g_w += block_g_w
             at_low += block_low
             at_high += block_high
+            nan += block_nan
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed, g = _load_backward_block(
-                X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+            x, allowed, _, g = _load_backward_block(
+                X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
             )
-            dx = _input_grad(x, allowed, g, lse, low, high, phi_g_w, g_w, at_low, at_high, NORMALIZED)
-            tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=cols < length)
+            dx = _input_grad(x, allowed, g, c0, c1, low, high, phi_g_w, g_w, at_low, at_high, NORMALIZED)
+            store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
 
 
-class SelfAdjustedSoftmaxFunction(Function):
-    """SA-Softmax over the last axis (``normalized`` picks the variant)."""
+def self_adjusted_forward(x: Tensor, mask: rules.RowMask, normalized: bool) -> tuple[Tensor, Tensor]:
+    """SA-Softmax ``y = phi(x) softmax(x)`` over the allowed positions of each row.
 
-    @staticmethod
-    def forward(ctx, x: Tensor, mask, normalized: bool) -> Tensor:
-        run = launch.prepare(x)
-        lse, low, high, gate = (run.row_stats() for _ in range(4))
-        masking = launch.mask_args(mask, x)
-        _self_adjusted_forward_kernel[run.grid](
-            run.rows, run.out, lse, low, high, gate, masking.args, run.length, run.rows.stride(0), run.out.stride(0),
-            BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=normalized, COMPUTE=launch.compute_dtype(x),
-            num_warps=run.config.num_warps, **masking.constants,
-        )
-        ctx.save_for_backward(x, lse, low, high, gate, mask if isinstance(mask, Tensor) else None)
-        ctx.structured_mask = None if isinstance(mask, Tensor) else mask
-        ctx.normalized = normalized
-        return run.out.reshape(x.shape)
+    Args:
+        x: scores ``(..., L)``, float16/bfloat16/float32/float64.
+        mask: which positions each row may use.
+        normalized: ``phi(x) = (x - low) / (high - low)`` instead of ``x``.
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, lse, low, high, gate, bool_mask = ctx.saved_tensors
-        mask = bool_mask if bool_mask is not None else ctx.structured_mask
-        run = launch.prepare(x)
-        g = launch.rows_view(grad)
-        masking = launch.mask_args(mask, x)
-        _self_adjusted_backward_kernel[run.grid](
-            run.rows, g, run.out, lse, low, high, gate, masking.args,
-            run.length, run.rows.stride(0), g.stride(0), run.out.stride(0),
-            BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=ctx.normalized,
-            COMPUTE=launch.compute_dtype(x), num_warps=run.config.num_warps, **masking.constants,
-        )
-        return run.out.reshape(x.shape), None, None
+    Returns:
+        ``(y, stats)``: weights like ``x``; ``stats`` of shape ``x.shape[:-1] + (5,)`` in the
+        accumulation dtype, ``(c0, c1, low, high, gate)`` with softmax weights
+        ``exp((x - c0) - c1)`` and ``gate`` 0 in rows holding +inf or fully masked.
+    """
+    run = launch.prepare(x)
+    stats = run.row_stats(_STATS)
+    masking = launch.mask_args(mask, x)
+    launch.run(
+        _self_adjusted_forward_kernel, run,
+        run.rows, run.out, stats, *masking.args, run.length, run.rows.stride(0), run.out.stride(0),
+        BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=bool(normalized),
+        COMPUTE=launch.compute_dtype(x), **masking.constants,
+    )
+    return run.out.reshape(x.shape), stats.reshape(*x.shape[:-1], _STATS)
+
+
+def self_adjusted_backward(x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool) -> Tensor:
+    """SA-Softmax's ``dx``, recomputing the softmax weights from ``x`` and ``stats``.
+
+    Args:
+        x: the forward's scores ``(..., L)``.
+        mask: the forward's mask.
+        grad: the incoming gradient, like ``x``.
+        stats: the forward's stats ``x.shape[:-1] + (5,)``.
+        normalized: the forward's variant.
+
+    Returns:
+        ``dx`` like ``x`` (0 in rows whose gate is 0, NaN in rows holding NaN).
+    """
+    run = launch.prepare(x)
+    g = launch.rows_view(grad)
+    row_stats = stats.reshape(-1, _STATS)
+    masking = launch.mask_args(mask, x)
+    launch.run(
+        _self_adjusted_backward_kernel, run,
+        run.rows, g, run.out, row_stats, row_stats.stride(0), row_stats.stride(1), *masking.args,
+        run.length, run.rows.stride(0), g.stride(0), run.out.stride(0),
+        BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=bool(normalized),
+        COMPUTE=launch.compute_dtype(x), **masking.constants,
+    )
+    return run.out.reshape(x.shape)

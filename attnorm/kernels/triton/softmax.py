@@ -1,14 +1,15 @@
 """Fused softmax (with temperature) and Scalable-Softmax, and the softmax-family backward.
 
-Forward, per row: ``y = softmax(m * x)`` over the allowed positions, with the
-multiplier ``m = 1 / temperature`` (softmax) or ``m = s * log(max(n, 1)) + bias``
-(Scalable-Softmax, ``n`` = allowed positions counted in the kernel).
+Forward, per row: ``y = softmax(m x)`` over the allowed positions, with the
+multiplier ``m = 1 / temperature`` (variant 0) or ``m = s log(max(n, 1)) + bias``
+(variant 1, Scalable-Softmax, Nakanishi 2025; ``n`` the allowed positions, counted
+in the kernel).  Scores are shifted before they are scaled, ``m (x - max x)`` for
+``m >= 0`` and ``m (x - min x)`` for ``m < 0``, so finite scores never give NaN.
 
-Backward, per row: with ``dz = y * (g - sum(y * g))``, ``dx = m * dz``;
-``d temperature = -m * sum(dz * log y)`` (needs only ``y``); ``d m = sum(dz * x)``
-and then ``d s = log(n) * d m``, ``d bias = d m``.  Scalable-Softmax's ``m`` can be 0,
-where ``y`` carries no information about ``x``, so when ``s`` or ``bias`` needs a
-gradient the input ``x`` is saved as well.
+Backward, per row (shared by softmax, Scalable-Softmax and top-k): with
+``dz = y (g - sum(y g))``, ``dx = m dz``; the temperature's gradient
+``-m sum(dz log y)`` needs only ``y``; the multiplier's ``sum(dz x)`` needs ``x``
+(Scalable-Softmax's ``m`` can be 0, where ``y`` carries no information about ``x``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.autograd import Function
 
+from attnorm.kernels import rules
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.blocks import (
     keep_posinf,
@@ -25,17 +26,16 @@ from attnorm.kernels.triton.blocks import (
     load_output_and_grad,
     load_row,
     load_row_param,
+    scaled,
     scan_row,
+    store_row,
 )
 
-__all__ = ["ScalableSoftmaxFunction", "SoftmaxFunction", "temperature_backward"]
-
-_TEMPERATURE, _SCALABLE = 0, 1
-_NO_PARAM_GRAD, _TEMPERATURE_GRAD, _MULTIPLIER_GRAD = 0, 1, 2
+__all__ = ["softmax_backward", "softmax_forward"]
 
 
 @triton.jit
-def _multiplier(first, second, count, VARIANT):
+def _multiplier(first, second, count, VARIANT: tl.constexpr):
     """``1 / temperature`` (VARIANT 0) or ``s * log(max(n, 1)) + bias`` (VARIANT 1)."""
     if VARIANT == 0:
         multiplier = 1.0 / first
@@ -46,65 +46,74 @@ def _multiplier(first, second, count, VARIANT):
 
 @triton.jit
 def _softmax_forward_kernel(
-    X, OUT, GRAD_SCALE, LOG_COUNT, first_param, second_param, masking, length, x_row_stride, out_row_stride,
+    X, OUT, MULTIPLIER, LOG_COUNT, first_values, first_stride, second_values, second_stride,
+    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, VARIANT: tl.constexpr,
-    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
 ):
-    """``y = softmax(m * x)`` for one row; writes ``m`` (0 in +inf rows) and, for Scalable-Softmax, ``log max(n, 1)``.
+    """``y = softmax(m x)`` for one row; writes ``m`` (0 in +inf rows) and, for variant 1, ``log max(n, 1)``.
 
-    Bytes moved (:func:`attnorm.kernels.traffic.bytes_moved`): a single-block row
-    reads x and writes y once, ``L * (in + out)`` bytes, plus 4 (8 for float64) per
-    per-row scalar; a multi-pass row re-reads x once (temperature: online max and
-    sum) or twice (Scalable-Softmax: ``m`` needs ``n`` before the sum of exponentials).
+    Passes over the row and bytes moved (``in``/``out`` the element sizes of x and
+    y; per-row scalars add 4 bytes each, 8 for float64): a single-block row reads x
+    once and writes y once, ``L * (in + out)``.  A multi-pass row reads x twice
+    (variant 0: online max and sum, then the write; ``L * (2 in + out)``) or three
+    times (variant 1: ``m`` needs ``n`` before the sum of exponentials;
+    ``L * (3 in + out)``).  A bool mask adds one byte per element and pass.
     """
+    masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
+               diagonal)
     row = tl.program_id(0).to(tl.int64)
-    first = load_row_param(first_param, row).to(COMPUTE)
-    second = load_row_param(second_param, row).to(COMPUTE)
+    first = load_row_param(first_values, first_stride, row).to(COMPUTE)
+    second = load_row_param(second_values, second_stride, row).to(COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
-        x, allowed, posinf_row, _ = load_row(
-            X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        x, allowed, posinf_row, nan_row, count = load_row(
+            X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
         )
-        count = tl.sum(allowed.to(tl.int32), 0)
         multiplier = _multiplier(first, second, count, VARIANT)
-        z = tl.where(allowed, x * multiplier, float("-inf"))
-        top = tl.where(count > 0, tl.max(z, 0), 0.0)
-        e = tl.where(allowed, tl.exp(z - top), 0.0)
-        y = tl.where(allowed, e / tl.sum(e, 0), 0.0)
-        tl.store(OUT + row * out_row_stride + cols, y.to(OUT.dtype.element_ty), mask=cols < length)
+        any_allowed = tl.sum(allowed.to(tl.int32), 0) > 0
+        top = tl.where(any_allowed, tl.max(tl.where(allowed, x, float("-inf")), 0), 0.0)
+        bottom = tl.where(any_allowed, tl.min(tl.where(allowed, x, float("inf")), 0), 0.0)
+        shift = tl.where(multiplier >= 0, top, bottom)
+        e = tl.where(allowed, tl.exp(scaled(x - shift, multiplier)), 0.0)
+        total = tl.sum(e, 0)
+        y = tl.where(allowed, e / tl.where(total > 0, total, 1.0), 0.0)
+        store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
     else:
         online = VARIANT == 0  # temperature: m is known up front, so max and sum go online
         scale = 1.0 / first
-        count, posinf_count, _, max_x, min_x, _, sum_exp = scan_row(
-            X, row, length, x_row_stride, masking, scale, BLOCK, online, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        count, posinf_count, nan_count, max_x, min_x, _, sum_exp = scan_row(
+            X, row, length, x_row_stride, masking, scale, BLOCK, online, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
         )
         posinf_row = posinf_count > 0
-        count = tl.where(posinf_row, posinf_count, count)
+        nan_row = nan_count > 0
         multiplier = _multiplier(first, second, count, VARIANT)
-        top = tl.where(multiplier >= 0, max_x, min_x) * multiplier
-        top = tl.where(count > 0, top, 0.0)
+        shift = tl.where(multiplier >= 0, max_x, min_x)
+        shift = tl.where((shift == float("inf")) | (shift == float("-inf")), 0.0, shift)
         if not online:
             sum_exp = tl.zeros((), COMPUTE)
             for start in range(0, length, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 x, allowed = load_block(
-                    X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+                    X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
                 )
                 x, allowed = keep_posinf(x, allowed, posinf_row)
-                sum_exp += tl.sum(tl.where(allowed, tl.exp(x * multiplier - top), 0.0), 0)
+                sum_exp += tl.sum(tl.where(allowed, tl.exp(scaled(x - shift, multiplier)), 0.0), 0)
+        total = tl.where(sum_exp > 0, sum_exp, 1.0)
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
             x, allowed = keep_posinf(x, allowed, posinf_row)
-            y = tl.where(allowed, tl.exp(x * multiplier - top) / sum_exp, 0.0)
-            tl.store(OUT + row * out_row_stride + cols, y.to(OUT.dtype.element_ty), mask=cols < length)
-    tl.store(GRAD_SCALE + row, tl.where(posinf_row, 0.0, multiplier))
+            y = tl.where(allowed, tl.exp(scaled(x - shift, multiplier)) / total, 0.0)
+            store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
+    tl.store(MULTIPLIER + row, tl.where(posinf_row, 0.0, multiplier))
     if VARIANT == 1:
         tl.store(LOG_COUNT + row, tl.log(tl.maximum(count, 1).to(COMPUTE)))
 
 
 @triton.jit
-def _block_sums(y, g, x, PARAM_GRAD):
+def _block_sums(y, g, x, PARAM_GRAD: tl.constexpr):
     """Partial sums of one block: ``sum(y g)``, ``sum(y g v)``, ``sum(y v)`` and +inf scores on the support.
 
     ``v = log y`` for the temperature gradient, ``v = x`` for the multiplier's
@@ -115,7 +124,7 @@ def _block_sums(y, g, x, PARAM_GRAD):
     y_v = tl.zeros_like(y_g)
     posinf = tl.zeros((), tl.int32)
     if PARAM_GRAD == 1:
-        log_y = tl.where(y > 0, tl.log(y), 0.0)
+        log_y = tl.where(y > 0, tl.log(tl.where(y > 0, y, 1.0)), 0.0)
         y_g_v = tl.sum(y * g * log_y, 0)
         y_v = tl.sum(y * log_y, 0)
     if PARAM_GRAD == 2:
@@ -129,18 +138,20 @@ def _block_sums(y, g, x, PARAM_GRAD):
 
 @triton.jit
 def _softmax_backward_kernel(
-    Y, G, X, DX, GRAD_SCALE, PARAM_GRAD_OUT, length, y_row_stride, g_row_stride, x_row_stride, dx_row_stride,
+    Y, G, X, DX, PARAM_GRAD_OUT, multiplier_values, multiplier_stride,
+    length, y_row_stride, g_row_stride, x_row_stride, dx_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, PARAM_GRAD: tl.constexpr, COMPUTE: tl.constexpr,
 ):
-    """``dx = m * y * (g - sum(y g))`` and the per-row parameter gradient.
+    """``dx = m y (g - sum(y g))`` and the per-row parameter gradient.
 
-    ``PARAM_GRAD`` 1: ``-m * sum(dz log y)`` (temperature); 2: ``sum(dz x)`` (the
-    Scalable-Softmax multiplier; reads x, zero in +inf rows).  Bytes moved: a
-    single-block row reads y and g and writes dx once, ``3 * L * itemsize`` (plus x
-    for ``PARAM_GRAD`` 2) and the per-row scalars; a multi-pass row re-reads y and g once.
+    ``PARAM_GRAD`` 1: ``-m sum(dz log y)`` (temperature); 2: ``sum(dz x)`` (the
+    multiplier; reads x, 0 in +inf rows).  Passes and bytes moved: a single-block
+    row reads y and g once and writes dx once, ``3 L itemsize`` (plus ``L`` x
+    elements for ``PARAM_GRAD`` 2); a multi-pass row reads y and g twice (sums, then
+    dx; x once), ``5 L itemsize``.  Per-row scalars add 4 bytes each (8 for float64).
     """
     row = tl.program_id(0).to(tl.int64)
-    scale = tl.load(GRAD_SCALE + row)
+    multiplier = load_row_param(multiplier_values, multiplier_stride, row).to(COMPUTE)
     x = tl.zeros((BLOCK,), COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
@@ -149,7 +160,8 @@ def _softmax_backward_kernel(
         if PARAM_GRAD == 2:
             x = tl.load(X + row * x_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
         y_g, y_g_v, y_v, posinf = _block_sums(y, g, x, PARAM_GRAD)
-        tl.store(DX + row * dx_row_stride + cols, (scale * y * (g - y_g)).to(DX.dtype.element_ty), mask=inside)
+        dx = multiplier * y * (g - y_g)
+        tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=inside)
     else:
         y_g = tl.zeros((), COMPUTE)
         y_g_v = tl.zeros((), COMPUTE)
@@ -170,93 +182,85 @@ def _softmax_backward_kernel(
             cols = start + tl.arange(0, BLOCK)
             inside = cols < length
             y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
-            tl.store(DX + row * dx_row_stride + cols, (scale * y * (g - y_g)).to(DX.dtype.element_ty), mask=inside)
+            dx = multiplier * y * (g - y_g)
+            tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=inside)
     param_grad = y_g_v - y_g * y_v  # sum(dz v)
     if PARAM_GRAD == 1:
-        tl.store(PARAM_GRAD_OUT + row, -scale * param_grad)
+        tl.store(PARAM_GRAD_OUT + row, -multiplier * param_grad)
     if PARAM_GRAD == 2:
         tl.store(PARAM_GRAD_OUT + row, tl.where(posinf > 0, 0.0, param_grad))
 
 
-def _forward(x: Tensor, mask, variant: int, first, second) -> tuple[Tensor, Tensor, Tensor]:
-    """Run the forward kernel: weights, per-row ``m`` and per-row ``log n`` (Scalable-Softmax only)."""
-    run = launch.prepare(x)
-    grad_scale = run.row_stats()
-    log_count = run.row_stats() if variant == _SCALABLE else grad_scale
-    masking = launch.mask_args(mask, x)
-    _softmax_forward_kernel[run.grid](
-        run.rows, run.out, grad_scale, log_count, launch.row_param(first, x), launch.row_param(second, x),
-        masking.args, run.length, run.rows.stride(0), run.out.stride(0),
-        BLOCK=run.config.block, SINGLE=run.config.single, VARIANT=variant, COMPUTE=launch.compute_dtype(x),
-        num_warps=run.config.num_warps, **masking.constants,
-    )
-    return run.out.reshape(x.shape), grad_scale, log_count
+def softmax_forward(
+    x: Tensor, mask: rules.RowMask, variant: int, first: float | Tensor, second: float | Tensor
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``y = softmax(m x)`` over the allowed positions of each row.
 
+    Args:
+        x: scores ``(..., L)``, float16/bfloat16/float32/float64.
+        mask: which positions each row may use.
+        variant: 0, ``m = 1 / first`` (temperature); 1, ``m = first log(max(n, 1)) + second``
+            (Scalable-Softmax, ``n`` the allowed positions of the row).
+        first, second: python numbers or tensors ``(..., 1)`` broadcastable to ``x``.
 
-def _backward(out: Tensor, grad: Tensor, grad_scale: Tensor, x: Tensor | None, param_grad: int):
-    """Run the backward kernel; returns ``dx`` and the per-row parameter gradient (or None).
+    Returns:
+        ``(y, multiplier, log_count)``: weights like ``x``; ``m`` per row ``x.shape[:-1]``
+        (0 in rows holding +inf); ``log(max(n, 1))`` per row for variant 1, None for 0.
 
-    ``param_grad``: 0 none, 1 temperature, 2 the Scalable-Softmax multiplier (needs ``x``).
+    Raises:
+        ValueError: ``variant`` is not 0 or 1.
     """
-    run = launch.prepare(out)
+    if variant not in (0, 1):
+        raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
+    run = launch.prepare(x)
+    multiplier = run.row_stats()
+    log_count = run.row_stats() if variant == 1 else None
+    masking = launch.mask_args(mask, x)
+    launch.run(
+        _softmax_forward_kernel, run,
+        run.rows, run.out, multiplier, multiplier if log_count is None else log_count,
+        *launch.row_param(first, x), *launch.row_param(second, x), *masking.args,
+        run.length, run.rows.stride(0), run.out.stride(0),
+        BLOCK=run.config.block, SINGLE=run.config.single, VARIANT=variant, COMPUTE=launch.compute_dtype(x),
+        **masking.constants,
+    )
+    per_row = x.shape[:-1]
+    log_count = None if log_count is None else log_count.reshape(per_row)
+    return run.out.reshape(x.shape), multiplier.reshape(per_row), log_count
+
+
+def softmax_backward(
+    y: Tensor, grad: Tensor, multiplier: float | Tensor, x: Tensor | None, param_grad: int
+) -> tuple[Tensor, Tensor | None]:
+    """``dx = m y (g - sum(y g))`` and, per ``param_grad``, a per-row parameter gradient.
+
+    Args:
+        y: the forward's weights ``(..., L)``.
+        grad: the incoming gradient, like ``y``.
+        multiplier: ``m`` per row (``y.shape[:-1]``, the forward's output) or a number.
+        x: the scores, needed for ``param_grad`` 2.
+        param_grad: 0 none; 1 the temperature's, ``-m sum(dz log y)``; 2 the multiplier's,
+            ``sum(dz x)`` (0 in rows holding +inf), with ``dz = y (g - sum(y g))``.
+
+    Returns:
+        ``(dx, per_row)``: ``dx`` like ``y``; ``per_row`` of shape ``y.shape[:-1]`` in the
+        accumulation dtype, or None for ``param_grad`` 0.
+
+    Raises:
+        ValueError: ``param_grad`` not 0, 1 or 2, or 2 without ``x``.
+    """
+    if param_grad not in (0, 1, 2) or (param_grad == 2 and x is None):
+        given = "with x" if x is not None else "without x"
+        raise ValueError(f"param_grad must be 0, 1 or 2 (2 needs x), got {param_grad} {given}")
+    run = launch.prepare(y)
     g = launch.rows_view(grad)
     saved_x = run.rows if x is None else launch.rows_view(x)
-    per_row = run.row_stats() if param_grad else grad_scale
-    _softmax_backward_kernel[run.grid](
-        run.rows, g, saved_x, run.out, grad_scale, per_row, run.length,
-        run.rows.stride(0), g.stride(0), saved_x.stride(0), run.out.stride(0),
-        BLOCK=run.config.block, SINGLE=run.config.single, PARAM_GRAD=param_grad, COMPUTE=launch.compute_dtype(out),
-        num_warps=run.config.num_warps,
+    per_row = run.row_stats() if param_grad else None
+    launch.run(
+        _softmax_backward_kernel, run,
+        run.rows, g, saved_x, run.out, run.out if per_row is None else per_row,
+        *launch.per_row_param(multiplier, y),
+        run.length, run.rows.stride(0), g.stride(0), saved_x.stride(0), run.out.stride(0),
+        BLOCK=run.config.block, SINGLE=run.config.single, PARAM_GRAD=param_grad, COMPUTE=launch.compute_dtype(y),
     )
-    return run.out.reshape(out.shape), per_row if param_grad else None
-
-
-def temperature_backward(ctx, grad: Tensor, wants_temperature: bool) -> tuple[Tensor, Tensor | None]:
-    """``dx`` and the temperature's gradient for a softmax over a fixed set of positions.
-
-    ``ctx`` saved ``(out, grad_scale)`` and holds ``ctx.temperature`` (a
-    :class:`~attnorm.kernels.triton.launch.ParamSpec`, or None for a number).
-    """
-    out, grad_scale = ctx.saved_tensors
-    param_grad = _TEMPERATURE_GRAD if wants_temperature else _NO_PARAM_GRAD
-    dx, per_row = _backward(out, grad, grad_scale, None, param_grad)
-    return dx, launch.param_grad(per_row, out, ctx.temperature) if wants_temperature else None
-
-
-class SoftmaxFunction(Function):
-    """``softmax(x / temperature)``; ``temperature`` a number or a tensor of shape ``(..., 1)``."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, mask, temperature: float | Tensor) -> Tensor:
-        out, grad_scale, _ = _forward(x, mask, _TEMPERATURE, temperature, 0.0)
-        ctx.save_for_backward(out, grad_scale)
-        ctx.temperature = launch.ParamSpec.of(temperature)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        dx, d_temperature = temperature_backward(ctx, grad, ctx.needs_input_grad[2])
-        return dx, None, d_temperature
-
-
-class ScalableSoftmaxFunction(Function):
-    """``softmax((s * log n + bias) * x)``; ``s`` and ``bias`` numbers or tensors of shape ``(..., 1)``."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, mask, s: float | Tensor, bias: float | Tensor) -> Tensor:
-        out, grad_scale, log_count = _forward(x, mask, _SCALABLE, s, bias)
-        wants_params = any(isinstance(value, Tensor) and value.requires_grad for value in (s, bias))
-        ctx.save_for_backward(out, grad_scale, log_count, x if wants_params else None)
-        ctx.params = (launch.ParamSpec.of(s), launch.ParamSpec.of(bias))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        out, grad_scale, log_count, x = ctx.saved_tensors
-        wants_s, wants_bias = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        param_grad = _MULTIPLIER_GRAD if wants_s or wants_bias else _NO_PARAM_GRAD
-        dx, d_multiplier = _backward(out, grad, grad_scale, x, param_grad)
-        s, bias = ctx.params
-        d_s = launch.param_grad(d_multiplier * log_count, out, s) if wants_s else None
-        d_bias = launch.param_grad(d_multiplier, out, bias) if wants_bias else None
-        return dx, None, d_s, d_bias
+    return run.out.reshape(y.shape), None if per_row is None else per_row.reshape(y.shape[:-1])

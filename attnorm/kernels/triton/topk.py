@@ -4,14 +4,16 @@ The k-th largest score is found without sorting, by a radix search on integer
 keys ordered like the scores (the float's bits with the magnitude bits flipped for
 negatives; NaN above everything, as ``torch.topk`` ranks it): one bit per step,
 keeping the largest key ``t`` with ``count(key >= t) >= k``.  All scores above
-``t`` are kept, and ties at ``t`` are kept in index order until k are kept (the
-torch reference breaks ties as ``torch.topk`` does, which may pick other tied
-positions).  ``k`` is an int, or a fraction: ``max(1, ceil(k * n))`` of the ``n``
-allowed positions, counted in the kernel (computed in float64 as the reference does).
+``t`` are kept, and ties at ``t`` are kept in index order until k are kept: among
+tied scores the lowest index wins (-0.0 and 0.0 tie).  ``k`` is an int, or a
+fraction: ``max(1, ceil(k n - 1e-9))`` of the ``n`` allowed positions, counted in the
+kernel (computed in float64 as the reference does).
 In a row holding +inf, ``n`` still counts every allowed position and the kept ones
 are (at most all of) the +inf positions.
 
-The backward is softmax's on the kept set (:func:`.softmax.temperature_backward`).
+Scores are shifted before they are scaled: by the largest kept score for
+``1 / temperature >= 0``, by the smallest (the k-th) otherwise.  The backward is
+softmax's on the kept set (:func:`.softmax.softmax_backward`).
 """
 
 from __future__ import annotations
@@ -20,29 +22,30 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.autograd import Function
 
+from attnorm.kernels import rules
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row, load_row_param, scan_row
-from attnorm.kernels.triton.softmax import temperature_backward
+from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row, load_row_param, scaled, scan_row, store_row
 
-__all__ = ["TopKSoftmaxFunction"]
+__all__ = ["topk_forward"]
+
 
 @triton.jit
 def _order_keys(x, allowed, KEY: tl.constexpr, KEY_BITS: tl.constexpr):
     """Integer keys sorting like ``x``: NaN largest, positions not allowed smallest."""
     key_max: tl.constexpr = (1 << (KEY_BITS - 1)) - 1
     key_min: tl.constexpr = -(1 << (KEY_BITS - 1))
-    bits = x.to(KEY, bitcast=True)
+    bits = tl.where(x == 0, 0.0, x).to(KEY, bitcast=True)  # -0.0 ties with 0.0
     keys = bits ^ ((bits >> (KEY_BITS - 1)) & key_max)
     keys = tl.where(x != x, key_max, keys)
     return tl.where(allowed, keys, key_min)
 
 
 @triton.jit
-def _is_nan_key(key, KEY_BITS: tl.constexpr):
-    """Whether ``key`` is the one every NaN maps to."""
-    return key == (1 << (KEY_BITS - 1)) - 1
+def _key_value(key, COMPUTE: tl.constexpr, KEY_BITS: tl.constexpr):
+    """The score whose key is ``key`` (the map of :func:`_order_keys` is its own inverse)."""
+    key_max: tl.constexpr = (1 << (KEY_BITS - 1)) - 1
+    return (key ^ ((key >> (KEY_BITS - 1)) & key_max)).to(COMPUTE, bitcast=True)
 
 
 @triton.jit
@@ -57,7 +60,7 @@ def _keep_count(count, k, IS_FRACTION: tl.constexpr):
 
 @triton.jit
 def _count_at_least(X, row, length, x_row_stride, masking, posinf_row, threshold, keys, SINGLE, BLOCK,
-                    MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS):
+                    BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS):
     """Allowed positions whose key is >= threshold: from ``keys`` in registers (SINGLE) or streamed."""
     if SINGLE:
         found = tl.sum((keys >= threshold).to(tl.int32), 0)
@@ -65,7 +68,7 @@ def _count_at_least(X, row, length, x_row_stride, masking, posinf_row, threshold
         found = tl.zeros((), tl.int32)
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
             x, allowed = keep_posinf(x, allowed, posinf_row)
             found += tl.sum((_order_keys(x, allowed, KEY, KEY_BITS) >= threshold).to(tl.int32), 0)
     return found
@@ -73,120 +76,133 @@ def _count_at_least(X, row, length, x_row_stride, masking, posinf_row, threshold
 
 @triton.jit
 def _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, keys, SINGLE, BLOCK,
-             MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS):
+             BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS):
     """The largest key t with ``count(key >= t) >= keep`` (the keep-th largest key), bit by bit."""
     key_min: tl.constexpr = -(1 << (KEY_BITS - 1))
     # The sign bit first: t >= 0 or t < 0; then t + 2^bit never overflows.
     threshold = tl.zeros((), KEY)
     found = _count_at_least(X, row, length, x_row_stride, masking, posinf_row, threshold, keys, SINGLE, BLOCK,
-                            MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
+                            BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
     threshold = tl.where(found >= keep, threshold, key_min)
     one = tl.full((), 1, KEY)
     for step in range(KEY_BITS - 1):
         candidate = threshold + (one << (one * (KEY_BITS - 2 - step)))
         found = _count_at_least(X, row, length, x_row_stride, masking, posinf_row, candidate, keys, SINGLE, BLOCK,
-                                MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
+                                BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
         threshold = tl.where(found >= keep, candidate, threshold)
     return threshold
 
 
 @triton.jit
 def _topk_forward_kernel(
-    X, OUT, GRAD_SCALE, k_param, temperature_param, masking, length, x_row_stride, out_row_stride,
+    X, OUT, MULTIPLIER, k_param, temperature_values, temperature_stride,
+    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, IS_FRACTION: tl.constexpr,
-    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
     KEY: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """Top-k softmax of one row; also writes ``1 / temperature`` (0 in +inf rows) for the backward.
 
-    Bytes moved (:func:`attnorm.kernels.traffic.bytes_moved`): a single-block row
-    reads x and writes y once, ``L * (in + out)``, plus a per-row scalar; the radix
-    search runs on the keys in registers.  A multi-pass row reads x KEY_BITS + 3
-    times (statistics, one pass per key bit, sums, write).
+    Passes over the row and bytes moved: a single-block row reads x once and writes
+    y once, ``L * (in + out)``, plus a per-row scalar; the radix search runs on the
+    keys in registers.  A multi-pass row reads x ``KEY_BITS + 3`` times (statistics,
+    one pass per key bit, sums, write): ``L * ((KEY_BITS + 3) in + out)``.  A bool
+    mask adds one byte per element and pass.
     """
+    masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
+               diagonal)
     row = tl.program_id(0).to(tl.int64)
-    scale = 1.0 / load_row_param(temperature_param, row).to(COMPUTE)
+    scale = 1.0 / load_row_param(temperature_values, temperature_stride, row).to(COMPUTE)
     k = tl.load(k_param)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
-        x, allowed, posinf_row, count = load_row(
-            X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        x, allowed, posinf_row, nan_row, count = load_row(
+            X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
         )
         keep = tl.minimum(_keep_count(count, k, IS_FRACTION), tl.sum(allowed.to(tl.int32), 0))
         keys = _order_keys(x, allowed, KEY, KEY_BITS)
         threshold = _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, keys, True, BLOCK,
-                             MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
+                             BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
         greater = keys > threshold
         ties = keys == threshold
         tie_slots = keep - tl.sum(greater.to(tl.int32), 0)
         kept = allowed & (greater | (ties & (tl.cumsum(ties.to(tl.int32), 0) <= tie_slots)))
-        z = x * scale
-        top = tl.max(tl.where(kept, z, float("-inf")), 0)
-        e = tl.where(kept, tl.exp(z - top), 0.0)
-        y = tl.where(kept, e / tl.sum(e, 0), 0.0)
-        tl.store(OUT + row * out_row_stride + cols, y.to(OUT.dtype.element_ty), mask=cols < length)
+        any_kept = keep > 0
+        top = tl.where(any_kept, tl.max(tl.where(kept, x, float("-inf")), 0), 0.0)
+        kth = tl.where(any_kept, tl.min(tl.where(kept, x, float("inf")), 0), 0.0)
+        e = tl.where(kept, tl.exp(scaled(x - tl.where(scale >= 0, top, kth), scale)), 0.0)
+        total = tl.sum(e, 0)
+        y = tl.where(kept, e / tl.where(total > 0, total, 1.0), 0.0)
+        store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
     else:
-        count, posinf_count, _, max_x, _, _, _ = scan_row(
-            X, row, length, x_row_stride, masking, 1.0, BLOCK, False, MASK_KIND, CAUSAL, LENGTHS, COMPUTE
+        count, posinf_count, nan_count, max_x, _, _, _ = scan_row(
+            X, row, length, x_row_stride, masking, 1.0, BLOCK, False, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
         )
         posinf_row = posinf_count > 0
+        nan_row = nan_count > 0
         keep = tl.minimum(_keep_count(count, k, IS_FRACTION), tl.where(posinf_row, posinf_count, count))
         threshold = _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, 0, False, BLOCK,
-                             MASK_KIND, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
-        top = max_x * scale
+                             BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
+        kth = tl.where(keep > 0, _key_value(threshold, COMPUTE, KEY_BITS), 0.0)
+        top = tl.where(max_x == float("-inf"), 0.0, max_x)
+        shift = tl.where(scale >= 0, top, kth)
         above_sum = tl.zeros((), COMPUTE)
         above = tl.zeros((), tl.int32)
-        tie_score = tl.full((), float("-inf"), COMPUTE)
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
             x, allowed = keep_posinf(x, allowed, posinf_row)
-            keys = _order_keys(x, allowed, KEY, KEY_BITS)
-            greater = keys > threshold
+            greater = _order_keys(x, allowed, KEY, KEY_BITS) > threshold
             above += tl.sum(greater.to(tl.int32), 0)
-            above_sum += tl.sum(tl.where(greater, tl.exp(x * scale - top), 0.0), 0)
-            tie_score = tl.maximum(tie_score, tl.max(tl.where(allowed & (keys == threshold), x, float("-inf")), 0))
+            above_sum += tl.sum(tl.where(greater, tl.exp(scaled(x - shift, scale)), 0.0), 0)
         tie_slots = keep - above
-        tie_score = tl.where(_is_nan_key(threshold, KEY_BITS), float("nan"), tie_score)
-        total = above_sum + tie_slots.to(COMPUTE) * tl.exp(tie_score * scale - top)
+        total = above_sum + tie_slots.to(COMPUTE) * tl.exp(scaled(kth - shift, scale))
+        total = tl.where(total > 0, total, 1.0)
         ties_before = tl.zeros((), tl.int32)
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, MASK_KIND, CAUSAL, LENGTHS, COMPUTE)
+            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
             x, allowed = keep_posinf(x, allowed, posinf_row)
             keys = _order_keys(x, allowed, KEY, KEY_BITS)
             ties = allowed & (keys == threshold)
             rank = ties_before + tl.cumsum(ties.to(tl.int32), 0)
             kept = allowed & ((keys > threshold) | (ties & (rank <= tie_slots)))
-            y = tl.where(kept, tl.exp(x * scale - top) / total, 0.0)
-            tl.store(OUT + row * out_row_stride + cols, y.to(OUT.dtype.element_ty), mask=cols < length)
+            y = tl.where(kept, tl.exp(scaled(x - shift, scale)) / total, 0.0)
+            store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
             ties_before += tl.sum(ties.to(tl.int32), 0)
-    tl.store(GRAD_SCALE + row, tl.where(posinf_row, 0.0, scale))
+    tl.store(MULTIPLIER + row, tl.where(posinf_row, 0.0, scale))
 
 
-class TopKSoftmaxFunction(Function):
-    """Top-k softmax over the last axis; ``k`` an int >= 1 or a float fraction in (0, 1)."""
+def topk_forward(
+    x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    """Softmax of ``x / temperature`` over the kept positions of each row, exact zeros elsewhere.
 
-    @staticmethod
-    def forward(ctx, x: Tensor, mask, k: int | float, temperature: float | Tensor) -> Tensor:
-        run = launch.prepare(x)
-        grad_scale = run.row_stats()
-        masking = launch.mask_args(mask, x)
-        wide = x.dtype == torch.float64
-        k_value = torch.full((1,), float(k), dtype=torch.float64, device=x.device)
-        _topk_forward_kernel[run.grid](
-            run.rows, run.out, grad_scale, k_value, launch.row_param(temperature, x), masking.args,
-            run.length, run.rows.stride(0), run.out.stride(0),
-            BLOCK=run.config.block, SINGLE=run.config.single, IS_FRACTION=isinstance(k, float),
-            COMPUTE=launch.compute_dtype(x), KEY=tl.int64 if wide else tl.int32, KEY_BITS=64 if wide else 32,
-            num_warps=run.config.num_warps, **masking.constants,
-        )
-        out = run.out.reshape(x.shape)
-        ctx.save_for_backward(out, grad_scale)
-        ctx.temperature = launch.ParamSpec.of(temperature)
-        return out
+    Args:
+        x: scores ``(..., L)``, float16/bfloat16/float32/float64.
+        mask: which positions each row may use.
+        k: positions to keep, ``min(k, n)`` of the ``n`` allowed ones; with ``is_fraction``
+            (``0 < k < 1``) ``max(1, ceil(k n - 1e-9))``.  Ties at the k-th value: the
+            lowest index wins.
+        is_fraction: read ``k`` as a fraction.
+        temperature: python number or tensor ``(..., 1)`` broadcastable to ``x``.
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        dx, d_temperature = temperature_backward(ctx, grad, ctx.needs_input_grad[3])
-        return dx, None, None, d_temperature
+    Returns:
+        ``(y, multiplier)``: weights like ``x``; ``1 / temperature`` per row ``x.shape[:-1]``,
+        0 in rows holding +inf.
+    """
+    run = launch.prepare(x)
+    multiplier = run.row_stats()
+    masking = launch.mask_args(mask, x)
+    wide = x.dtype == torch.float64
+    k_value = torch.full((1,), float(k), dtype=torch.float64, device=x.device)
+    launch.run(
+        _topk_forward_kernel, run,
+        run.rows, run.out, multiplier, k_value, *launch.row_param(temperature, x), *masking.args,
+        run.length, run.rows.stride(0), run.out.stride(0),
+        BLOCK=run.config.block, SINGLE=run.config.single, IS_FRACTION=bool(is_fraction),
+        COMPUTE=launch.compute_dtype(x), KEY=tl.int64 if wide else tl.int32, KEY_BITS=64 if wide else 32,
+        **masking.constants,
+    )
+    return run.out.reshape(x.shape), multiplier.reshape(x.shape[:-1])
