@@ -164,7 +164,9 @@ def self_adjusted_vjp_from(
     ``span = 0``.
     """
     if not normalized:
-        out = weights * (grad * (1 + scores) - (grad * scores * weights).sum(-1, keepdim=True))
+        # Where the weight underflows to 0 the bracket may overflow: 0, not 0 * inf.
+        bracket = grad * (1 + scores) - (grad * scores * weights).sum(-1, keepdim=True)
+        out = torch.where(weights > 0, weights * bracket, 0.0)
         return torch.where(active, gate * out, 0.0)
     phi, span, scale = normalized_factor(scores, low, high)
     gw = grad * weights

@@ -11,6 +11,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.autograd import Function
 
 from attnorm.kernels import rules
 from attnorm.kernels.reference.rows import Rows, as_param, finish, masked_softmax, row_extremes, rows_of, shifted_scaled
@@ -162,9 +163,17 @@ def self_adjusted_softmax(x: Tensor, mask: rules.RowMask = rules.NO_MASK, normal
         mask: which positions each row may use.
         normalized: use the normalized factor.
 
+    Its gradient is the closed form of :func:`attnorm.kernels.reference.jacobians.self_adjusted_vjp`,
+    in which the paths through ``low`` and ``high`` cancel before dividing by the span (autograd of
+    the forward would divide by ``span**2``, which underflows for denormal scores).
+
     Returns:
         Weights shaped like ``x`` (plain: possibly negative, not summing to 1).
     """
+    return _SelfAdjustedSoftmax.apply(x, *mask, normalized)
+
+
+def _self_adjusted_values(x: Tensor, mask: rules.RowMask, normalized: bool) -> Tensor:
     rows = rows_of(x, mask)
     weights, low, high = self_adjusted_parts(rows)
     if normalized:
@@ -174,6 +183,27 @@ def self_adjusted_softmax(x: Tensor, mask: rules.RowMask = rules.NO_MASK, normal
         factor = rows.scores
         limit = torch.where(rows.active, math.inf, 0.0).to(x.dtype)
     return finish(torch.where(rows.posinf_row, limit, factor * weights), rows)
+
+
+class _SelfAdjustedSoftmax(Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, mask, diagonal, key_lengths, normalized):
+        return _self_adjusted_values(x, rules.RowMask(mask, diagonal, key_lengths), normalized)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, mask, ctx.diagonal, key_lengths, ctx.normalized = inputs
+        ctx.save_for_backward(x, mask, key_lengths)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from attnorm.kernels.reference.jacobians import self_adjusted_vjp  # jacobians builds on this module
+
+        x, mask, key_lengths = ctx.saved_tensors
+        dx = self_adjusted_vjp(x, rules.RowMask(mask, ctx.diagonal, key_lengths), grad, ctx.normalized)
+        return dx, None, None, None, None
 
 
 def self_adjusted_stats(rows: Rows, low: Tensor, high: Tensor) -> Tensor:

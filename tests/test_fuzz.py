@@ -1,0 +1,107 @@
+"""Fuzzing every normalizer on every backend: random shapes, dims, dtypes, masks and magnitudes.
+
+Scores run from denormals to the dtype's largest finite value, with ±inf and fully
+masked rows.  Each output must obey the normalizer's own invariants (read from its
+``sums_to_one`` / ``nonnegative`` flags), be finite wherever the rules say so, match
+the float64 reference backend (itself checked against independent references in
+``tests/kernels/test_reference.py``) within the tolerances README states, and have
+finite gradients.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from normalizers.references import CASES
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ["reference", *(["native"] if DEVICE == "cpu" else [])]
+BACKENDS += ["triton"] if importlib.util.find_spec("triton") else []
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# Weights are in [0, 1]: an absolute tolerance per dtype of the output (README, "Accuracy").
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@st.composite
+def problems(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    info = torch.finfo(dtype)
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
+    magnitude = draw(st.sampled_from([1.0, 30.0, 1e4, info.max / 4, info.max, info.tiny, info.tiny * 1e-3]))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    x = torch.randn(shape, generator=generator, dtype=torch.float64).clamp(-4, 4) / 4 * magnitude
+    specials = torch.rand(shape, generator=generator)
+    x = torch.where(specials < draw(st.sampled_from([0.0, 0.1])), -math.inf, x)
+    x = torch.where(specials > 1 - draw(st.sampled_from([0.0, 0.0, 0.05])), math.inf, x)
+    x = x.clamp(-info.max, info.max).where(x.isfinite(), x).to(dtype)
+    dim = draw(st.integers(-ndim, ndim - 1))
+    mask = None
+    if draw(st.booleans()):
+        mask = torch.rand(shape, generator=generator) < 0.7
+        if mask.numel() > shape[dim]:
+            mask.movedim(dim, -1).reshape(-1, shape[dim])[0] = False  # one fully masked row
+    return x, dim, mask
+
+
+def check_invariants(module, x, out, mask, dim):
+    allowed = x.movedim(dim, -1) != -math.inf
+    if mask is not None:
+        allowed = allowed & mask.movedim(dim, -1)
+    out = out.movedim(dim, -1)
+    nan_rows = (x.movedim(dim, -1).isnan() & allowed).any(-1)
+    live = ~nan_rows
+    assert not out[live].isnan().any(), "NaN from input without NaN"
+    assert (out.masked_fill(allowed, 0) == 0).all(), "weight on a masked position"
+    has_posinf = ((x.movedim(dim, -1) == math.inf) & allowed).any(-1)
+    finite_rows = live & (~has_posinf | torch.tensor(module.nonnegative))
+    assert out[finite_rows].isfinite().all(), "inf from finite rows"
+    if module.nonnegative:
+        assert (out[live] >= 0).all()
+    sums = out.double().sum(-1)
+    any_allowed = allowed.any(-1)
+    if module.sums_to_one:
+        tolerance = 2 * TOLERANCE[out.dtype] * max(out.shape[-1], 1) ** 0.5 + 1e-6
+        torch.testing.assert_close(sums[live & any_allowed], torch.ones_like(sums[live & any_allowed]),
+                                   atol=tolerance, rtol=0)
+    assert (out[live & ~any_allowed] == 0).all(), "a fully masked row is not zero"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=repr)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(problem=problems())
+def test_fuzz_invariants_and_reference(case, backend, problem):
+    x, dim, mask = problem
+    module = case.build(dim=dim, backend=backend)
+    x, mask = x.to(DEVICE), None if mask is None else mask.to(DEVICE)
+    out = module(x, mask)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    check_invariants(module, x.cpu(), out.cpu(), None if mask is None else mask.cpu(), dim)
+    expected = case.build(dim=dim, backend="reference")(x.double(), mask)
+    live = ~expected.isnan()
+    torch.testing.assert_close(out.double()[live], expected[live], atol=TOLERANCE[x.dtype], rtol=TOLERANCE[x.dtype])
+    if x.dtype in (torch.float32, torch.float64):
+        leaf = x.clone().requires_grad_(True)
+        grad = torch.autograd.grad(module(leaf, mask), leaf, torch.ones_like(x).cumsum(dim) / x.numel())[0]
+        finite_in = x.isfinite() | (x == -math.inf)
+        rows_ok = finite_in.all(dim, keepdim=True).expand_as(x)
+        assert grad[rows_ok].isfinite().all(), "non-finite gradient from finite scores"
+
+
+def test_eight_threads_give_bit_identical_results():
+    from concurrent.futures import ThreadPoolExecutor
+
+    x = torch.randn(64, 300, generator=torch.Generator().manual_seed(0))
+    modules = [case.build() for case in CASES]
+    expected = [module(x) for module in modules]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: [module(x) for module in modules], range(8)))
+    for result in results:
+        for got, want in zip(result, expected, strict=True):
+            assert torch.equal(got, want)
