@@ -139,7 +139,9 @@ def normalize(
         name: broadcast_param(name, value, x, dim).to(param_dtype) if isinstance(value, Tensor) else value
         for name, value in params.items()
     }
-    out = getattr(autograd, op)(x.movedim(dim, -1), row_mask, **row_params, backend=backend).movedim(-1, dim)
+    last = dim == x.ndim - 1  # the common case: no moves
+    out = getattr(autograd, op)(x if last else x.movedim(dim, -1), row_mask, **row_params, backend=backend)
+    out = out if last else out.movedim(-1, dim)
     return out.reshape(()) if squeeze else out
 
 
