@@ -1,332 +1,323 @@
-"""Native CPU row kernels (``csrc/rows.c``), compiled at first use and called with ctypes.
+"""The native backend: the seven functions of the kernel contract (``kernels/README.md``) in C.
 
-The fast CPU path (:mod:`attnorm.kernels.cpu`) runs these when they are
-available: one pass per row in C with OpenMP across rows, where the torch-only
-path needs a dozen tensor operations (see ``csrc/rows.c`` for the algorithms).
+Each function validates what it hands to C (CPU float32/float64 tensors, shapes,
+rows shorter than 2^31), applies the mask in torch (:func:`attnorm.kernels.rules.masked_scores`:
+forbidden positions become -inf) and runs one kernel of ``csrc/rows.c`` over all
+rows, which applies every other row rule itself (fully masked rows, +inf, NaN, no
+overflow).  Loading and building live in :mod:`attnorm.kernels.cpu.build`;
+``build.usable()`` says whether these functions can run.
 
-One-time cost: the first call on a machine compiles ``rows.c`` with the system C
-compiler (``$CC``, else ``cc``) into a cache directory (about a second; no torch
-headers, no ninja).  Later processes load the cached library in milliseconds.
-:func:`build_info` says what happened.  Without a compiler, or when the build
-fails (a warning says why), attnorm uses the torch-only path, which needs no
-build: results agree to rounding either way.
-
-Environment:
-
-* ``ATTNORM_NATIVE=0`` turns the native kernels off (:func:`disabled` does it for
-  a block of code);
-* ``ATTNORM_CACHE_DIR`` chooses the cache directory (default
-  ``$XDG_CACHE_HOME/attnorm``, else ``~/.cache/attnorm``, else, when that is not
-  writable, ``attnorm-$USER`` in the temporary directory);
-* ``CC`` chooses the compiler.
+Per-row parameters are python numbers or tensors ``(..., 1)`` broadcastable to ``x``
+(per-row inputs of the backward passes may also have the per-row shape
+``x.shape[:-1]``); per-row outputs have shape ``x.shape[:-1]`` and dtype
+:func:`attnorm.kernels.rules.accumulation_dtype`.  The functions are plain (no
+autograd): :mod:`attnorm.kernels.ops` wraps them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-import time
-import warnings
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from attnorm.kernels import rules
+from attnorm.kernels.cpu import build
+
 __all__ = [
-    "build_info",
-    "disabled",
     "entmax_backward",
-    "entmax_backward_with_alpha",
     "entmax_forward",
-    "library",
     "self_adjusted_backward",
     "self_adjusted_forward",
     "softmax_backward",
     "softmax_forward",
     "topk_forward",
-    "usable",
 ]
 
-SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("rows.c", "rows_impl.h")
-FLAGS = (
-    "-O3",
-    "-fPIC",
-    "-shared",
-    "-std=gnu11",
-    # Lets sqrt vectorise; no -ffast-math, which would drop the inf and NaN rules.
-    "-fno-math-errno",
-    "-fno-trapping-math",
-)
-# This machine's vector instructions (the build is cached per CPU kind).
-ARCH_FLAGS = ("-march=native", *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()))
-PARALLEL_FLAGS = ("-fopenmp",)
-# Tried in turn: a compiler without OpenMP (e.g. Apple clang) builds one-threaded
-# kernels; one that rejects the architecture flags, portable ones.
-BUILDS = ((*ARCH_FLAGS, *PARALLEL_FLAGS), ARCH_FLAGS, ())
-
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_SIGNATURES = {
-    # x, y, rows, length, scale, scale_stride, bad, threads
-    "attnorm_softmax_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int),
-    # y, grad, grad_x, rows, length, scale, scale_stride, threads
-    "attnorm_softmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int),
-    # x, y, rows, length, normalized, stats, bad, threads
-    "attnorm_self_adjusted_forward": (_ptr, _ptr, _i64, _i64, ctypes.c_int, _ptr, _ptr, ctypes.c_int),
-    # x, grad, grad_x, rows, length, normalized, stats, threads
-    "attnorm_self_adjusted_backward": (_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_int, _ptr, ctypes.c_int),
-    "attnorm_entmax_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int),
-    # y, grad, grad_x, rows, length, alpha, alpha_stride, alpha_grad (per row, or NULL), threads
-    "attnorm_entmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int),
-    # x, y, rows, length, k, k_stride, scale, scale_stride, bad, threads
-    "attnorm_topk_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int),
-}
-
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_info: dict[str, object] = {}
-_disabled = False
+_MAX_LENGTH = 2**31 - 1  # positions are int32 in C
+_SA_STATS = 5
 
 
-def _cache_dirs() -> list[Path]:
-    """Where a build may go: the configured cache, then a per-user temporary directory."""
-    if os.environ.get("ATTNORM_CACHE_DIR"):
-        return [Path(os.environ["ATTNORM_CACHE_DIR"])]
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    user = os.environ.get("USER") or str(os.getuid() if hasattr(os, "getuid") else "user")
-    return [Path(base) / "attnorm", Path(tempfile.gettempdir()) / f"attnorm-{user}"]
+def _new(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """An output buffer the kernel fills completely (uninitialised)."""
+    return torch.empty(shape, dtype=dtype)
 
 
-def _cpu_signature() -> bytes:
-    # -march=native code must not be loaded on a machine with other instructions.
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return flags.encode()
+def _check_rows(tensor: Tensor, name: str) -> None:
+    """Raise unless ``tensor`` is a CPU float32/float64 strided tensor of rows of 1 to 2^31 - 1 positions."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        raise ValueError(f"the native kernels take dense CPU tensors, got {name} on {tensor.device} ({tensor.layout})")
+    if tensor.dtype not in build.SUFFIX:
+        raise TypeError(f"the native kernels take float32 or float64 {name}, got {tensor.dtype}")
+    if tensor.ndim == 0 or not 1 <= tensor.shape[-1] <= _MAX_LENGTH:
+        raise ValueError(f"{name} must have rows of 1 to 2^31 - 1 positions on its last axis, got shape "
+                         f"{tuple(tensor.shape)}")
 
 
-def _library_name(compiler: str) -> str:
-    digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((SOURCE_DIR / name).read_bytes())
-    digest.update(" ".join((compiler, *FLAGS, *ARCH_FLAGS, *PARALLEL_FLAGS, platform.machine())).encode())
-    digest.update(_cpu_signature())
-    return f"attnorm_rows_{digest.hexdigest()[:16]}.so"
+def _like(tensor: Tensor, reference: Tensor, name: str) -> Tensor:
+    """``tensor`` as a contiguous CPU tensor of ``reference``'s shape and dtype (a gradient or saved input)."""
+    _check_rows(tensor, name)
+    if tensor.shape != reference.shape:
+        raise ValueError(f"{name} must have shape {tuple(reference.shape)}, got {tuple(tensor.shape)}")
+    return tensor.to(reference.dtype).contiguous()
 
 
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name, then renamed: concurrent processes never load a partial file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        partial = Path(scratch) / target.name
-        errors = []
-        for extra in BUILDS:
-            command = [compiler, *FLAGS, *extra, str(SOURCE_DIR / "rows.c"), "-o", str(partial), "-lm"]
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode == 0:
-                os.replace(partial, target)
-                return
-            errors.append(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
-        raise RuntimeError("\n".join(errors))
+def _per_row(value: float | Tensor, rows: torch.Size, name: str) -> tuple[Tensor | ctypes.Array, int]:
+    """A per-row parameter as a float64 array for C and its stride (0: one value for all rows).
 
-
-def _load() -> ctypes.CDLL | None:
-    if os.environ.get("ATTNORM_NATIVE", "1") == "0":
-        _info.update(available=False, reason="disabled by ATTNORM_NATIVE=0")
-        return None
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        _info.update(available=False, reason=f"no C compiler ({compiler!r} not found); using the torch-only path")
-        return None
-    name, errors, lib = _library_name(compiler), [], None
-    for directory in _cache_dirs():
-        path = directory / name
-        started = time.perf_counter()
-        cached = path.exists()
-        try:
-            if not cached:
-                _build(compiler, path)
-            lib = ctypes.CDLL(str(path))
-            break
-        except OSError as error:  # an unwritable cache: try the next
-            errors.append(str(error))
-        except RuntimeError as error:  # the compiler failed: it would fail anywhere
-            errors.append(str(error))
-            break
-    if lib is None:
-        reason = "; ".join(errors)
-        _info.update(available=False, reason=reason)
-        warnings.warn(f"attnorm: native CPU kernels unavailable, using the torch-only path ({reason})", stacklevel=3)
-        return None
-    for function_name, argtypes in _SIGNATURES.items():
-        for suffix in _SUFFIX.values():
-            function = getattr(lib, f"{function_name}_{suffix}")
-            function.argtypes = argtypes
-            function.restype = ctypes.c_int
-    features = lib.attnorm_build_features()
-    _info.update(available=True, path=str(path), cached=cached, seconds=time.perf_counter() - started,
-                 openmp=bool(features & 1), avx512=bool(features & 2), avx2=bool(features & 4))
-    return lib
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library (built on first call), or None when unavailable."""
-    global _library
-    if not _info:
-        with _lock:
-            if not _info:
-                _library = _load()
-    return _library
-
-
-def build_info() -> dict[str, object]:
-    """What loading the native kernels did.
-
-    Returns:
-        ``{"available": bool, ...}`` with ``path``, ``cached`` (True when an earlier
-        build was reused), ``seconds`` (time to build or load) and what the build
-        uses (``openmp``: threads across rows; ``avx512``, ``avx2``: vector
-        instructions) when available, or ``reason`` when not.
+    ``value`` is a number, a column ``(..., 1)`` broadcastable to the scores, or a
+    per-row tensor broadcastable to ``rows`` (the scores' shape without its last axis).
     """
-    library()
-    return dict(_info)
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Inside the block, the CPU path runs torch ops only (to compare or to debug)."""
-    global _disabled
-    previous, _disabled = _disabled, True
+    if not isinstance(value, Tensor):
+        return (ctypes.c_double * 1)(float(value)), 0
+    if value.device.type != "cpu":
+        raise ValueError(f"the native kernels take CPU tensors, got {name} on {value.device}")
+    column = value.ndim == len(rows) + 1 and value.shape[-1] == 1
     try:
-        yield
-    finally:
-        _disabled = previous
+        expanded = value.squeeze(-1).expand(rows) if column else value.expand(rows)
+    except RuntimeError as error:
+        raise ValueError(f"{name} of shape {tuple(value.shape)} does not broadcast to rows {tuple(rows)}") from error
+    return expanded.detach().to(torch.float64).contiguous(), 1
 
 
-def _plain(tensor: Tensor) -> bool:
-    return (
-        tensor.device.type == "cpu"
-        and tensor.dtype in _SUFFIX
-        and tensor.layout == torch.strided
-        and 0 < tensor.shape[-1] < 2**31
-        and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)  # torch.func.vmap and friends
-        and not torch._C._functorch.is_legacy_batchedtensor(tensor)  # jacobian(..., vectorize=True)
-    )
+def _address(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
-def usable(*tensors: Tensor) -> bool:
-    """True when the native kernels can run on these tensors: plain (not under vmap)
-    float32/float64 CPU tensors with rows of 1 to 2^31 - 1 entries.  The kernels
-    themselves need contiguous tensors."""
-    return not _disabled and all(_plain(tensor) for tensor in tensors) and library() is not None
-
-
-_SCALAR = {torch.float64: ctypes.c_double, torch.int64: ctypes.c_int64}
-
-
-def _per_row(value: float | Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor | ctypes.Array, int]:
-    """A parameter as a contiguous per-row array of ``dtype`` and its stride (0: shared)."""
-    if isinstance(value, Tensor):
-        rows = x.numel() // x.shape[-1]
-        return value.detach().expand(*x.shape[:-1], 1).reshape(rows).to(dtype).contiguous(), 1
-    return (_SCALAR[dtype] * 1)(value), 0  # a ctypes array: no tensor for one number
-
-
-def _address(tensor: Tensor) -> int:
-    if not tensor.is_contiguous():
-        raise ValueError("the native kernels need contiguous tensors")
-    return tensor.data_ptr()
-
-
-@functools.cache
-def _kernel(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
-    return getattr(library(), f"{name}_{_SUFFIX[dtype]}")
-
-
-def _launch(name: str, x: Tensor, *arguments: object) -> None:
-    """Call kernel ``name`` for ``x``'s dtype; tensors go as addresses, threads last."""
-    function = _kernel(name, x.dtype)
-    values = [_address(value) if isinstance(value, Tensor) else value for value in arguments]
-    if function(*values, torch.get_num_threads()) != 0:
+def _launch(name: str, rows_tensor: Tensor, *arguments: object) -> None:
+    """Call kernel ``name`` for ``rows_tensor``'s dtype; tensors go as addresses, the thread count last."""
+    values = [_address(value) if isinstance(value, Tensor) or value is None else value for value in arguments]
+    if build.kernel(name, rows_tensor.dtype)(*values, torch.get_num_threads()) != 0:
         raise MemoryError(f"attnorm native kernel {name} could not allocate its row buffers")
 
 
-def _forward(name: str, x: Tensor, out: Tensor | None, *row_arguments: object) -> tuple[Tensor, Tensor]:
-    """Run a forward kernel ``(x, out, rows, length, *row_arguments, bad)``; returns ``(out, bad)``."""
-    out = torch.empty_like(x) if out is None else out
-    bad = torch.empty(x.shape[:-1], dtype=torch.bool)  # one byte, written as 0 or 1
+def _scores(x: Tensor, mask: rules.RowMask) -> tuple[Tensor, int, int]:
+    """Checked, masked (-inf where forbidden) contiguous scores, their row count and row length."""
+    _check_rows(x, "x")
+    scores = rules.masked_scores(x, mask)
+    if scores.shape != x.shape:
+        raise ValueError(f"the mask must broadcast to x's shape {tuple(x.shape)}, got scores of {tuple(scores.shape)}")
     length = x.shape[-1]
-    _launch(name, x, x, out, x.numel() // length, length, *row_arguments, bad)
-    return out, bad
+    return scores, scores.numel() // length, length
 
 
-def _backward(name: str, saved: Tensor, grad: Tensor, *row_arguments: object) -> Tensor:
-    """Run a backward kernel ``(saved, grad, grad_x, rows, length, *row_arguments)``."""
-    grad = grad.to(saved.dtype).contiguous()
-    grad_x = torch.empty_like(saved)
-    length = saved.shape[-1]
-    _launch(name, saved, saved, grad, grad_x, saved.numel() // length, length, *row_arguments)
-    return grad_x
+def softmax_forward(
+    x: Tensor, mask: rules.RowMask, variant: int, first: float | Tensor, second: float | Tensor
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Softmax of scaled scores over the allowed positions: ``y = softmax(m x)``.
 
+    Variant 0 (temperature): ``m = 1 / first``.  Variant 1 (Scalable-Softmax,
+    Nakanishi 2025): ``m = first * log(max(n, 1)) + second`` with ``n`` the allowed
+    positions of the row (+inf and NaN positions count, -inf ones do not).  Computed
+    as ``exp(m (x - max x)) / sum`` (``m (x - min x)`` for ``m < 0``), so finite scores
+    never overflow.
 
-def softmax_forward(x: Tensor, scale: float | Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``softmax(scale * x)`` over the last axis (-inf masked); ``out`` may be ``x``.
+    Args:
+        x: scores ``(..., L)``, float32 or float64.
+        mask: which positions each row may use.
+        variant: 0 or 1.
+        first: temperature (variant 0) or ``s`` (variant 1), per row.
+        second: the bias (variant 1; ignored for variant 0), per row.
 
-    Returns ``(weights, bad)``: rows that are fully masked, hold +inf or NaN or
-    overflow are zeros, flagged in ``bad`` (bool, ``x.shape[:-1]``).
+    Returns:
+        ``(y, multiplier, log_count)``: ``multiplier`` is ``m`` per row (0 in rows
+        holding +inf), ``log_count = log(max(n, 1))`` for variant 1, None for variant 0.
+
+    Raises:
+        ValueError: ``variant`` not 0 or 1, or tensors the kernels cannot take.
     """
-    return _forward("attnorm_softmax_forward", x, out, *_per_row(scale, x, torch.float64))
+    if variant not in (0, 1):
+        raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
+    scores, rows, length = _scores(x, mask)
+    row_shape = x.shape[:-1]
+    y = _new(x.shape, x.dtype)
+    multiplier = _new(row_shape, rules.accumulation_dtype(x.dtype))
+    log_count = _new(row_shape, multiplier.dtype) if variant == 1 else None
+    _launch("attnorm_softmax_forward", x, scores, y, rows, length, variant, *_per_row(first, row_shape, "first"),
+            *_per_row(second, row_shape, "second"), multiplier, log_count)
+    return y, multiplier, log_count
 
 
-def softmax_backward(out: Tensor, grad: Tensor, scale: float | Tensor) -> Tensor:
-    """``scale * J^T grad`` of softmax, from its output."""
-    return _backward("attnorm_softmax_backward", out, grad, *_per_row(scale, out, torch.float64))
+def softmax_backward(
+    y: Tensor, grad: Tensor, multiplier: float | Tensor, x: Tensor | None, param_grad: int
+) -> tuple[Tensor, Tensor | None]:
+    """Vector-Jacobian product of ``y = softmax(m x)``: ``dx = m y (g - sum(y g))``.
+
+    Shared by softmax, Scalable-Softmax and top-k.  With ``dz = y (g - sum(y g))`` summed
+    where ``y > 0``: ``param_grad`` 1 also returns ``-m sum(dz log y)`` (the gradient of
+    a per-row temperature), 2 returns ``sum(dz x)`` over finite ``x`` (the gradient of
+    ``m``; 0 in rows holding +inf).
+
+    Args:
+        y: the forward's weights ``(..., L)``.
+        grad: incoming gradient, shaped like ``y``.
+        multiplier: ``m`` per row (the forward's ``multiplier``).
+        x: the forward's (masked) scores, needed for ``param_grad`` 2.
+        param_grad: 0, 1 or 2.
+
+    Returns:
+        ``(dx, per_row)``, ``per_row`` None for ``param_grad`` 0.
+
+    Raises:
+        ValueError: ``param_grad`` not 0, 1 or 2, 2 without ``x``, or mismatched tensors.
+    """
+    if param_grad not in (0, 1, 2) or (param_grad == 2 and x is None):
+        given = "with x" if x is not None else "without x"
+        raise ValueError(f"param_grad must be 0, 1 or 2 (2 needs x), got {param_grad} {given}")
+    _check_rows(y, "y")
+    y = y.contiguous()
+    grad = _like(grad, y, "grad")
+    scores = _like(x, y, "x") if param_grad == 2 else None
+    rows, length = y.numel() // y.shape[-1], y.shape[-1]
+    dx = _new(y.shape, y.dtype)
+    per_row = _new(y.shape[:-1], rules.accumulation_dtype(y.dtype)) if param_grad else None
+    _launch("attnorm_softmax_backward", y, y, grad, scores, dx, rows, length,
+            *_per_row(multiplier, y.shape[:-1], "multiplier"), param_grad, per_row)
+    return dx, per_row
 
 
-def self_adjusted_forward(x: Tensor, normalized: bool, out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """SA-Softmax over the last axis; as :func:`softmax_forward`, plus the per-row
-    statistics its backward needs (float64 ``(rows, 5)``: max, log-sum-exp below the
-    max, low, high, and a gate that is 0 in flagged rows)."""
-    stats = torch.empty(x.numel() // x.shape[-1], 5, dtype=torch.float64)
-    return (*_forward("attnorm_self_adjusted_forward", x, out, int(normalized), stats), stats)
+def topk_forward(
+    x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    """Softmax of ``x / temperature`` over the kept positions, exactly 0 elsewhere.
+
+    Kept: the ``min(k, n)`` largest allowed scores, or ``max(1, ceil(k n - 1e-9))`` for a
+    fraction ``0 < k < 1`` (``n`` the allowed positions); ties at the k-th value keep the
+    lowest index.  A row holding +inf is uniform over its first kept +inf positions.
+
+    Args:
+        x: scores ``(..., L)``, float32 or float64.
+        mask: which positions each row may use.
+        k: positions to keep, or the fraction of the allowed ones.
+        is_fraction: read ``k`` as a fraction.
+        temperature: per row.
+
+    Returns:
+        ``(y, multiplier)``, ``multiplier = 1 / temperature`` per row (0 in rows holding +inf).
+    """
+    scores, rows, length = _scores(x, mask)
+    row_shape = x.shape[:-1]
+    y = _new(x.shape, x.dtype)
+    multiplier = _new(row_shape, rules.accumulation_dtype(x.dtype))
+    _launch("attnorm_topk_forward", x, scores, y, rows, length, float(k), int(bool(is_fraction)),
+            *_per_row(temperature, row_shape, "temperature"), multiplier)
+    return y, multiplier
 
 
-def self_adjusted_backward(x: Tensor, grad: Tensor, normalized: bool, stats: Tensor) -> Tensor:
-    """``J^T grad`` of SA-Softmax, from its input and :func:`self_adjusted_forward`'s statistics."""
-    return _backward("attnorm_self_adjusted_backward", x, grad, int(normalized), stats)
+def entmax_forward(x: Tensor, mask: rules.RowMask, alpha: float | Tensor) -> tuple[Tensor, Tensor]:
+    """alpha-entmax (Peters, Niculae & Martins, 2019) for any ``alpha >= 1`` per row.
+
+    ``y = [(alpha - 1) x - tau]_+^(1 / (alpha - 1))`` with ``tau`` such that each row sums
+    to 1: the solution of ``argmax_{p in simplex} p.x + H_alpha(p)`` (Tsallis entropy).
+    alpha = 1 is softmax, 2 sparsemax (exact), 1.5 exact by its closed form; other
+    alpha by a safeguarded Halley iteration, refined in double where it is ill
+    conditioned (alpha > 2, and alpha < 1.25 for float32).
+
+    Args:
+        x: scores ``(..., L)``, float32 or float64.
+        mask: which positions each row may use.
+        alpha: per row, ``>= 1`` (a NaN row otherwise).
+
+    Returns:
+        ``(y, gate)``, ``gate`` 1 per row, 0 in rows holding +inf.
+
+    Raises:
+        ValueError: a python ``alpha`` below 1.
+    """
+    if not isinstance(alpha, Tensor) and not alpha >= 1:
+        raise ValueError(f"alpha must be >= 1, got {alpha}")
+    scores, rows, length = _scores(x, mask)
+    row_shape = x.shape[:-1]
+    y = _new(x.shape, x.dtype)
+    gate = _new(row_shape, rules.accumulation_dtype(x.dtype))
+    _launch("attnorm_entmax_forward", x, scores, y, rows, length, *_per_row(alpha, row_shape, "alpha"), gate)
+    return y, gate
 
 
-def entmax_forward(x: Tensor, alpha: float | Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """alpha-entmax (alpha >= 1.05; 2 is sparsemax) over the last axis; as :func:`softmax_forward`."""
-    return _forward("attnorm_entmax_forward", x, out, *_per_row(alpha, x, torch.float64))
+def entmax_backward(
+    y: Tensor, grad: Tensor, gate: float | Tensor, alpha: float | Tensor, alpha_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Vector-Jacobian product of alpha-entmax from its output.
+
+    ``dx = gate (s g - s sum(s g) / sum(s))`` with ``s = y^(2 - alpha)`` on the support
+    (``y`` itself for alpha = 1); with ``alpha_grad``, per row
+    ``d alpha = gate beta (sum(g S) - sum(S) / sum(s) sum(g s))``, ``beta = 1 / (alpha - 1)``,
+    ``S = y (beta - log y)`` on the support (0 for alpha = 1 rows).
+
+    Args:
+        y: the forward's weights ``(..., L)``.
+        grad: incoming gradient, shaped like ``y``.
+        gate: the forward's gate, per row.
+        alpha: per row.
+        alpha_grad: also return alpha's gradient per row.
+
+    Returns:
+        ``(dx, per_row)``, ``per_row`` None without ``alpha_grad``.
+    """
+    _check_rows(y, "y")
+    y = y.contiguous()
+    grad = _like(grad, y, "grad")
+    rows, length = y.numel() // y.shape[-1], y.shape[-1]
+    dx = _new(y.shape, y.dtype)
+    per_row = _new(y.shape[:-1], rules.accumulation_dtype(y.dtype)) if alpha_grad else None
+    _launch("attnorm_entmax_backward", y, y, grad, dx, rows, length, *_per_row(gate, y.shape[:-1], "gate"),
+            *_per_row(alpha, y.shape[:-1], "alpha"), per_row)
+    return dx, per_row
 
 
-def entmax_backward(out: Tensor, grad: Tensor, alpha: float | Tensor) -> Tensor:
-    """``J^T grad`` of alpha-entmax, from its output."""
-    return _backward("attnorm_entmax_backward", out, grad, *_per_row(alpha, out, torch.float64), None)
+def self_adjusted_forward(x: Tensor, mask: rules.RowMask, normalized: bool) -> tuple[Tensor, Tensor]:
+    """SA-Softmax (Zheng et al., 2025): ``y = phi(x) softmax(x)`` over the allowed positions.
+
+    ``phi(x) = x`` (plain) or ``(x - low) / (high - low)`` with ``low = min(min x, 0)``,
+    ``high = max(max x, 0)`` over the allowed finite scores (normalized; ``phi = 0`` when
+    ``high = low``; the span is halved when it overflows and divided by, so denormal
+    spans stay finite).  A row holding +inf has weights uniform over its +inf positions
+    (normalized) or +inf there (plain).
+
+    Args:
+        x: scores ``(..., L)``, float32 or float64.
+        mask: which positions each row may use.
+        normalized: use the normalized factor.
+
+    Returns:
+        ``(y, stats)``, ``stats`` of shape ``x.shape[:-1] + (5,)``: ``(c0, c1, low, high, gate)``
+        with softmax weights ``w = exp((x - c0) - c1)``; ``gate`` 0 in rows holding +inf or
+        fully masked (NaN rows: NaN statistics, gate 1).
+    """
+    scores, rows, length = _scores(x, mask)
+    y = _new(x.shape, x.dtype)
+    stats = _new((*x.shape[:-1], _SA_STATS), rules.accumulation_dtype(x.dtype))
+    _launch("attnorm_self_adjusted_forward", x, scores, y, rows, length, int(bool(normalized)), stats)
+    return y, stats
 
 
-def entmax_backward_with_alpha(out: Tensor, grad: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
-    """``J^T grad`` of alpha-entmax and, per row (float64, ``out.shape[:-1]``), the
-    derivative of ``sum(grad * out)`` with respect to that row's alpha."""
-    alpha_grad = torch.empty(out.shape[:-1], dtype=torch.float64)
-    grad_x = _backward("attnorm_entmax_backward", out, grad, *_per_row(alpha, out, torch.float64), alpha_grad)
-    return grad_x, alpha_grad
+def self_adjusted_backward(x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool) -> Tensor:
+    """Vector-Jacobian product of SA-Softmax, recomputing ``w = exp((x - c0) - c1)`` from ``x`` and ``stats``.
 
+    With ``P = sum(g phi w)``, ``Q = sum(g w)``: ``dx = w (g phi - P) + g w phi'`` with
+    ``phi' = 1`` (plain) or ``1 / (high - low)``, plus ``(P - Q) / (high - low)`` shared by
+    the positions at ``low`` (when ``low < 0``) and ``-P / (high - low)`` by those at
+    ``high`` (when ``high > 0``).  0 in rows with gate 0, NaN in rows holding NaN.
 
-def topk_forward(x: Tensor, k: int | Tensor, scale: float | Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Softmax of ``scale * x`` over the ``k`` largest finite scores per row (``k`` an int
-    or a per-row integer tensor), ties kept in index order; as :func:`softmax_forward`."""
-    counts = _per_row(k, x, torch.int64)
-    return _forward("attnorm_topk_forward", x, out, *counts, *_per_row(scale, x, torch.float64))
+    Args:
+        x: the forward's scores ``(..., L)``.
+        mask: the forward's mask.
+        grad: incoming gradient, shaped like ``x``.
+        stats: the forward's statistics ``x.shape[:-1] + (5,)``.
+        normalized: the forward's ``normalized``.
+
+    Returns:
+        ``dx`` shaped like ``x``.
+    """
+    scores, rows, length = _scores(x, mask)
+    grad = _like(grad, x, "grad")
+    expected = (*x.shape[:-1], _SA_STATS)
+    if not isinstance(stats, Tensor) or tuple(stats.shape) != expected or stats.device.type != "cpu":
+        shape = tuple(stats.shape) if isinstance(stats, Tensor) else type(stats).__name__
+        raise ValueError(f"stats must be a CPU tensor of shape {expected}, got {shape}")
+    stats = stats.to(rules.accumulation_dtype(x.dtype)).contiguous()
+    dx = _new(x.shape, x.dtype)
+    _launch("attnorm_self_adjusted_backward", x, scores, grad, dx, rows, length, int(bool(normalized)), stats)
+    return dx

@@ -1,17 +1,24 @@
 /*
- * attnorm's native CPU row kernels: softmax of scaled rows, alpha-entmax (sparsemax
- * at alpha = 2) and top-k softmax, forward and backward, over contiguous rows.
+ * attnorm's native CPU row kernels: softmax of scaled rows (temperature and
+ * Scalable-Softmax), alpha-entmax for any alpha >= 1 (sparsemax at alpha = 2), top-k
+ * softmax and SA-Softmax, forward and backward, over contiguous rows.
  *
- * Built at first use by attnorm/kernels/native.py (plain C99 + OpenMP, no torch
- * headers, about a second of gcc) and called through ctypes with raw pointers.
- * Rows are split across threads; each row is read from memory once and written
- * once, everything else happens in cache (a row of 32768 floats is 128 KiB).
+ * Built at first use by attnorm/kernels/cpu/build.py (plain C99 + OpenMP, no torch
+ * headers, about a second of gcc) and called through ctypes with raw pointers by
+ * attnorm/kernels/cpu/native.py, which implements the backend contract of
+ * attnorm/kernels/README.md.  Rows are split across threads; each row is read from
+ * memory once and written once, everything else happens in cache (a row of 32768
+ * floats is 128 KiB).
  *
- * Shared rules (see attnorm/kernels/reference.py): -inf scores are masked.  A row
- * that is fully masked, holds +inf or NaN, or whose scaled scores overflow is
- * written as zeros and flagged in `bad`; the caller recomputes it with the torch
- * reference.  Parameters come per row as double arrays with a stride of 0 (one
- * value for all rows) or 1.
+ * The kernels apply every row rule themselves (attnorm/kernels/rules.py); masked
+ * positions arrive as -inf:
+ *   - a row with no allowed (non -inf) score gives zeros;
+ *   - a row holding +inf is uniform over its +inf positions (top-k: the first k);
+ *   - a NaN score makes the whole row NaN;
+ *   - finite scores never overflow: scaled scores are shifted first, m (x - max x)
+ *     for m >= 0 and m (x - min x) for m < 0.
+ * Per-row parameters come as double arrays with a stride of 0 (one value for all
+ * rows) or 1; per-row outputs are written in the row type (float rows: float).
  *
  * The element-wise exp/log below are plain C that gcc vectorises (glibc's are not
  * vectorised without -ffast-math, which would also break the inf/NaN rules).
@@ -175,43 +182,134 @@ int attnorm_build_features(void) {
     return features;
 }
 
-/* alpha-entmax's three kernels: closed forms for alpha = 2 and 1.5, pow otherwise. */
-enum { SPARSEMAX = 0, ENTMAX15 = 1, GENERAL = 2 };
+/* alpha-entmax's kernels: softmax at alpha = 1, closed forms for alpha = 2 and 1.5, pow otherwise. */
+enum { SPARSEMAX = 0, ENTMAX15 = 1, GENERAL = 2, SOFTMAX = 3 };
 
-static int entmax_kind(double alpha) { return alpha == 2.0 ? SPARSEMAX : (alpha == 1.5 ? ENTMAX15 : GENERAL); }
+static int entmax_kind(double alpha) {
+    return alpha == 2.0 ? SPARSEMAX : (alpha == 1.5 ? ENTMAX15 : (alpha == 1.0 ? SOFTMAX : GENERAL));
+}
+
+/* What a row holds, as the shared rules see it (special_row). */
+enum { ROW_FINITE = 0, ROW_NAN = 1, ROW_EMPTY = 2, ROW_POSINF = 3 };
 
 #define PAD 16               /* candidate arrays are padded to whole 64-byte vectors */
-#define SA_STATS 5            /* per-row numbers SA-Softmax's forward keeps for its backward */
-#define MAX_GROUPS 256      /* position groups whose maxima bound entmax's threshold */
+#define SA_STATS 5           /* per-row numbers SA-Softmax's forward keeps for its backward */
+#define MAX_GROUPS 256       /* position groups whose maxima bound entmax's threshold */
 #define MAX_TOPK_GROUPS 4096 /* ... and top-k's k-th largest score (for k <= 2048) */
+#define MAX_SUPPORT_STEPS 64 /* moves of entmax_anchored's support boundary (1 or 2 in practice) */
+
+/*
+ * alpha-entmax (alpha > 2) weights of the candidate scores v[0..count) (doubles, any
+ * order), overwriting v; they sum to 1.  At large alpha the weights of the smallest
+ * support scores are y_j = (t_j - tau)^(1 / (alpha - 1)) of differences far below
+ * the rounding of t_j and tau (alpha = 10, y = 0.02: t_j - tau = 5e-16), so they
+ * are computed relative to the smallest support score r instead, where every
+ * quantity is a sum of non-negative terms:
+ *     y_j = (c_j + y_r^(alpha - 1))^(1 / (alpha - 1)),  c_j = (alpha - 1)(v_j - v_r) >= 0.
+ * r is the smallest score whose mass test passes, sum_{v_j > v_r} c_j^(1/(alpha-1)) < 1
+ * (decreasing in v_r), found by stepping from `start` (an estimate from the fast
+ * threshold); then y_r solves g(y) = m y + sum_{c_j > 0} (c_j + y^(alpha-1))^(1/(alpha-1)) = 1
+ * (m scores tied at v_r) by Newton's method safeguarded by bisection on [0, 1/m];
+ * 1 <= g' <= count keeps it well conditioned.  Passes over the candidates: two per
+ * boundary step and one per Newton step (typically 2 + 6), each with one pow per
+ * candidate above r.
+ */
+static void entmax_anchored(double* v, int64_t count, double alpha, double start) {
+    const double a = alpha - 1, p = 1 / a;
+    double r = start, largest = -INFINITY;
+    for (int64_t j = 0; j < count; j++) largest = v[j] > largest ? v[j] : largest;
+    if (!(r <= largest)) r = largest;
+    for (int step = 0; step < 2 * MAX_SUPPORT_STEPS; step++) {
+        /* mass above r, and the neighbouring candidate scores below and above it */
+        double mass = 0, below = -INFINITY, above = INFINITY;
+        for (int64_t j = 0; j < count; j++) {
+            double vj = v[j];
+            if (vj > r) {
+                mass += pow(a * (vj - r), p);
+                above = vj < above ? vj : above;
+            } else if (vj < r) {
+                below = vj > below ? vj : below;
+            }
+        }
+        if (mass >= 1) { /* r is outside the support: move up (r = largest has mass 0) */
+            r = above;
+            continue;
+        }
+        if (below == -INFINITY || step >= MAX_SUPPORT_STEPS) break;
+        double below_mass = 0; /* does the next smaller score pass too? */
+        for (int64_t j = 0; j < count; j++) below_mass += v[j] > below ? pow(a * (v[j] - below), p) : 0;
+        if (below_mass >= 1) break;
+        r = below;
+    }
+    double tied = 0;
+    for (int64_t j = 0; j < count; j++) tied += v[j] == r;
+    double low = 0, high = 1 / tied, y = high;
+    for (int iteration = 0; iteration < 200; iteration++) {
+        const double lifted = pow(y, a);
+        double g = tied * y - 1, slope_sum = 0;
+        for (int64_t j = 0; j < count; j++) {
+            if (v[j] > r) {
+                double base = a * (v[j] - r) + lifted;
+                double w = pow(base, p);
+                g += w;
+                slope_sum += w / base;
+            }
+        }
+        if (g >= 0) high = y;
+        else low = y;
+        if (fabs(g) <= 4 * DBL_EPSILON) break;
+        double next = y - g / (tied + pow(y, a - 1) * slope_sum);
+        if (!(next > low && next < high)) next = 0.5 * (low + high);
+        if (next == y || high - low <= DBL_EPSILON * high) break;
+        y = next;
+    }
+    const double lifted = pow(y, a);
+    double total = 0;
+    for (int64_t j = 0; j < count; j++) {
+        double w = v[j] > r ? pow(a * (v[j] - r) + lifted, p) : (v[j] == r ? y : 0);
+        v[j] = w;
+        total += w;
+    }
+    for (int64_t j = 0; j < count; j++) v[j] /= total;
+}
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 
-#define REAL float
-#define KEY uint32_t
-#define SUFFIX f32
-#define EXP exp_f32
-#define POW pow_f32
-#define EPS FLT_EPSILON
-#define SQRT_EPS 3.4526698e-4 /* sqrt(FLT_EPSILON) */
-#define NEXT_BELOW(v) nextafterf(v, -INFINITY)
+/* double first: the float kernels call its entmax threshold for alpha close to 1. */
+#define REAL double
+#define KEY uint64_t
+#define SUFFIX f64
+#define EXP exp_f64
+#define LOG log
+#define POW pow_f64
+#define EPS DBL_EPSILON
+#define SQRT_EPS 1.4901161193847656e-8 /* sqrt(DBL_EPSILON) */
+#define REAL_MAX DBL_MAX
+#define NEXT_BELOW(v) nextafter(v, -INFINITY)
+#define WIDE_ENTMAX 0
 #include "rows_impl.h"
 #undef REAL
 #undef KEY
 #undef SUFFIX
 #undef EXP
+#undef LOG
 #undef POW
 #undef EPS
 #undef SQRT_EPS
+#undef REAL_MAX
 #undef NEXT_BELOW
+#undef WIDE_ENTMAX
 
-#define REAL double
-#define KEY uint64_t
-#define SUFFIX f64
-#define EXP exp_f64
-#define POW pow_f64
-#define EPS DBL_EPSILON
-#define SQRT_EPS 1.4901161193847656e-8 /* sqrt(DBL_EPSILON) */
-#define NEXT_BELOW(v) nextafter(v, -INFINITY)
+#define REAL float
+#define KEY uint32_t
+#define SUFFIX f32
+#define EXP exp_f32
+#define LOG log_f32
+#define POW pow_f32
+#define EPS FLT_EPSILON
+#define SQRT_EPS 3.4526698e-4 /* sqrt(FLT_EPSILON) */
+#define REAL_MAX FLT_MAX
+#define NEXT_BELOW(v) nextafterf(v, -INFINITY)
+#define WIDE_ENTMAX 1 /* 1 < alpha < 1.25: the threshold and weights in double */
 #include "rows_impl.h"

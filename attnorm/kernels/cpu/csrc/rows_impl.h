@@ -1,26 +1,65 @@
 /*
- * Row kernels for one floating type, included by rows.c once per type with
- * REAL (float or double), SUFFIX (f32, f64), EXP, POW, EPS and NEXT_BELOW defined.
- * Sums over a row are accumulated in double, except sums of exponentials (terms in (0, 1]).
+ * Row kernels for one floating type, included by rows.c once per type with REAL
+ * (float or double), SUFFIX (f32, f64), EXP, LOG, POW, EPS, REAL_MAX, NEXT_BELOW and
+ * WIDE_ENTMAX defined.  Sums over a row are accumulated in double, except sums of
+ * exponentials (terms in (0, 1]).  "Pass" below means one sweep over a row of
+ * `length` values: the first reads it from memory (length * sizeof(REAL) bytes), the
+ * others find it in cache; each output row is written once.
  */
 #define FN(name) CAT(name, SUFFIX)
 
-/* Largest score, and whether the row must go to the reference (a NaN or +inf
- * score, or nothing but -inf). */
-static int FN(scan_row)(const REAL* x, int64_t length, REAL* top) {
-    REAL high = -INFINITY;
-    int flag = 0;
-#pragma omp simd reduction(max : high) reduction(| : flag)
+/* ---- the shared row rules ------------------------------------------------------ */
+
+/* One pass: the largest score (-inf when every score is masked), the smallest finite
+ * one (+inf when none) and whether a score is NaN. */
+static int FN(scan_row)(const REAL* x, int64_t length, REAL* top, REAL* bottom) {
+    REAL high = -INFINITY, low = INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : high) reduction(min : low) reduction(| : nan)
     for (int64_t i = 0; i < length; i++) {
         REAL xi = x[i];
+        REAL finite = xi == -INFINITY ? INFINITY : xi;
         high = xi > high ? xi : high;
-        flag |= (xi != xi) | (xi == INFINITY);
+        low = finite < low ? finite : low;
+        nan |= xi != xi;
     }
     *top = high;
-    return flag | (high == -INFINITY);
+    *bottom = low;
+    return nan;
 }
 
-/* Smallest finite score (-inf scores are masked). */
+/* Maxima of `groups` interleaved position classes (i mod groups), the row maximum,
+ * and whether a score is NaN: one pass, a vertical max over blocks that vectorises
+ * across the groups. */
+static int FN(scan_groups)(const REAL* x, int64_t length, int64_t groups, REAL* group_max, REAL* top) {
+    for (int64_t j = 0; j < groups; j++) group_max[j] = -INFINITY;
+    int nan = 0;
+    for (int64_t start = 0; start < length; start += groups) {
+        const REAL* block = x + start;
+        int64_t width = length - start < groups ? length - start : groups;
+#pragma omp simd reduction(| : nan)
+        for (int64_t j = 0; j < width; j++) {
+            REAL xi = block[j];
+            group_max[j] = xi > group_max[j] ? xi : group_max[j];
+            nan |= xi != xi;
+        }
+    }
+    REAL high = -INFINITY;
+#pragma omp simd reduction(max : high)
+    for (int64_t j = 0; j < groups; j++) high = group_max[j] > high ? group_max[j] : high;
+    *top = high;
+    return nan;
+}
+
+/* Allowed positions: those not -inf (+inf and NaN count).  One pass. */
+static int64_t FN(count_allowed)(const REAL* x, int64_t length) {
+    int64_t count = 0;
+#pragma omp simd reduction(+ : count)
+    for (int64_t i = 0; i < length; i++) count += x[i] != -INFINITY;
+    return count;
+}
+
+/* Smallest finite score (+inf when none).  One pass. */
 static REAL FN(smallest_finite)(const REAL* x, int64_t length) {
     REAL low = INFINITY;
 #pragma omp simd reduction(min : low)
@@ -31,53 +70,66 @@ static REAL FN(smallest_finite)(const REAL* x, int64_t length) {
     return low;
 }
 
-/* Maxima of `groups` interleaved position classes (i mod groups), the row maximum,
- * and scan_row's flag.  A vertical max over blocks: vectorises across the groups. */
-static int FN(scan_groups)(const REAL* x, int64_t length, int64_t groups, REAL* group_max, REAL* top) {
-    for (int64_t j = 0; j < groups; j++) group_max[j] = -INFINITY;
-    int flag = 0;
-    for (int64_t start = 0; start < length; start += groups) {
-        const REAL* block = x + start;
-        int64_t width = length - start < groups ? length - start : groups;
-#pragma omp simd reduction(| : flag)
-        for (int64_t j = 0; j < width; j++) {
-            REAL xi = block[j];
-            group_max[j] = xi > group_max[j] ? xi : group_max[j];
-            flag |= (xi != xi) | (xi == INFINITY);
-        }
+/*
+ * Writes the rows the rules decide alone and says which kind the row is: a NaN
+ * score gives NaN everywhere (ROW_NAN); no allowed score gives zeros (ROW_EMPTY); a
+ * +inf score gives 1 / c on the first c +inf positions, c = min(their count, keep)
+ * (keep < 0: all of them; ROW_POSINF).  Rows of finite allowed scores (ROW_FINITE)
+ * are left to the caller.  At most two passes, in special rows only.
+ */
+static int FN(special_row)(const REAL* x, REAL* y, int64_t length, int nan, REAL top, int64_t keep) {
+    if (nan) {
+        for (int64_t i = 0; i < length; i++) y[i] = NAN;
+        return ROW_NAN;
     }
-    REAL high = -INFINITY;
-#pragma omp simd reduction(max : high)
-    for (int64_t j = 0; j < groups; j++) high = group_max[j] > high ? group_max[j] : high;
-    *top = high;
-    return flag | (high == -INFINITY);
+    if (top == -INFINITY) {
+        memset(y, 0, length * sizeof(REAL));
+        return ROW_EMPTY;
+    }
+    if (top != INFINITY) return ROW_FINITE;
+    int64_t count = 0;
+#pragma omp simd reduction(+ : count)
+    for (int64_t i = 0; i < length; i++) count += x[i] == INFINITY;
+    if (keep >= 0 && keep < count) count = keep;
+    const REAL share = (REAL)(1.0 / (double)count);
+    int64_t left = count;
+    for (int64_t i = 0; i < length; i++) {
+        int use = x[i] == INFINITY && left > 0;
+        y[i] = use ? share : 0;
+        left -= use;
+    }
+    return ROW_POSINF;
 }
 
-/* ---- softmax(scale * x) ------------------------------------------------------- */
+/* m (x - anchor) <= 0 for a finite x, without overflow: when the difference itself
+ * overflows (|x|, |anchor| near the largest float), on halved scores. */
+static inline REAL FN(scaled_difference)(REAL xi, REAL anchor, REAL m) {
+    REAL d = xi - anchor;
+    return (d > -REAL_MAX && d < REAL_MAX) ? m * d : (2 * m) * ((REAL)0.5 * xi - (REAL)0.5 * anchor);
+}
 
-static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, REAL scale, uint8_t* bad) {
-    REAL top;
-    int flag = FN(scan_row)(x, length, &top);
-    /* the largest scaled score comes from the largest score, or the smallest when the scale is negative */
-    REAL anchor = scale > 0 ? top : (scale < 0 && !flag ? FN(smallest_finite)(x, length) : 0);
-    if (flag || !(scale * anchor > -INFINITY && scale * anchor < INFINITY)) { /* scaled scores overflow: left to the reference */
-        memset(y, 0, length * sizeof(REAL));
-        *bad = 1;
-        return;
-    }
-    *bad = 0;
+/*
+ * y = softmax(m x) over the allowed positions of a row of finite allowed scores
+ * (top: the largest, bottom: the smallest), as exp(m (x - anchor)) / sum with the
+ * anchor the score whose scaled value is largest (top for m >= 0, bottom for m < 0),
+ * so every exponent is <= 0 and the sum >= 1.  Two passes: exponentials and their
+ * sum, then the scaling.
+ */
+static void FN(softmax_finite)(const REAL* x, REAL* y, int64_t length, REAL m, REAL top, REAL bottom) {
+    const REAL anchor = m >= 0 ? top : bottom;
     REAL total = 0; /* summed in SIMD lanes: pairwise-like rounding */
-    if (scale > 0) { /* -inf scores give exp(-inf) = 0 */
+    if (m > 0 && top - bottom < REAL_MAX) { /* -inf scores give exp(-inf) = 0 */
 #pragma omp simd reduction(+ : total)
         for (int64_t i = 0; i < length; i++) {
-            REAL e = EXP(scale * (x[i] - anchor)); /* the difference first: exact for nearby scores */
+            REAL e = EXP(m * (x[i] - anchor)); /* the difference first: exact for nearby scores */
             y[i] = e;
             total += e;
         }
-    } else {
+    } else { /* m <= 0 (0 * -inf is NaN), or differences that overflow */
 #pragma omp simd reduction(+ : total)
         for (int64_t i = 0; i < length; i++) {
-            REAL e = x[i] == -INFINITY ? 0 : EXP(scale * (x[i] - anchor));
+            REAL xi = x[i];
+            REAL e = xi == -INFINITY ? 0 : EXP(FN(scaled_difference)(xi, anchor, m));
             y[i] = e;
             total += e;
         }
@@ -87,54 +139,131 @@ static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, REAL scale, 
     for (int64_t i = 0; i < length; i++) y[i] *= inverse;
 }
 
-/* grad_x = scale * y * (g - sum(y g)): softmax's Jacobian, times the chain-rule scale. */
-static void FN(softmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t length, REAL scale) {
+/* ---- softmax(m x): temperature (variant 0) and Scalable-Softmax (variant 1) ---- */
+
+/* m = 1 / first, or first * log(max(n, 1)) + second with n the allowed positions.
+ * Passes: one scan (+ one count for variant 1), then softmax_finite's two. */
+static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, int variant, double first, double second,
+                            REAL* multiplier, REAL* log_count) {
+    REAL top, bottom;
+    int nan = FN(scan_row)(x, length, &top, &bottom);
+    double m;
+    if (variant == 1) {
+        int64_t n = FN(count_allowed)(x, length);
+        double log_n = log((double)(n > 1 ? n : 1));
+        m = first * log_n + second;
+        *log_count = (REAL)log_n;
+    } else {
+        m = 1 / first;
+    }
+    int kind = FN(special_row)(x, y, length, nan, top, -1);
+    *multiplier = kind == ROW_POSINF ? 0 : (REAL)m;
+    if (kind == ROW_FINITE) FN(softmax_finite)(x, y, length, (REAL)m, top, bottom);
+}
+
+/*
+ * dx = m dz, dz = y (g - sum(y g)); per row, param_grad 1: -m sum(dz log y) and
+ * 2: sum(dz (x - c)), over y > 0 (and finite x), c the largest such x (sum(dz) = 0
+ * makes the shift exact; it avoids cancellation on large scores).  Two passes (three
+ * with param_grad 2), sums in double.
+ */
+static void FN(softmax_grad_row)(const REAL* y, const REAL* g, const REAL* x, REAL* gx, int64_t length, REAL m,
+                                 int param_grad, REAL* per_row) {
     double dot = 0;
 #pragma omp simd reduction(+ : dot)
     for (int64_t i = 0; i < length; i++) dot += (double)y[i] * g[i];
-    REAL mean = (REAL)dot;
+    const REAL mean = (REAL)dot;
+    REAL shift = 0;
+    if (param_grad == 2) {
+        REAL high = -INFINITY;
+#pragma omp simd reduction(max : high)
+        for (int64_t i = 0; i < length; i++) {
+            int used = y[i] > 0 && x[i] > -INFINITY && x[i] < INFINITY;
+            high = used && x[i] > high ? x[i] : high;
+        }
+        shift = high > -INFINITY ? high : 0;
+    }
+    double sum = 0;
+    if (param_grad == 1) {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < length; i++) {
+            REAL dz = y[i] * (g[i] - mean);
+            gx[i] = m * dz;
+            sum += y[i] > 0 ? (double)dz * LOG(y[i] > 0 ? y[i] : 1) : 0;
+        }
+        *per_row = (REAL)(-(double)m * sum);
+    } else if (param_grad == 2) {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < length; i++) {
+            REAL dz = y[i] * (g[i] - mean);
+            gx[i] = m * dz;
+            int used = y[i] > 0 && x[i] > -INFINITY && x[i] < INFINITY;
+            sum += used ? (double)dz * (x[i] - shift) : 0;
+        }
+        *per_row = (REAL)sum;
+    } else {
 #pragma omp simd
-    for (int64_t i = 0; i < length; i++) gx[i] = scale * y[i] * (g[i] - mean);
+        for (int64_t i = 0; i < length; i++) gx[i] = m * y[i] * (g[i] - mean);
+    }
 }
 
 /* ---- Self-Adjusted Softmax (Zheng et al., 2025) -------------------------------- */
 
 /*
- * y = phi(x) softmax(x), phi(x) = x (plain) or (x - low) / (high - low) with
- * low = min(min x, 0), high = max(max x, 0) over the finite scores (normalized;
- * phi = 0 when high = low).  stats receives SA_STATS numbers per row for the
- * backward: (max x, log sum exp(x - max x), low, high, gate); the gate is 0 in
- * flagged rows, whose gradient is 0 here.  The exponentials are computed twice
- * (sum, then weights) so that y may be x.
+ * low = min(min x, 0), high = max(max x, 0) over the finite scores, and the span as
+ * the factor phi = (x * scale - low * scale) / span takes it: scale = 1/2 when
+ * high - low overflows.  Dividing (no 1 / span) keeps denormal spans finite.
  */
-static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int normalized, double* stats, uint8_t* bad) {
-    REAL top;
-    if (FN(scan_row)(x, length, &top)) {
-        memset(y, 0, length * sizeof(REAL));
-        memset(stats, 0, SA_STATS * sizeof(double));
-        *bad = 1;
+static void FN(sa_span)(REAL top, REAL bottom, REAL* low, REAL* high, REAL* scale, REAL* span) {
+    *low = bottom < 0 ? bottom : 0;
+    *high = top > 0 ? top : 0;
+    *scale = *high - *low < INFINITY ? 1 : (REAL)0.5;
+    *span = *high * *scale - *low * *scale;
+}
+
+/*
+ * y = phi(x) softmax(x), phi(x) = x (plain) or (x - low) / (high - low) (normalized;
+ * phi = 0 when high = low).  stats receives (c0, c1, low, high, gate) with the
+ * softmax weights w = exp((x - c0) - c1): c0 the row max, c1 the log of the sum;
+ * gate is 0 in rows holding +inf or fully masked.  A row holding +inf is the limit
+ * of the finite case: weights uniform over the +inf positions (normalized) or +inf
+ * there (plain).  Three passes: the scan, exponentials and their sum, the factors.
+ */
+static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int normalized, REAL* stats) {
+    REAL top, bottom;
+    int nan = FN(scan_row)(x, length, &top, &bottom);
+    int kind = FN(special_row)(x, y, length, nan, top, -1);
+    if (kind != ROW_FINITE) {
+        if (kind == ROW_POSINF && !normalized) {
+            for (int64_t i = 0; i < length; i++) y[i] = y[i] > 0 ? INFINITY : 0;
+        }
+        for (int j = 0; j < 4; j++) stats[j] = kind == ROW_NAN ? NAN : 0;
+        stats[4] = kind == ROW_NAN;
         return;
     }
-    *bad = 0;
-    REAL low = 0, high = 0, inverse_span = 0;
-    if (normalized) {
-        REAL smallest = FN(smallest_finite)(x, length);
-        low = smallest < 0 ? smallest : 0;
-        high = top > 0 ? top : 0;
-        inverse_span = high > low ? 1 / (high - low) : 0;
-    }
+    REAL low = 0, high = 0, scale = 1, span = 0;
+    if (normalized) FN(sa_span)(top, bottom, &low, &high, &scale, &span);
     REAL total = 0;
 #pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < length; i++) total += EXP(x[i] - top);
-    REAL inverse = 1 / total;
-#pragma omp simd
     for (int64_t i = 0; i < length; i++) {
-        REAL xi = x[i];
-        REAL factor = normalized ? (xi - low) * inverse_span : xi;
-        y[i] = xi == -INFINITY ? 0 : factor * EXP(xi - top) * inverse;
+        REAL e = EXP(x[i] - top);
+        y[i] = e;
+        total += e;
+    }
+    const REAL inverse = 1 / total;
+    if (normalized) {
+        const REAL low_scaled = low * scale, divisor = span > 0 ? span : 1, on = span > 0;
+#pragma omp simd
+        for (int64_t i = 0; i < length; i++) {
+            REAL factor = on * ((x[i] * scale - low_scaled) / divisor);
+            y[i] = x[i] == -INFINITY ? 0 : factor * (y[i] * inverse);
+        }
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < length; i++) y[i] = x[i] == -INFINITY ? 0 : x[i] * (y[i] * inverse);
     }
     stats[0] = top;
-    stats[1] = log((double)total);
+    stats[1] = (REAL)log((double)total);
     stats[2] = low;
     stats[3] = high;
     stats[4] = 1;
@@ -144,42 +273,61 @@ static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int no
  * With w = softmax(x), P = sum(g phi w), Q = sum(g w):
  * dx_j = w_j (g_j phi_j - P) + g_j w_j phi', phi' = 1 (plain) or 1 / span plus the
  * paths through low and high: (P - Q) / span shared by the positions attaining
- * low, -P / span by those attaining high (as torch's amin/amax and clamp share them).
- * w = exp((x - max x) - log sum): the difference first, exact for nearby scores.
+ * low when low < 0, -P / span by those attaining high when high > 0.
+ * w = exp((x - c0) - c1): the difference first, exact for nearby scores.  Rows with
+ * gate 0 get 0, rows holding NaN get NaN.  Two passes.
  */
 static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, int64_t length, int normalized,
-                                       const double* stats) {
+                                       const REAL* stats) {
     if (stats[4] == 0) {
         memset(gx, 0, length * sizeof(REAL));
         return;
     }
-    const REAL top = (REAL)stats[0], log_total = (REAL)stats[1], low = (REAL)stats[2], high = (REAL)stats[3];
-    const REAL inverse_span = normalized && high > low ? 1 / (high - low) : 0;
+    const REAL top = stats[0], log_total = stats[1], low = stats[2], high = stats[3];
+    REAL scale = 1, span = 0;
+    if (normalized) {
+        scale = high - low < INFINITY ? 1 : (REAL)0.5;
+        span = high * scale - low * scale;
+    }
+    const REAL divisor = span > 0 ? span : 1, on = span > 0, low_scaled = low * scale;
     double phi_g_w = 0, g_w = 0;
     int64_t at_low = 0, at_high = 0;
-#pragma omp simd reduction(+ : phi_g_w, g_w, at_low, at_high)
+    int nan = 0;
+#pragma omp simd reduction(+ : phi_g_w, g_w, at_low, at_high) reduction(| : nan)
     for (int64_t i = 0; i < length; i++) {
         REAL xi = x[i];
         int allowed = xi > -INFINITY;
         REAL w = allowed ? EXP((xi - top) - log_total) : 0;
-        REAL factor = normalized ? (xi - low) * inverse_span : xi;
+        REAL factor = normalized ? on * ((xi * scale - low_scaled) / divisor) : xi;
         REAL weighted_g = allowed ? g[i] * w : 0;
         phi_g_w += allowed ? weighted_g * factor : 0;
         g_w += weighted_g;
         at_low += allowed && xi == low;
         at_high += allowed && xi == high;
+        nan |= xi != xi;
     }
-    const REAL P = (REAL)phi_g_w;
-    const REAL through_low = inverse_span > 0 ? (REAL)(phi_g_w - g_w) * inverse_span / (at_low > 0 ? at_low : 1) : 0;
-    const REAL through_high = inverse_span > 0 ? P * inverse_span / (at_high > 0 ? at_high : 1) : 0;
-    const REAL slope = normalized ? inverse_span : 1;
+    if (nan) {
+        for (int64_t i = 0; i < length; i++) gx[i] = NAN;
+        return;
+    }
+    const REAL P = (REAL)phi_g_w, Q = (REAL)g_w;
+    /* scale / span is 1 / (high - low) */
+    const REAL through_low = normalized && span > 0 && low < 0 ? (P - Q) * scale / span / (REAL)at_low : 0;
+    const REAL through_high = normalized && span > 0 && high > 0 ? P * scale / span / (REAL)at_high : 0;
 #pragma omp simd
     for (int64_t i = 0; i < length; i++) {
         REAL xi = x[i];
         int allowed = xi > -INFINITY;
         REAL w = allowed ? EXP((xi - top) - log_total) : 0;
-        REAL factor = normalized ? (xi - low) * inverse_span : xi;
-        REAL dx = w * (g[i] * factor - P) + g[i] * w * slope;
+        REAL factor, direct;
+        if (normalized) {
+            factor = on * ((xi * scale - low_scaled) / divisor);
+            direct = on * (g[i] * w * scale / divisor);
+        } else {
+            factor = xi;
+            direct = g[i] * w;
+        }
+        REAL dx = w * (g[i] * factor - P) + direct;
         dx += (xi == low ? through_low : 0) - (xi == high ? through_high : 0);
         gx[i] = allowed ? dx : 0;
     }
@@ -259,7 +407,8 @@ static double FN(entmax_weights)(REAL* t, int64_t count, REAL tau, REAL p, int k
 /* The threshold tau of candidates t[0..count): sum_j max(t_j - tau, 0)^p = 1 with
  * p = 1 / (alpha - 1), starting from a lower bound `low` (mass >= 1 there); see
  * entmax_row.  With `index`, candidates at or below a proven lower bound are
- * dropped from t and index as it rises.  Stores the final lower bound in *low. */
+ * dropped from t and index as it rises.  Stores the final lower bound in *low.
+ * One pass over the candidates per iteration. */
 static double FN(entmax_threshold)(REAL* t, int32_t* index, int64_t* count_io, double alpha, int kind, double* low,
                                    int iterations) {
     int64_t count = *count_io;
@@ -299,53 +448,92 @@ static double FN(entmax_threshold)(REAL* t, int32_t* index, int64_t* count_io, d
 
 /*
  * entmax_alpha(x) = max((alpha - 1) x - tau, 0)^(1 / (alpha - 1)) with tau such that
- * the weights sum to 1.  With t = (alpha - 1)(x - max x) the threshold lies in
- * [-1, -n^(1 - alpha)] for n candidates.  A subset's threshold is a lower bound
- * (fewer terms, less mass), so for alpha <= 2 three steps on the maxima of
- * interleaved position groups raise -1 first; the candidates are the scores above
- * that bound, usually a few times the support.  On them, Halley's method (cubic
- * convergence; the mass is smooth between support changes) safeguarded by
- * bisection, starting from the lower end for alpha <= 2 (convex mass) and from the
- * upper end above.  For sparsemax the curvature is 0 and the step is Newton's,
- * which is Michelot's exact update and ends on the exact threshold; otherwise the
- * iteration stops once the mass is within a few ulps of 1, and the weights are
- * renormalised.
+ * the weights sum to 1, for a row of finite allowed scores.  With
+ * t = (alpha - 1)(x - max x) the threshold lies in [-1, -n^(1 - alpha)] for n
+ * candidates.  A subset's threshold is a lower bound (fewer terms, less mass), so
+ * for alpha <= 2 three steps on the maxima of interleaved position groups raise -1
+ * first; the candidates are the scores above that bound, usually a few times the
+ * support.  On them, Halley's method (cubic convergence; the mass is smooth between
+ * support changes) safeguarded by bisection, starting from the lower end for
+ * alpha <= 2 (convex mass) and from the upper end above.  For sparsemax the
+ * curvature is 0 and the step is Newton's, which is Michelot's exact update and
+ * ends on the exact threshold; otherwise the iteration stops once the mass is
+ * within a few ulps of 1, and the weights are renormalised.
+ *
+ * Where that is ill conditioned the weights are recomputed in double: for alpha > 2
+ * by entmax_anchored (relative to the smallest support score), and for float rows
+ * with alpha < 1.25 (errors in t grow by 1 / (alpha - 1) in the weights) the
+ * threshold and weights run on double candidates.  `wide` holds length + PAD
+ * doubles.  Passes over the row: one scan, one gather, one zeroing write; then
+ * passes over the candidates only.
  */
-static void FN(entmax_row)(const REAL* x, REAL* y, int64_t length, double alpha, REAL* t, int32_t* index, uint8_t* bad) {
-    REAL group_max[MAX_GROUPS], subset[MAX_GROUPS], top;
-    const int64_t groups = length > 8192 ? MAX_GROUPS : 64;
-    if (FN(scan_groups)(x, length, groups, group_max, &top)) {
-        memset(y, 0, length * sizeof(REAL));
-        *bad = 1;
-        return;
-    }
-    *bad = 0;
+static void FN(entmax_finite)(const REAL* x, REAL* y, int64_t length, double alpha, REAL top, const REAL* group_max,
+                              int64_t groups, REAL* t, int32_t* index, double* wide) {
+    REAL subset[MAX_GROUPS];
     const REAL scale = (REAL)(alpha - 1);
     const int kind = entmax_kind(alpha);
+    const int anchored = alpha > 2;
+    const int in_double = WIDE_ENTMAX && kind == GENERAL && alpha < 1.25;
     double low = -1.0;
-    if (alpha <= 2 && length >= 4 * groups) { /* on short rows the subset would cost more than it saves */
+    if (alpha <= 2 && !in_double && length >= 4 * groups) { /* on short rows the subset costs more than it saves */
         int64_t count = groups;
 #pragma omp simd
         for (int64_t j = 0; j < groups; j++) subset[j] = scale * (group_max[j] - top);
         FN(entmax_threshold)(subset, NULL, &count, alpha, kind, &low, 3);
         low = low - 4 * EPS > -1.0 ? low - 4 * EPS : -1.0; /* slack for the rounding of the subset's mass */
     }
-    int64_t count = FN(gather_above)(x, length, top + (REAL)(low / scale), t, index);
+    /* x > top + low / scale, one float lower (the bound may round up to top itself) */
+    int64_t count = FN(gather_above)(x, length, NEXT_BELOW(top + (REAL)(low / scale)), t, index);
+    memset(y, 0, length * sizeof(REAL));
+    if (in_double) {
+#if WIDE_ENTMAX
+        for (int64_t j = 0; j < count; j++) wide[j] = (alpha - 1) * ((double)t[j] - (double)top);
+        double tau = entmax_threshold_f64(wide, index, &count, alpha, kind, &low, 200);
+        double inverse = 1.0 / entmax_weights_f64(wide, count, tau, 1 / (alpha - 1), kind);
+        for (int64_t j = 0; j < count; j++) y[index[j]] = (REAL)(wide[j] * inverse);
+#endif
+        return;
+    }
 #pragma omp simd
     for (int64_t j = 0; j < count; j++) t[j] = scale * (t[j] - top);
-    memset(y, 0, length * sizeof(REAL)); /* after the gather: y may be x */
-    double tau = FN(entmax_threshold)(t, index, &count, alpha, kind, &low, 100);
+    double tau = FN(entmax_threshold)(t, anchored ? NULL : index, &count, alpha, kind, &low, 100);
+    if (anchored) {
+        double start = INFINITY; /* the smallest score the fast threshold keeps */
+        for (int64_t j = 0; j < count; j++) {
+            double xj = x[index[j]];
+            wide[j] = xj;
+            start = t[j] > tau && xj < start ? xj : start;
+        }
+        entmax_anchored(wide, count, alpha, start);
+        for (int64_t j = 0; j < count; j++) y[index[j]] = (REAL)wide[j];
+        return;
+    }
     REAL inverse = (REAL)(1.0 / FN(entmax_weights)(t, count, (REAL)tau, (REAL)(1 / (alpha - 1)), kind));
     for (int64_t j = 0; j < count; j++) y[index[j]] = t[j] * inverse;
+}
+
+/* The shared rules, then softmax (alpha = 1) or entmax_finite; gate 0 in rows holding
+ * +inf, else 1.  alpha below 1 or NaN gives a NaN row. */
+static void FN(entmax_row)(const REAL* x, REAL* y, int64_t length, double alpha, REAL* gate, REAL* t, int32_t* index,
+                           double* wide) {
+    REAL group_max[MAX_GROUPS], top;
+    const int64_t groups = length > 8192 ? MAX_GROUPS : 64;
+    int nan = FN(scan_groups)(x, length, groups, group_max, &top);
+    int kind = FN(special_row)(x, y, length, nan || !(alpha >= 1), top, -1);
+    *gate = kind != ROW_POSINF;
+    if (kind != ROW_FINITE) return;
+    if (alpha == 1) FN(softmax_finite)(x, y, length, 1, top, FN(smallest_finite)(x, length));
+    else FN(entmax_finite)(x, y, length, alpha, top, group_max, groups, t, index, wide);
 }
 
 /*
  * d/d alpha of sum_i g_i y_i, from the output: with beta = 1 / (alpha - 1),
  * S_i = y_i (beta - log y_i) and s_i = y_i^(2 - alpha) on the support,
- * beta (sum g S - sum g s * sum S / sum s)  (as attnorm.kernels.sparse derives it).
+ * beta (sum g S - sum g s * sum S / sum s); 0 for alpha = 1.  One pass.
  */
 static double FN(entmax_alpha_grad_row)(const REAL* y, const REAL* g, int64_t length, double alpha, double slope_total,
                                         double slope_dot) {
+    if (alpha == 1) return 0;
     const double beta = 1 / (alpha - 1);
     double entropy_total = 0, entropy_dot = 0;
     for (int64_t i = 0; i < length; i++) {
@@ -358,35 +546,27 @@ static double FN(entmax_alpha_grad_row)(const REAL* y, const REAL* g, int64_t le
     return slope_total > 0 ? beta * (entropy_dot - slope_dot * entropy_total / slope_total) : 0;
 }
 
-/* grad_x = s * (g - sum(s g) / sum(s)), s = y^(2 - alpha) on the support and 0
- * off it: entmax's Jacobian.  For general alpha the support is gathered first
- * (into `index`, s into `slope`) so that pow runs there only.  With
- * alpha_grad, also the row's alpha derivative (entmax_alpha_grad_row). */
-static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t length, double alpha, int32_t* index,
-                                REAL* slope, double* alpha_grad) {
+/* grad_x = gate * s * (g - sum(s g) / sum(s)), s = y^(2 - alpha) on the support and 0
+ * off it (y itself for alpha = 1): entmax's Jacobian.  For general alpha the support
+ * is gathered first (into `index`, s into `slope`) so that pow runs there only.  With
+ * alpha_grad, also the row's alpha derivative (entmax_alpha_grad_row), times gate.
+ * Two passes (three with alpha_grad). */
+static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t length, REAL gate, double alpha,
+                                int32_t* index, REAL* slope, REAL* alpha_grad) {
     const int kind = entmax_kind(alpha);
     double slope_total = 0, dot = 0;
     if (kind != GENERAL) { /* cheap slopes: two vectorised passes over the row */
-        if (kind == SPARSEMAX) {
 #pragma omp simd reduction(+ : slope_total, dot)
-            for (int64_t i = 0; i < length; i++) {
-                REAL s = y[i] > 0;
-                gx[i] = s;
-                slope_total += s;
-                dot += (double)s * g[i];
-            }
-        } else {
-#pragma omp simd reduction(+ : slope_total, dot)
-            for (int64_t i = 0; i < length; i++) {
-                REAL s = sqrt(y[i]);
-                gx[i] = s;
-                slope_total += s;
-                dot += (double)s * g[i];
-            }
+        for (int64_t i = 0; i < length; i++) {
+            REAL positive = y[i] > 0 ? y[i] : 0;
+            REAL s = kind == SPARSEMAX ? (REAL)(y[i] > 0) : (kind == ENTMAX15 ? sqrt(positive) : positive);
+            gx[i] = s;
+            slope_total += s;
+            dot += (double)s * g[i];
         }
         REAL mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
 #pragma omp simd
-        for (int64_t i = 0; i < length; i++) gx[i] = gx[i] * (g[i] - mean);
+        for (int64_t i = 0; i < length; i++) gx[i] = gate * (gx[i] * (g[i] - mean));
     } else { /* pow on the support only */
         int64_t count = FN(gather_above)(y, length, 0, slope, index);
         memset(gx, 0, length * sizeof(REAL));
@@ -401,9 +581,9 @@ static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t 
             dot += (double)slope[j] * g[index[j]];
         }
         REAL mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
-        for (int64_t j = 0; j < count; j++) gx[index[j]] = slope[j] * (g[index[j]] - mean);
+        for (int64_t j = 0; j < count; j++) gx[index[j]] = gate * (slope[j] * (g[index[j]] - mean));
     }
-    if (alpha_grad) *alpha_grad = FN(entmax_alpha_grad_row)(y, g, length, alpha, slope_total, dot);
+    if (alpha_grad) *alpha_grad = gate * (REAL)FN(entmax_alpha_grad_row)(y, g, length, alpha, slope_total, dot);
 }
 
 /* ---- top-k softmax ------------------------------------------------------------ */
@@ -429,7 +609,7 @@ static REAL FN(kth_largest)(const REAL* v, int64_t n, int64_t k, KEY* keys) {
         if (differ == 0) break;       /* all equal */
         while (!((differ >> bit) & 1)) bit--;
         const KEY mask = (KEY)1 << bit;
-        int32_t set = 0; /* n < 2^31 (checked by the loader) */
+        int32_t set = 0; /* n < 2^31 (checked by the caller) */
 #pragma omp simd reduction(+ : set)
         for (int64_t i = 0; i < size; i++) set += (keys[i] & mask) != 0;
         const int keep_set = set >= rank;
@@ -452,26 +632,43 @@ static REAL FN(kth_largest)(const REAL* v, int64_t n, int64_t k, KEY* keys) {
     return CAT(unkey, SUFFIX)(answer);
 }
 
+/* Positions kept: min(k, n), or max(1, ceil(k n - 1e-9)) (at most n) for a fraction. */
+static int64_t FN(topk_count)(const REAL* x, int64_t length, double k, int is_fraction) {
+    if (is_fraction) {
+        const int64_t n = FN(count_allowed)(x, length);
+        double kept = ceil(k * (double)n - 1e-9);
+        kept = kept > 1 ? kept : 1;
+        return kept < (double)n ? (int64_t)kept : n;
+    }
+    return k >= (double)length ? length : (k >= 1 ? (int64_t)k : 0);
+}
+
 /*
- * softmax(scale * x) over the k largest finite scores (all of them when fewer),
- * zeros elsewhere.  The k-th largest of the maxima of at least 2k position groups
- * bounds the row's k-th largest from below; a radix select on the scores above
- * that bound finds it.  Scores tied with it are kept in index order until k are
- * kept (as the Triton kernel does).  `work` and `keys` hold length + MAX_TOPK_GROUPS
- * values, `index` length.
+ * softmax(m x), m = 1 / temperature, over the k largest allowed scores (all of them
+ * when fewer), zeros elsewhere.  The k-th largest of the maxima of at least 2k
+ * position groups bounds the row's k-th largest from below; a radix select on the
+ * scores above that bound finds it.  Scores tied with it are kept in index order
+ * until k are kept (the lowest index wins).  `work` and `keys` hold
+ * length + MAX_TOPK_GROUPS values, `index` length.  Passes over the row: one scan
+ * (+ one count for a fraction), one gather, one write of the exponentials, one
+ * scaling; the select runs on the candidates.
  */
-static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, int64_t k, REAL scale, REAL* work, int32_t* index,
-                         KEY* keys, uint8_t* bad) {
+static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, double k_value, int is_fraction, double temperature,
+                         REAL* multiplier, REAL* work, int32_t* index, KEY* keys) {
     REAL* group_max = work + length;
     REAL top;
+    int64_t k = FN(topk_count)(x, length, k_value, is_fraction);
     int64_t groups = 64;
     while (groups < 2 * k && groups < MAX_TOPK_GROUPS) groups *= 2;
-    if (FN(scan_groups)(x, length, groups, group_max, &top)) {
+    int nan = FN(scan_groups)(x, length, groups, group_max, &top);
+    const REAL m = (REAL)(1 / temperature);
+    int kind = FN(special_row)(x, y, length, nan, top, k);
+    *multiplier = kind == ROW_POSINF ? 0 : m;
+    if (kind != ROW_FINITE) return;
+    if (k < 1) {
         memset(y, 0, length * sizeof(REAL));
-        *bad = 1;
         return;
     }
-    *bad = 0;
     REAL bound = -INFINITY;
     if (k <= groups && 4 * groups <= length) bound = FN(kth_largest)(group_max, groups, k, keys);
     /* x >= bound, finite: x > the float just below bound (or > -inf) */
@@ -489,12 +686,18 @@ static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, int64_t k, REAL
         }
         ties = k - greater;
     }
+    REAL anchor = top; /* m < 0: the smallest kept score (rare: a second look at the candidates) */
+    if (m < 0) {
+        anchor = ties > 0 ? threshold : INFINITY;
+        for (int64_t j = 0; j < count; j++) anchor = work[j] > threshold && work[j] < anchor ? work[j] : anchor;
+    }
     double total = 0;
     if (ties == tied) {
 #pragma omp simd reduction(+ : total)
         for (int64_t i = 0; i < length; i++) {
             REAL xi = x[i];
-            REAL e = (xi > threshold || (ties > 0 && xi == threshold)) ? EXP(scale * (xi - top)) : 0;
+            int keep = xi > threshold || (ties > 0 && xi == threshold);
+            REAL e = keep ? EXP(FN(scaled_difference)(keep ? xi : anchor, anchor, m)) : 0;
             y[i] = e;
             total += e;
         }
@@ -502,7 +705,7 @@ static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, int64_t k, REAL
         for (int64_t i = 0; i < length; i++) {
             REAL xi = x[i];
             int keep = xi > threshold || (xi == threshold && ties-- > 0);
-            REAL e = keep ? EXP(scale * (xi - top)) : 0;
+            REAL e = keep ? EXP(FN(scaled_difference)(xi, anchor, m)) : 0;
             y[i] = e;
             total += e;
         }
@@ -514,53 +717,63 @@ static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, int64_t k, REAL
 
 /* ---- entry points: rows split across threads ---------------------------------- */
 
-int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, const double* scale,
-                                int64_t scale_stride, uint8_t* bad, int threads) {
+/* log_count: NULL for variant 0. */
+int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, const double* first,
+                                int64_t first_stride, const double* second, int64_t second_stride, REAL* multiplier,
+                                REAL* log_count, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
-        FN(softmax_row)(x + r * length, y + r * length, length, (REAL)scale[r * scale_stride], bad + r);
+        REAL unused;
+        FN(softmax_row)(x + r * length, y + r * length, length, variant, first[r * first_stride],
+                        second[r * second_stride], multiplier + r, log_count ? log_count + r : &unused);
     }
     return 0;
 }
 
-int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t rows, int64_t length,
-                                 const double* scale, int64_t scale_stride, int threads) {
+/* x: NULL unless param_grad is 2; per_row: NULL when param_grad is 0. */
+int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, const REAL* x, REAL* gx, int64_t rows, int64_t length,
+                                 const double* multiplier, int64_t multiplier_stride, int param_grad, REAL* per_row,
+                                 int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
-        FN(softmax_grad_row)(y + r * length, g + r * length, gx + r * length, length, (REAL)scale[r * scale_stride]);
+        FN(softmax_grad_row)(y + r * length, g + r * length, x ? x + r * length : NULL, gx + r * length, length,
+                             (REAL)multiplier[r * multiplier_stride], param_grad, per_row ? per_row + r : NULL);
     }
     return 0;
 }
 
 int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized,
-                                      double* stats, uint8_t* bad, int threads) {
+                                      REAL* stats, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
-        FN(self_adjusted_row)(x + r * length, y + r * length, length, normalized, stats + SA_STATS * r, bad + r);
+        FN(self_adjusted_row)(x + r * length, y + r * length, length, normalized, stats + SA_STATS * r);
     }
     return 0;
 }
 
 int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
-                                       int normalized, const double* stats, int threads) {
+                                       int normalized, const REAL* stats, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
-        FN(self_adjusted_grad_row)(x + r * length, g + r * length, gx + r * length, length, normalized, stats + SA_STATS * r);
+        FN(self_adjusted_grad_row)(x + r * length, g + r * length, gx + r * length, length, normalized,
+                                   stats + SA_STATS * r);
     }
     return 0;
 }
 
 int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, const double* alpha,
-                               int64_t alpha_stride, uint8_t* bad, int threads) {
+                               int64_t alpha_stride, REAL* gate, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         REAL* t = malloc((length + PAD) * sizeof(REAL));
         int32_t* index = malloc(length * sizeof(int32_t));
+        double* wide = malloc((length + PAD) * sizeof(double));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            if (t && index) {
-                FN(entmax_row)(x + r * length, y + r * length, length, alpha[r * alpha_stride], t, index, bad + r);
+            if (t && index && wide) {
+                FN(entmax_row)(x + r * length, y + r * length, length, alpha[r * alpha_stride], gate + r, t, index,
+                               wide);
             } else {
 #pragma omp atomic write
                 failed = 1;
@@ -568,13 +781,15 @@ int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t len
         }
         free(t);
         free(index);
+        free(wide);
     }
     return failed;
 }
 
-/* alpha_grad: NULL, or one double per row for d/d alpha of sum(g y). */
+/* alpha_grad: NULL, or one value per row for d/d alpha of sum(g y). */
 int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t rows, int64_t length,
-                                const double* alpha, int64_t alpha_stride, double* alpha_grad, int threads) {
+                                const double* gate, int64_t gate_stride, const double* alpha, int64_t alpha_stride,
+                                REAL* alpha_grad, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -583,8 +798,9 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (index && slope) {
-                FN(entmax_grad_row)(y + r * length, g + r * length, gx + r * length, length, alpha[r * alpha_stride],
-                                    index, slope, alpha_grad ? alpha_grad + r : NULL);
+                FN(entmax_grad_row)(y + r * length, g + r * length, gx + r * length, length,
+                                    (REAL)gate[r * gate_stride], alpha[r * alpha_stride], index, slope,
+                                    alpha_grad ? alpha_grad + r : NULL);
             } else {
 #pragma omp atomic write
                 failed = 1;
@@ -596,8 +812,8 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
     return failed;
 }
 
-int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, const int64_t* k,
-                             int64_t k_stride, const double* scale, int64_t scale_stride, uint8_t* bad, int threads) {
+int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
+                             const double* temperature, int64_t temperature_stride, REAL* multiplier, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -607,8 +823,8 @@ int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t lengt
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (work && index && keys) {
-                FN(topk_row)(x + r * length, y + r * length, length, k[r * k_stride], (REAL)scale[r * scale_stride],
-                             work, index, keys, bad + r);
+                FN(topk_row)(x + r * length, y + r * length, length, k, is_fraction,
+                             temperature[r * temperature_stride], multiplier + r, work, index, keys);
             } else {
 #pragma omp atomic write
                 failed = 1;

@@ -1,0 +1,277 @@
+"""Building, caching and loading the native CPU kernels (``csrc/rows.c``).
+
+One-time cost: the first call on a machine compiles ``rows.c`` with the system C
+compiler (``$CC``, else ``cc``) into a cache directory (about a second; no torch
+headers, no ninja).  Later processes load the cached library in milliseconds.
+:func:`build_info` says what happened.  Without a compiler, or when the build fails
+(one warning says why), :func:`usable` is False and the operator layer runs the
+reference backend instead.
+
+The cache is safe to share: a build is written under a temporary name and renamed
+into place with a SHA-256 sidecar (``<library>.sha256``); a cached library is read
+and checked against it before it is loaded (a truncated or empty file would
+otherwise crash the process with SIGBUS when mapped), rebuilt when it does not
+match, and probed with a small known call once loaded.  Concurrent first calls in
+one process build once.
+
+Environment:
+
+* ``ATTNORM_NATIVE=0`` turns the native kernels off (:func:`disabled` does it for
+  a block of code);
+* ``ATTNORM_CACHE_DIR`` chooses the cache directory (default
+  ``$XDG_CACHE_HOME/attnorm``, else ``~/.cache/attnorm``, else, when that is not
+  writable, ``attnorm-$USER`` in the temporary directory);
+* ``CC`` chooses the compiler, possibly with flags (``CC="gcc -O0"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+__all__ = ["build_info", "disabled", "kernel", "library", "usable"]
+
+SOURCE_DIR = Path(__file__).with_name("csrc")
+SOURCES = ("rows.c", "rows_impl.h")
+FLAGS = (
+    "-O3",
+    "-fPIC",
+    "-shared",
+    "-std=gnu11",
+    # Lets sqrt vectorise; no -ffast-math, which would drop the inf and NaN rules.
+    "-fno-math-errno",
+    "-fno-trapping-math",
+)
+# This machine's vector instructions (the build is cached per CPU kind).
+ARCH_FLAGS = ("-march=native", *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()))
+PARALLEL_FLAGS = ("-fopenmp",)
+# Tried in turn: a compiler without OpenMP (e.g. Apple clang) builds one-threaded
+# kernels; one that rejects the architecture flags, portable ones.
+BUILDS = ((*ARCH_FLAGS, *PARALLEL_FLAGS), ARCH_FLAGS, ())
+
+SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_i64, _int, _ptr, _double = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_double
+# The C entry points (one per row type, suffixed _f32 / _f64): rows, length, then the
+# per-row parameters as (double array, stride 0 or 1); the thread count last.
+SIGNATURES = {
+    # x, y, rows, length, variant, first, stride, second, stride, multiplier, log_count | NULL, threads
+    "attnorm_softmax_forward": (_ptr, _ptr, _i64, _i64, _int, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _int),
+    # y, grad, x | NULL, grad_x, rows, length, multiplier, stride, param_grad, per_row | NULL, threads
+    "attnorm_softmax_backward": (_ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int, _ptr, _int),
+    # x, y, rows, length, k, is_fraction, temperature, stride, multiplier, threads
+    "attnorm_topk_forward": (_ptr, _ptr, _i64, _i64, _double, _int, _ptr, _i64, _ptr, _int),
+    # x, y, rows, length, alpha, stride, gate, threads
+    "attnorm_entmax_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int),
+    # y, grad, grad_x, rows, length, gate, stride, alpha, stride, alpha_grad | NULL, threads
+    "attnorm_entmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _int),
+    # x, y, rows, length, normalized, stats, threads
+    "attnorm_self_adjusted_forward": (_ptr, _ptr, _i64, _i64, _int, _ptr, _int),
+    # x, grad, grad_x, rows, length, normalized, stats, threads
+    "attnorm_self_adjusted_backward": (_ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _int),
+}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_info: dict[str, object] = {}
+_disabled = False
+
+
+class _BuildError(RuntimeError):
+    """The compiler is missing or failed: it would fail in any cache directory."""
+
+
+def _cache_dirs() -> list[Path]:
+    """Where a build may go: the configured cache, then a per-user temporary directory."""
+    if os.environ.get("ATTNORM_CACHE_DIR"):
+        return [Path(os.environ["ATTNORM_CACHE_DIR"])]
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    user = os.environ.get("USER") or str(os.getuid() if hasattr(os, "getuid") else "user")
+    return [Path(base) / "attnorm", Path(tempfile.gettempdir()) / f"attnorm-{user}"]
+
+
+def _compiler() -> list[str]:
+    """``$CC`` split like a shell would (``"gcc -O0"`` is a compiler and a flag), else ``cc``."""
+    return shlex.split(os.environ.get("CC", "")) or ["cc"]
+
+
+def _cpu_signature() -> bytes:
+    # -march=native code must not be loaded on a machine with other instructions.
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags.encode()
+
+
+def _library_name(compiler: list[str]) -> str:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(" ".join((*compiler, *FLAGS, *ARCH_FLAGS, *PARALLEL_FLAGS, platform.machine())).encode())
+    digest.update(_cpu_signature())
+    return f"attnorm_rows_{digest.hexdigest()[:16]}.so"
+
+
+def _checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _checksum(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(path: Path) -> bool:
+    """True when ``path`` is non-empty and matches its checksum: read, never mapped, so a truncated file is harmless."""
+    try:
+        return path.stat().st_size > 0 and _checksum(path) == _checksum_path(path).read_text().strip()
+    except OSError:
+        return False
+
+
+def _build(compiler: list[str], target: Path) -> None:
+    """Compile into a scratch directory beside ``target``, then rename the library and its checksum into place."""
+    if shutil.which(compiler[0]) is None:
+        raise _BuildError(f"no C compiler ({compiler[0]!r} not found)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        partial = Path(scratch) / target.name
+        errors = []
+        for extra in BUILDS:
+            command = [*compiler, *FLAGS, *extra, str(SOURCE_DIR / "rows.c"), "-o", str(partial), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode == 0 and partial.is_file() and partial.stat().st_size > 0:
+                checksum = _checksum_path(partial)
+                checksum.write_text(_checksum(partial))
+                os.replace(partial, target)
+                os.replace(checksum, _checksum_path(target))
+                return
+            errors.append(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+        raise _BuildError("\n".join(errors))
+
+
+def _probe(lib: ctypes.CDLL) -> bool:
+    """A tiny known call: softmax of (0, log 3) is (1/4, 3/4)."""
+    function = lib.attnorm_softmax_forward_f64
+    x = (ctypes.c_double * 2)(0.0, math.log(3.0))
+    y, multiplier, one = (ctypes.c_double * 2)(), (ctypes.c_double * 1)(), (ctypes.c_double * 1)(1.0)
+    status = function(x, y, 1, 2, 0, one, 0, one, 0, multiplier, None, 1)
+    return status == 0 and abs(y[0] - 0.25) < 1e-12 and abs(y[1] - 0.75) < 1e-12 and multiplier[0] == 1.0
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """Load a verified library, declare its entry points and probe it.
+
+    Raises:
+        _BuildError: the library loads but computes a wrong result.
+    """
+    lib = ctypes.CDLL(str(path))
+    for function_name, argtypes in SIGNATURES.items():
+        for suffix in SUFFIX.values():
+            function = getattr(lib, f"{function_name}_{suffix}")
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
+    if not _probe(lib):
+        raise _BuildError(f"{path} loads but fails its probe call")
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("ATTNORM_NATIVE", "1") == "0":
+        _info.update(available=False, reason="disabled by ATTNORM_NATIVE=0")
+        return None
+    compiler = _compiler()
+    name, errors = _library_name(compiler), []
+    for directory in _cache_dirs():
+        path = directory / name
+        started = time.perf_counter()
+        try:
+            cached = _verified(path)
+            if not cached:
+                _build(compiler, path)
+                if not _verified(path):  # replaced meanwhile by a broken file
+                    raise _BuildError(f"{path} does not match its checksum after the build")
+            lib = _open(path)
+        except _BuildError as error:  # it would fail in any directory
+            errors.append(str(error))
+            break
+        except OSError as error:  # an unwritable cache: try the next
+            errors.append(str(error))
+            continue
+        features = lib.attnorm_build_features()
+        _info.update(available=True, path=str(path), cached=cached, seconds=time.perf_counter() - started,
+                     compiler=" ".join(compiler), openmp=bool(features & 1), avx512=bool(features & 2),
+                     avx2=bool(features & 4))
+        return lib
+    reason = "; ".join(errors)
+    _info.update(available=False, reason=reason)
+    warnings.warn(f"attnorm: native CPU kernels unavailable, the reference backend runs instead ({reason})",
+                  stacklevel=4)
+    return None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library (built on first call, once per process), or None when unavailable."""
+    global _library
+    if not _info:
+        with _lock:
+            if not _info:
+                _library = _load()
+    return _library
+
+
+@functools.cache
+def kernel(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+    """The C entry point ``name`` for rows of ``dtype`` (float32 or float64).
+
+    Raises:
+        RuntimeError: the native kernels are unavailable (see :func:`build_info`).
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"attnorm native kernels are unavailable: {_info.get('reason')}")
+    return getattr(lib, f"{name}_{SUFFIX[dtype]}")
+
+
+def build_info() -> dict[str, object]:
+    """What loading the native kernels did.
+
+    Returns:
+        ``{"available": bool, ...}`` with ``path``, ``cached`` (True when an earlier
+        build was reused), ``seconds`` (time to build or load), ``compiler`` and what
+        the build uses (``openmp``: threads across rows; ``avx512``, ``avx2``: vector
+        instructions) when available, or ``reason`` when not.
+    """
+    library()
+    return dict(_info)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block, :func:`usable` is False (the operator layer runs the reference; to compare or debug)."""
+    global _disabled
+    previous, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = previous
+
+
+def usable() -> bool:
+    """True when the native kernels run: not disabled, and built and loaded (on the first call)."""
+    return not _disabled and library() is not None
