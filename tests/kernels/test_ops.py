@@ -269,3 +269,28 @@ def test_no_host_synchronisation_on_cuda(name):
         module(x, mask).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# ---- dtypes -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_in_half_precision_out(backend, dtype):
+    x = scores(2, 3, 40, dtype=dtype)
+    s = torch.tensor(0.6, device=DEVICE)
+    out = attnorm.functional.scalable_softmax(x, s=s, mask=attnorm.causal_mask(), backend=backend)
+    assert out.dtype == dtype
+    expected = attnorm.functional.scalable_softmax(
+        x.double(), s=s.double(), mask=attnorm.causal_mask(), backend="reference"
+    )
+    torch.testing.assert_close(out.double(), expected, atol=4e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_autocast_computes_forward_ops_in_float32(backend):
+    x = scores(2, 3, 8, dtype=torch.bfloat16)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y, multiplier = ops.softmax_fwd(x, None, None, None, 1.0, None, backend)
+    assert y.dtype == torch.float32 and multiplier.dtype == torch.float32
+    torch.testing.assert_close(y, torch.softmax(x.float(), -1))
