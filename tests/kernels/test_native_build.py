@@ -1,9 +1,9 @@
-"""Building and loading the native kernels (attnorm.kernels.native), each case in a fresh
-process with a fresh ``ATTNORM_CACHE_DIR``.
+"""Building, caching and loading the native kernels (attnorm.kernels.cpu.build), each case in
+a fresh process with a fresh ``ATTNORM_CACHE_DIR``.
 
-The first load builds the library and a later process reuses it; with the kernels
-turned off, or without a working compiler, loading reports why, and the public
-functions run the torch-only path and still match the float64 reference.
+The first load builds the library and a later process reuses it; a truncated or empty
+cached library is rebuilt (never mapped); ``CC`` may carry flags; without a compiler
+``usable()`` is False with one warning; concurrent first calls build once.
 """
 
 from __future__ import annotations
@@ -19,104 +19,128 @@ import pytest
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 
-# Prints build_info() as JSON, with the implementation cpu._kernels picks and the
-# warnings loading raised, once the public functions have matched the reference.
+# Prints build_info() as JSON, with usable(), the warnings loading raised and the
+# result of a softmax call checked against torch.softmax when the kernels load.
 PROBE = """
-import json, math, warnings
+import json, warnings
 import torch
-from attnorm import functional as F
-from attnorm.kernels import fast_cpu as cpu, old_reference as reference
-from attnorm.kernels.cpu import native
+from attnorm.kernels import rules
+from attnorm.kernels.cpu import build, native
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    info = native.build_info()
-x = torch.randn(3, 4, 300, generator=torch.Generator().manual_seed(0)) * 2
-x[0, 1, ::3] = -math.inf
-x64 = x.double()
-checks = {
-    "softmax": (F.softmax(x, temperature=0.7), reference.softmax_rows(x64, None, temperature=0.7)),
-    "sparsemax": (F.sparsemax(x), reference.sparsemax_row_op(x64, None)),
-    "entmax": (F.entmax(x, alpha=1.3), reference.entmax_row_op(x64, None, alpha=1.3)),
-    "topk": (F.topk_softmax(x, 5), reference.topk_softmax_rows(x64, None, k=5)),
-}
-for name, (got, expected) in checks.items():
-    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0, msg=name)
-info["kernels"] = "native" if cpu._kernels(x) is cpu._NATIVE else "torch-only"
+    usable = build.usable()
+    build.usable()
+info = build.build_info()
+if usable:
+    x = torch.randn(4, 300, dtype=torch.float64)
+    y, _, _ = native.softmax_forward(x, rules.RowMask(), 0, 0.7, 0.0)
+    torch.testing.assert_close(y, torch.softmax(x / 0.7, -1))
+info["usable"] = usable
 info["warnings"] = [str(warning.message) for warning in caught]
 print(json.dumps(info))
 """
 
+# Eight threads make their first native call at once.
+THREADS = """
+import json, threading
+import torch
+from attnorm.kernels import rules
+from attnorm.kernels.cpu import build, native
 
-def load_in_fresh_process(cache: Path, **environment: str) -> dict:
-    """build_info() of a new Python process with ATTNORM_CACHE_DIR=cache; ``environment``
-    overrides the variables (ATTNORM_NATIVE and CC are unset otherwise)."""
+barrier, results = threading.Barrier(8), []
+def call():
+    barrier.wait()
+    x = torch.randn(3, 50)
+    results.append(bool(torch.allclose(native.entmax_forward(x, rules.RowMask(), 1.5)[0].sum(-1), torch.ones(3))))
+workers = [threading.Thread(target=call) for _ in range(8)]
+for worker in workers:
+    worker.start()
+for worker in workers:
+    worker.join()
+print(json.dumps({"results": results, **build.build_info()}))
+"""
+
+
+def run_fresh(cache: Path, script: str = PROBE, **environment: str) -> dict:
+    """The JSON line ``script`` prints in a new Python process with ATTNORM_CACHE_DIR=cache;
+    ``environment`` overrides variables (ATTNORM_NATIVE and CC are unset otherwise)."""
     env = {name: value for name, value in os.environ.items() if name not in ("ATTNORM_NATIVE", "CC")}
     env.update(ATTNORM_CACHE_DIR=str(cache), **environment)
     result = subprocess.run(
-        [sys.executable, "-c", PROBE], cwd=REPOSITORY, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], cwd=REPOSITORY, env=env, capture_output=True, text=True, timeout=300
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr}"
     return json.loads(result.stdout.splitlines()[-1])
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_first_process_builds_and_the_next_reuses_the_build(tmp_path):
-    first = load_in_fresh_process(tmp_path / "cache")
-    assert first["available"] and not first["cached"]
-    assert Path(first["path"]).parent == tmp_path / "cache"
-    assert first["kernels"] == "native"
-    assert first["warnings"] == []
-    second = load_in_fresh_process(tmp_path / "cache")
-    assert second["available"] and second["cached"]
-    assert second["path"] == first["path"]
-    assert second["kernels"] == "native"
+def libraries(cache: Path) -> list[Path]:
+    return sorted(cache.glob("attnorm_rows_*.so"))
 
 
-def test_disabled_by_attnorm_native_0(tmp_path):
-    info = load_in_fresh_process(tmp_path / "cache", ATTNORM_NATIVE="0")
-    assert not info["available"]
-    assert "ATTNORM_NATIVE=0" in info["reason"]
-    assert info["kernels"] == "torch-only"
-    assert not (tmp_path / "cache").exists()  # nothing was built
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
-def test_a_missing_compiler_falls_back_to_torch(tmp_path):
-    info = load_in_fresh_process(tmp_path / "cache", CC="/nonexistent/cc")
-    assert not info["available"]
-    assert "/nonexistent/cc" in info["reason"]
-    assert info["kernels"] == "torch-only"
+def test_first_load_builds_and_later_processes_reuse_it(tmp_path):
+    first = run_fresh(tmp_path)
+    assert first["usable"] and first["available"] and not first["cached"] and not first["warnings"]
+    assert [path.name for path in libraries(tmp_path)] == [Path(first["path"]).name]
+    assert (tmp_path / (Path(first["path"]).name + ".sha256")).is_file()
+    assert not [path for path in tmp_path.iterdir() if path.is_dir()]  # no scratch directory left behind
+    second = run_fresh(tmp_path)
+    assert second["usable"] and second["cached"] and second["path"] == first["path"]
 
 
-@pytest.mark.skipif(shutil.which("false") is None, reason="no `false` command to act as a failing compiler")
-def test_a_failing_build_warns_and_falls_back_to_torch(tmp_path):
-    info = load_in_fresh_process(tmp_path / "cache", CC="false")
-    assert not info["available"]
-    assert "failed" in info["reason"]
-    assert info["kernels"] == "torch-only"
-    assert len(info["warnings"]) == 1 and "torch-only" in info["warnings"][0]
-    assert list((tmp_path / "cache").glob("*.so")) == []  # no partial library left behind
+@pytest.mark.parametrize("damage", ["truncated", "empty", pytest.param("garbage", marks=pytest.mark.slow)])
+def test_a_damaged_cached_library_is_rebuilt(tmp_path, damage):
+    path = Path(run_fresh(tmp_path)["path"])
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 3], "empty": b"", "garbage": b"\x7fELF" + b"\0" * 100}[damage])
+    again = run_fresh(tmp_path)  # would die with SIGBUS if the damaged file were mapped
+    assert again["usable"] and not again["cached"] and not again["warnings"]
+    assert path.read_bytes() == data or len(path.read_bytes()) > 0
+    assert run_fresh(tmp_path)["cached"]
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-@pytest.mark.parametrize(
-    "rejected, openmp",
-    [("-fopenmp", False), ("-march=native", False)],
-    ids=["no-openmp", "no-native-arch"],
-)
-def test_a_compiler_rejecting_flags_gets_a_simpler_build(tmp_path, rejected, openmp):
-    # A compiler like Apple clang: it fails on `rejected` and builds without it.
-    wrapper = tmp_path / "cc"
-    wrapper.write_text(f'#!/bin/sh\nfor arg; do [ "$arg" = "{rejected}" ] && exit 1; done\nexec cc "$@"\n')
+@pytest.mark.slow
+def test_a_library_without_its_checksum_is_rebuilt(tmp_path):
+    path = Path(run_fresh(tmp_path)["path"])
+    path.with_name(path.name + ".sha256").unlink()
+    again = run_fresh(tmp_path)
+    assert again["usable"] and not again["cached"]
+
+
+def test_compiler_with_flags(tmp_path):
+    info = run_fresh(tmp_path, CC="cc -O0 -DATTNORM_TEST_FLAG=1")
+    assert info["usable"] and info["compiler"] == "cc -O0 -DATTNORM_TEST_FLAG=1"
+    plain = run_fresh(tmp_path)  # another compiler command, another library
+    assert plain["usable"] and plain["path"] != info["path"]
+
+
+def test_no_compiler_means_unusable_with_one_warning(tmp_path):
+    info = run_fresh(tmp_path, CC="/nonexistent/cc")
+    assert not info["usable"] and not info["available"]
+    assert "no C compiler" in info["reason"]
+    assert len(info["warnings"]) == 1 and "unavailable" in info["warnings"][0]
+    assert not libraries(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_failing_compiler_means_unusable_with_one_warning(tmp_path):
+    info = run_fresh(tmp_path, CC="cc -DNOT_A_FLAG -fthis-flag-does-not-exist")
+    assert not info["usable"] and len(info["warnings"]) == 1 and "failed" in info["reason"]
+
+
+def test_disabled_by_environment_without_warning(tmp_path):
+    info = run_fresh(tmp_path, ATTNORM_NATIVE="0")
+    assert not info["usable"] and info["reason"] == "disabled by ATTNORM_NATIVE=0" and not info["warnings"]
+
+
+def test_concurrent_first_calls_build_once(tmp_path):
+    log = tmp_path / "compiler.log"
+    wrapper = tmp_path / "counting-cc"
+    wrapper.write_text(f'#!/bin/sh\necho run >> "{log}"\nexec cc "$@"\n')
     wrapper.chmod(0o755)
-    info = load_in_fresh_process(tmp_path / "cache", CC=str(wrapper))
-    assert info["available"] and not info["cached"]
-    assert info["openmp"] is openmp
-    assert info["kernels"] == "native"
-    assert info["warnings"] == []
-
-
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_build_info_says_what_the_build_uses(tmp_path):
-    info = load_in_fresh_process(tmp_path / "cache")
-    assert all(isinstance(info[feature], bool) for feature in ("openmp", "avx512", "avx2"))
+    info = run_fresh(tmp_path / "cache", THREADS, CC=str(wrapper))
+    assert info["results"] == [True] * 8 and info["available"]
+    assert log.read_text().count("run") == 1

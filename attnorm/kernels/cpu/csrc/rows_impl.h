@@ -327,7 +327,7 @@ static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, i
             factor = xi;
             direct = g[i] * w;
         }
-        REAL dx = w * (g[i] * factor - P) + direct;
+        REAL dx = w > 0 ? w * (g[i] * factor - P) + direct : 0; /* w = 0: no 0 * inf from a huge g phi - P */
         dx += (xi == low ? through_low : 0) - (xi == high ? through_high : 0);
         gx[i] = allowed ? dx : 0;
     }
