@@ -377,7 +377,7 @@ def _entmax_backward_kernel(
     length, y_row_stride, g_row_stride, dx_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, ALPHA_GRAD: tl.constexpr, COMPUTE: tl.constexpr,
 ):
-    """Closed-form entmax backward for one row (formulas in the module docstring).
+    """Closed-form entmax backward for one row (formulas in the module docstring); NaN rows give NaN.
 
     Passes and bytes moved: a single-block row reads y and g once and writes dx
     once, ``3 L itemsize``, plus the per-row gate (and alpha's gradient); a
@@ -389,20 +389,22 @@ def _entmax_backward_kernel(
     beta = tl.where(alpha == 1, 0.0, 1.0 / tl.where(alpha == 1, 2.0, alpha - 1))
     if SINGLE:
         cols = tl.arange(0, BLOCK)
-        inside = cols < length
         y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
         gppr_g, gppr_sum, entropy_g, entropy_sum = _backward_block_sums(y, g, alpha, beta, ALPHA_GRAD)
+        nan_row = tl.sum((y != y).to(tl.int32), 0) > 0
         mean_g = gppr_g / tl.where(gppr_sum > 0, gppr_sum, 1.0)
         dx = gate * _power(y, 2 - alpha) * (g - mean_g)
-        tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=inside)
+        store_row(DX, row, cols, length, dx_row_stride, dx, nan_row)
     else:
         gppr_g = tl.zeros((), COMPUTE)
         gppr_sum = tl.zeros((), COMPUTE)
         entropy_g = tl.zeros((), COMPUTE)
         entropy_sum = tl.zeros((), COMPUTE)
+        nan = tl.zeros((), tl.int32)
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
+            nan += tl.sum((y != y).to(tl.int32), 0)
             block_gppr_g, block_gppr, block_entropy_g, block_entropy = _backward_block_sums(
                 y, g, alpha, beta, ALPHA_GRAD
             )
@@ -413,10 +415,9 @@ def _entmax_backward_kernel(
         mean_g = gppr_g / tl.where(gppr_sum > 0, gppr_sum, 1.0)
         for start in range(0, length, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            inside = cols < length
             y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
             dx = gate * _power(y, 2 - alpha) * (g - mean_g)
-            tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=inside)
+            store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
     if ALPHA_GRAD:
         ratio = entropy_sum / tl.where(gppr_sum > 0, gppr_sum, 1.0)
         tl.store(D_ALPHA + row, gate * beta * (entropy_g - ratio * gppr_g))

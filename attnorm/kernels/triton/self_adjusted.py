@@ -140,7 +140,7 @@ def _input_grad(x, allowed, g, c0, c1, low, high, phi_g_w, g_w, at_low, at_high,
     weights = tl.where(allowed, tl.exp((x - c0) - c1), 0.0)
     scale, scaled_span = _span(low, high)
     phi = _factor(x, low, scale, scaled_span, NORMALIZED)
-    dx = weights * (g * phi - phi_g_w)
+    dx = weights * g * phi - weights * phi_g_w  # g phi - P could overflow; each product cannot
     if NORMALIZED:
         # Every 1 / span term is (value * scale) / scaled span: finite values never give NaN.
         positive = scaled_span > 0
