@@ -1,11 +1,13 @@
 """Every Triton kernel compiles for NVIDIA GPUs, checked offline (no GPU needed).
 
 Triton's interpreter runs kernels through numpy and accepts code the GPU compiler
-rejects (device functions whose returns differ in type, for one).  Here each
-kernel, single-block and multi-pass, float32/float64/float16, with a structured
-and a bool mask, goes through Triton's compiler down to a cubin (ptxas ships with
-triton) for sm_80 and sm_90.  It runs in a subprocess with the interpreter off and
-a stand-in driver that only names the target; ``warmup`` compiles without launching.
+rejects (device functions whose returns differ in type, for one).  Here each of the
+seven backend functions, forward and backward, single-block and multi-pass,
+float32/float64/float16/bfloat16, with a structured mask, a bool mask and both,
+launches its kernels (through ``torch.library.wrap_triton``) into Triton's compiler
+down to a cubin (ptxas ships with triton) for sm_80 and sm_90.  It runs in a subprocess with the interpreter off and
+a stand-in driver that only names the target; ``JITFunction.run`` is patched to compile
+(``warmup=True``) without launching.
 """
 
 from __future__ import annotations
@@ -53,44 +55,53 @@ driver.set_active(TargetOnlyDriver(int(sys.argv[1])))
 compiled = set()
 
 
-def compile_instead_of_launching(self, grid):
-    def warmup(*args, **kwargs):
-        kernel = self.warmup(*args, grid=grid, **kwargs)
-        assert kernel.asm["cubin"], self.__name__
-        compiled.add(self.__name__)
-
-    return warmup
+original_run = JITFunction.run
 
 
-JITFunction.__getitem__ = compile_instead_of_launching
+def compile_instead_of_launching(self, *args, grid, warmup=False, **kwargs):
+    kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
+    assert kernel.asm["cubin"], self.__name__
+    compiled.add(self.__name__)
+    return kernel
 
-import attnorm
-import attnorm.functional as F
-from attnorm.kernels.triton import launch
 
-ops = [
-    (F.softmax, {"temperature": torch.ones(2, 1, 1, requires_grad=True)}),
-    (F.scalable_softmax, {"s": torch.ones(2, 1, 1, requires_grad=True), "bias": 0.0}),
-    (F.self_adjusted_softmax, {}),
-    (F.self_adjusted_softmax, {"normalized": False}),
-    (F.entmax, {"alpha": torch.full((2, 1, 1), 1.5, requires_grad=True)}),
-    (F.topk_softmax, {"k": 0.25}),
-]
-structured = attnorm.causal_mask(1) & attnorm.key_padding_mask(torch.tensor([5, 6]))
+JITFunction.run = compile_instead_of_launching
+
+from attnorm.kernels import triton as kernels
+from attnorm.kernels.rules import RowMask
+from attnorm.kernels.triton import launch as launcher
+
+
+def every_function(x, mask):
+    # Each of the seven functions, forward and backward, with per-row tensor parameters and gradients.
+    rows = torch.ones(*x.shape[:-1], 1)
+    g = torch.ones_like(x)
+    for variant in (0, 1):
+        y, multiplier, _ = kernels.softmax_forward(x, mask, variant, rows, 0.0)
+        for param_grad in (0, 1, 2):
+            kernels.softmax_backward(y, g, multiplier, x, param_grad)
+    kernels.topk_forward(x, mask, 0.25, True, rows)
+    kernels.topk_forward(x, mask, 3, False, 1.0)
+    y, gate = kernels.entmax_forward(x, mask, rows * 1.5)
+    kernels.entmax_backward(y, g, gate, rows * 1.5, True)
+    for normalized in (True, False):
+        y, stats = kernels.self_adjusted_forward(x, mask, normalized)
+        kernels.self_adjusted_backward(x, mask, g, stats, normalized)
+
+
+structured = RowMask(diagonal=1, key_lengths=torch.tensor([5, 6]))
+every_mask = RowMask(torch.ones(1, 1, 3, 37, dtype=torch.bool), 1, torch.tensor([5, 6]))
 for single_block_max in (8192, 16):
-    launch.SINGLE_BLOCK_MAX = launch.MULTI_PASS_BLOCK = single_block_max
+    launcher.SINGLE_BLOCK_MAX = launcher.MULTI_PASS_BLOCK = single_block_max
     for dtype, mask in [
         (torch.float32, structured),
-        (torch.float32, torch.ones(3, 37, dtype=torch.bool)),
-        (torch.float64, None),
+        (torch.float32, RowMask(torch.ones(1, 1, 3, 37, dtype=torch.bool))),
+        (torch.float32, every_mask),
+        (torch.float64, RowMask()),
+        (torch.float16, structured),
+        (torch.bfloat16, RowMask()),
     ]:
-        for fn, params in ops:
-            x = torch.randn(2, 2, 3, 37, dtype=dtype, requires_grad=True)
-            out = fn(x, mask=mask, backend="triton", **params)
-            inputs = [x] + [value for value in params.values() if isinstance(value, torch.Tensor)]
-            torch.autograd.grad(out, inputs, torch.ones_like(out))
-    row_op = attnorm.kernels.dispatch.resolve("softmax", torch.empty(0), "triton")
-    row_op(torch.randn(4, 37, dtype=torch.float16), None, temperature=1.0)  # half read directly
+        every_function(torch.randn(2, 2, 3, 37).to(dtype), mask)
 assert len(compiled) == 7, sorted(compiled)
 """
 
