@@ -213,7 +213,7 @@ def entmax_forward(x: Tensor, mask: rules.RowMask, alpha: float | Tensor) -> tup
     to 1: the solution of ``argmax_{p in simplex} p.x + H_alpha(p)`` (Tsallis entropy).
     alpha = 1 is softmax, 2 sparsemax (exact), 1.5 exact by its closed form; other
     alpha by a safeguarded Halley iteration, refined in double where it is ill
-    conditioned (alpha > 2, and alpha < 1.25 for float32).
+    conditioned (alpha > 2, and alpha < 1.1 for float32).
 
     Args:
         x: scores ``(..., L)``, float32 or float64.

@@ -311,5 +311,5 @@ static void entmax_anchored(double* v, int64_t count, double alpha, double start
 #define SQRT_EPS 3.4526698e-4 /* sqrt(FLT_EPSILON) */
 #define REAL_MAX FLT_MAX
 #define NEXT_BELOW(v) nextafterf(v, -INFINITY)
-#define WIDE_ENTMAX 1 /* 1 < alpha < 1.25: the threshold and weights in double */
+#define WIDE_ENTMAX 1 /* 1 < alpha < 1.1: the threshold and weights in double */
 #include "rows_impl.h"

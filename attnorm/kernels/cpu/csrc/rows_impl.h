@@ -10,21 +10,17 @@
 
 /* ---- the shared row rules ------------------------------------------------------ */
 
-/* One pass: the largest score (-inf when every score is masked), the smallest finite
- * one (+inf when none) and whether a score is NaN. */
-static int FN(scan_row)(const REAL* x, int64_t length, REAL* top, REAL* bottom) {
-    REAL high = -INFINITY, low = INFINITY;
+/* One pass: the largest score (-inf when every score is masked) and whether a score is NaN. */
+static int FN(scan_row)(const REAL* x, int64_t length, REAL* top) {
+    REAL high = -INFINITY;
     int nan = 0;
-#pragma omp simd reduction(max : high) reduction(min : low) reduction(| : nan)
+#pragma omp simd reduction(max : high) reduction(| : nan)
     for (int64_t i = 0; i < length; i++) {
         REAL xi = x[i];
-        REAL finite = xi == -INFINITY ? INFINITY : xi;
         high = xi > high ? xi : high;
-        low = finite < low ? finite : low;
         nan |= xi != xi;
     }
     *top = high;
-    *bottom = low;
     return nan;
 }
 
@@ -110,15 +106,18 @@ static inline REAL FN(scaled_difference)(REAL xi, REAL anchor, REAL m) {
 
 /*
  * y = softmax(m x) over the allowed positions of a row of finite allowed scores
- * (top: the largest, bottom: the smallest), as exp(m (x - anchor)) / sum with the
- * anchor the score whose scaled value is largest (top for m >= 0, bottom for m < 0),
- * so every exponent is <= 0 and the sum >= 1.  Two passes: exponentials and their
- * sum, then the scaling.
+ * (top: the largest), as exp(m (x - anchor)) / sum with the anchor the score whose
+ * scaled value is largest (top for m >= 0, the smallest finite score for m < 0), so
+ * every exponent is <= 0 and the sum >= 1.  Two passes: exponentials and their sum,
+ * then the scaling (three for m < 0 or a tiny m, which look for the smallest score or
+ * guard against differences that overflow).
  */
-static void FN(softmax_finite)(const REAL* x, REAL* y, int64_t length, REAL m, REAL top, REAL bottom) {
-    const REAL anchor = m >= 0 ? top : bottom;
+static void FN(softmax_finite)(const REAL* x, REAL* y, int64_t length, REAL m, REAL top) {
+    /* m REAL_MAX > 1000: a difference beyond the range would give exp(< -1000) = 0 anyway */
+    const int plain = m > 0 && m * REAL_MAX > 1000;
+    const REAL anchor = m >= 0 ? top : FN(smallest_finite)(x, length);
     REAL total = 0; /* summed in SIMD lanes: pairwise-like rounding */
-    if (m > 0 && top - bottom < REAL_MAX) { /* -inf scores give exp(-inf) = 0 */
+    if (plain) { /* -inf scores give exp(-inf) = 0 */
 #pragma omp simd reduction(+ : total)
         for (int64_t i = 0; i < length; i++) {
             REAL e = EXP(m * (x[i] - anchor)); /* the difference first: exact for nearby scores */
@@ -142,11 +141,11 @@ static void FN(softmax_finite)(const REAL* x, REAL* y, int64_t length, REAL m, R
 /* ---- softmax(m x): temperature (variant 0) and Scalable-Softmax (variant 1) ---- */
 
 /* m = 1 / first, or first * log(max(n, 1)) + second with n the allowed positions.
- * Passes: one scan (+ one count for variant 1), then softmax_finite's two. */
+ * Passes: one scan (+ one count for variant 1), then softmax_finite's. */
 static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, int variant, double first, double second,
                             REAL* multiplier, REAL* log_count) {
-    REAL top, bottom;
-    int nan = FN(scan_row)(x, length, &top, &bottom);
+    REAL top;
+    int nan = FN(scan_row)(x, length, &top);
     double m;
     if (variant == 1) {
         int64_t n = FN(count_allowed)(x, length);
@@ -158,7 +157,7 @@ static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, int variant,
     }
     int kind = FN(special_row)(x, y, length, nan, top, -1);
     *multiplier = kind == ROW_POSINF ? 0 : (REAL)m;
-    if (kind == ROW_FINITE) FN(softmax_finite)(x, y, length, (REAL)m, top, bottom);
+    if (kind == ROW_FINITE) FN(softmax_finite)(x, y, length, (REAL)m, top);
 }
 
 /*
@@ -227,11 +226,12 @@ static void FN(sa_span)(REAL top, REAL bottom, REAL* low, REAL* high, REAL* scal
  * softmax weights w = exp((x - c0) - c1): c0 the row max, c1 the log of the sum;
  * gate is 0 in rows holding +inf or fully masked.  A row holding +inf is the limit
  * of the finite case: weights uniform over the +inf positions (normalized) or +inf
- * there (plain).  Three passes: the scan, exponentials and their sum, the factors.
+ * there (plain).  Three passes: the scan, exponentials and their sum, the factors
+ * (four when normalized: the smallest score).
  */
 static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int normalized, REAL* stats) {
-    REAL top, bottom;
-    int nan = FN(scan_row)(x, length, &top, &bottom);
+    REAL top;
+    int nan = FN(scan_row)(x, length, &top);
     int kind = FN(special_row)(x, y, length, nan, top, -1);
     if (kind != ROW_FINITE) {
         if (kind == ROW_POSINF && !normalized) {
@@ -242,7 +242,7 @@ static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int no
         return;
     }
     REAL low = 0, high = 0, scale = 1, span = 0;
-    if (normalized) FN(sa_span)(top, bottom, &low, &high, &scale, &span);
+    if (normalized) FN(sa_span)(top, FN(smallest_finite)(x, length), &low, &high, &scale, &span);
     REAL total = 0;
 #pragma omp simd reduction(+ : total)
     for (int64_t i = 0; i < length; i++) {
@@ -462,7 +462,7 @@ static double FN(entmax_threshold)(REAL* t, int32_t* index, int64_t* count_io, d
  *
  * Where that is ill conditioned the weights are recomputed in double: for alpha > 2
  * by entmax_anchored (relative to the smallest support score), and for float rows
- * with alpha < 1.25 (errors in t grow by 1 / (alpha - 1) in the weights) the
+ * with alpha < 1.1 (errors in t grow by 1 / (alpha - 1) in the weights) the
  * threshold and weights run on double candidates.  `wide` holds length + PAD
  * doubles.  Passes over the row: one scan, one gather, one zeroing write; then
  * passes over the candidates only.
@@ -473,7 +473,7 @@ static void FN(entmax_finite)(const REAL* x, REAL* y, int64_t length, double alp
     const REAL scale = (REAL)(alpha - 1);
     const int kind = entmax_kind(alpha);
     const int anchored = alpha > 2;
-    const int in_double = WIDE_ENTMAX && kind == GENERAL && alpha < 1.25;
+    const int in_double = WIDE_ENTMAX && kind == GENERAL && alpha < 1.1;
     double low = -1.0;
     if (alpha <= 2 && !in_double && length >= 4 * groups) { /* on short rows the subset costs more than it saves */
         int64_t count = groups;
@@ -522,7 +522,7 @@ static void FN(entmax_row)(const REAL* x, REAL* y, int64_t length, double alpha,
     int kind = FN(special_row)(x, y, length, nan || !(alpha >= 1), top, -1);
     *gate = kind != ROW_POSINF;
     if (kind != ROW_FINITE) return;
-    if (alpha == 1) FN(softmax_finite)(x, y, length, 1, top, FN(smallest_finite)(x, length));
+    if (alpha == 1) FN(softmax_finite)(x, y, length, 1, top);
     else FN(entmax_finite)(x, y, length, alpha, top, group_max, groups, t, index, wide);
 }
 
