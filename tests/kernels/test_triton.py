@@ -121,7 +121,7 @@ def allowed_positions(x: torch.Tensor, mask: RowMask) -> torch.Tensor:
 
 def per_row(value, x: torch.Tensor) -> torch.Tensor:
     """A parameter (number or ``(..., 1)`` tensor) as float64 values per row ``x.shape[:-1]`` (CPU)."""
-    value = value.cpu() if isinstance(value, torch.Tensor) else torch.tensor(value)
+    value = value.cpu() if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=F64)
     return value.to(F64).expand(*x.shape[:-1], 1)[..., 0]
 
 
