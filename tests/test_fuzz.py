@@ -87,11 +87,14 @@ def test_fuzz_invariants_and_reference(case, backend, problem):
     live = ~expected.isnan()
     torch.testing.assert_close(out.double()[live], expected[live], atol=TOLERANCE[x.dtype], rtol=TOLERANCE[x.dtype])
     if x.dtype in (torch.float32, torch.float64):
+        upstream = torch.ones_like(x).cumsum(dim) / x.numel()
         leaf = x.clone().requires_grad_(True)
-        grad = torch.autograd.grad(module(leaf, mask), leaf, torch.ones_like(x).cumsum(dim) / x.numel())[0]
-        finite_in = x.isfinite() | (x == -math.inf)
-        rows_ok = finite_in.all(dim, keepdim=True).expand_as(x)
-        assert grad[rows_ok].isfinite().all(), "non-finite gradient from finite scores"
+        grad = torch.autograd.grad(module(leaf, mask), leaf, upstream)[0]
+        exact = x.double().requires_grad_(True)
+        expected_grad = torch.autograd.grad(case.build(dim=dim, backend="reference")(exact, mask), exact, upstream)[0]
+        # Finite wherever the float64 gradient is representable in the dtype (SA's 1/span can exceed it).
+        representable = expected_grad.abs() < torch.finfo(x.dtype).max / 16
+        assert grad[representable].isfinite().all(), "non-finite gradient where the exact one is finite"
 
 
 def test_eight_threads_give_bit_identical_results():

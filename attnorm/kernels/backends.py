@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import os
 from collections.abc import Iterator
 
 import torch
@@ -86,6 +87,11 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@torch.compiler.assume_constant_result
+def _triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def resolve(backend: str | None, device: torch.device) -> str:
     """The implementation (``"reference"``, ``"native"`` or ``"triton"``) that runs on ``device``.
 
@@ -102,6 +108,11 @@ def resolve(backend: str | None, device: torch.device) -> str:
             raise ValueError(f"backend='triton' runs on CUDA tensors (CPU under TRITON_INTERPRET=1), got {kind}")
         if not triton_installed():
             raise RuntimeError("backend='triton' was requested but triton is not installed (pip install triton)")
+        if kind == "cpu" and not _triton_interpreted():
+            raise RuntimeError(
+                "backend='triton' got CPU tensors: Triton runs them only under its interpreter "
+                "(set TRITON_INTERPRET=1 before importing triton), else give it CUDA tensors"
+            )
         return "triton"
     if requested == "native":
         if kind != "cpu":
