@@ -81,8 +81,8 @@ class _Softmax(Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, mask, diagonal, key_lengths, temperature, temperature_rows, backend):
-        return ops.softmax_fwd(x, mask, diagonal, key_lengths, temperature, temperature_rows, backend)
+    def forward(*args):
+        return ops.softmax_fwd(*args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -109,8 +109,8 @@ class _ScalableSoftmax(Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, mask, diagonal, key_lengths, s, s_rows, bias, bias_rows, backend):
-        return ops.scalable_softmax_fwd(x, mask, diagonal, key_lengths, s, s_rows, bias, bias_rows, backend)
+    def forward(*args):
+        return ops.scalable_softmax_fwd(*args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -138,10 +138,8 @@ class _TopKSoftmax(Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, mask, diagonal, key_lengths, k, is_fraction, temperature, temperature_rows, backend):
-        return ops.topk_softmax_fwd(
-            x, mask, diagonal, key_lengths, k, is_fraction, temperature, temperature_rows, backend
-        )
+    def forward(*args):
+        return ops.topk_softmax_fwd(*args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -157,8 +155,8 @@ class _Entmax(Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, mask, diagonal, key_lengths, alpha, alpha_rows, backend):
-        return ops.entmax_fwd(x, mask, diagonal, key_lengths, alpha, alpha_rows, backend)
+    def forward(*args):
+        return ops.entmax_fwd(*args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -184,8 +182,8 @@ class _SelfAdjustedSoftmax(Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, mask, diagonal, key_lengths, normalized, backend):
-        return ops.self_adjusted_softmax_fwd(x, mask, diagonal, key_lengths, normalized, backend)
+    def forward(*args):
+        return ops.self_adjusted_softmax_fwd(*args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

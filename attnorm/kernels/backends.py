@@ -74,12 +74,17 @@ def use_backend(backend: str) -> Iterator[None]:
         set_backend(previous)
 
 
-@torch.compiler.assume_constant_result
-def native_available() -> bool:
-    """True when the native CPU kernels are built and loaded (builds them on first call)."""
+@functools.cache
+def _native_loads() -> bool:
     from attnorm.kernels.cpu import build
 
     return build.usable()
+
+
+@torch.compiler.assume_constant_result
+def native_available() -> bool:
+    """True when the native CPU kernels are built and loaded (builds them on first call)."""
+    return _native_loads()
 
 
 @functools.cache
@@ -90,6 +95,12 @@ def triton_installed() -> bool:
 @torch.compiler.assume_constant_result
 def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _native_ok() -> bool:
+    # The cached answer in eager (no call through assume_constant_result's wrapper); the
+    # wrapped function under torch.compile, which must not trace the build.
+    return native_available() if torch.compiler.is_compiling() else _native_loads()
 
 
 def resolve(backend: str | None, device: torch.device) -> str:
@@ -117,7 +128,7 @@ def resolve(backend: str | None, device: torch.device) -> str:
     if requested == "native":
         if kind != "cpu":
             raise ValueError(f"backend='native' runs on CPU tensors, got a {kind} tensor")
-        if not native_available():
+        if not _native_ok():
             from attnorm.kernels.cpu import build
 
             reason = build.build_info().get("reason")
@@ -125,7 +136,7 @@ def resolve(backend: str | None, device: torch.device) -> str:
         return "native"
     # "auto" and the "torch" alias
     if kind == "cpu":
-        return "native" if native_available() else "reference"
+        return "native" if _native_ok() else "reference"
     if kind == "cuda" and requested == "auto" and triton_installed():
         return "triton"
     return "reference"

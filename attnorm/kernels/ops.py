@@ -93,10 +93,16 @@ def _kernels(backend: str) -> SimpleNamespace:
 
 
 def _upcast(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], torch.dtype | None]:
-    dtype = next((a.dtype for a in args if isinstance(a, Tensor) and a.dtype in _LOW_PRECISION), None)
-    if dtype is None:
+    dtype = args[0].dtype  # the scores (forward) or saved output (backward) set the precision
+    if dtype not in _LOW_PRECISION:
         return args, None
     return tuple(a.float() if isinstance(a, Tensor) and a.dtype in _LOW_PRECISION else a for a in args), dtype
+
+
+# Ops are defined with the low-level Library API: the dispatcher calls our kernels directly,
+# without custom_op's Python autograd and dynamo wrappers (half the per-call cost); the
+# autograd lives in :mod:`attnorm.kernels.autograd`.
+_LIBRARY = torch.library.Library("attnorm", "DEF")
 
 
 def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[..., Any], *,
@@ -115,16 +121,17 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
             return out.to(dtype)
         return (out[0].to(dtype), *out[1:])
 
-    op = torch.library.custom_op(
-        f"attnorm::{name}", lambda *args: body(_kernels("reference"), *args), mutates_args=(), schema=schema
-    )
-    op.register_kernel("cpu", device_kernel)
-    op.register_kernel("cuda", device_kernel)
-    op.register_fake(fake)
-    torch.library.register_vmap(op, _vmap_rule(op, vmap_kinds, optional_output))
+    qualified = f"attnorm::{name}"
+    _LIBRARY.define(name + schema)
+    _LIBRARY.impl(name, device_kernel, "CPU")
+    _LIBRARY.impl(name, device_kernel, "CUDA")
+    _LIBRARY.impl(name, lambda *args: body(_kernels("reference"), *args), "CompositeExplicitAutograd")
+    torch.library.register_fake(qualified, fake, lib=_LIBRARY)
+    op = getattr(torch.ops.attnorm, name).default
+    torch.library.register_vmap(qualified, _vmap_rule(op, vmap_kinds, optional_output), lib=_LIBRARY)
     if autocast:
         for device in ("cpu", "cuda"):
-            torch.library.register_autocast(op, device, torch.float32)
+            torch.library.register_autocast(qualified, device, torch.float32, lib=_LIBRARY)
     return op
 
 
