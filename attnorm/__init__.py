@@ -17,7 +17,7 @@ from attnorm.normalizers import (
     Sparsemax,
     TopKSoftmax,
 )
-from attnorm.registry import available, make
+from attnorm.normalizers.registry import available, make
 
 __version__ = "0.1.0"
 

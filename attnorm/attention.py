@@ -30,7 +30,7 @@ from torch import Tensor
 from attnorm.kernels.rules import ssmax_multiplier
 from attnorm.masks import StructuredMask, causal_mask
 from attnorm.normalizers import Normalizer, Softmax
-from attnorm.registry import make
+from attnorm.normalizers.registry import make
 
 __all__ = ["attention"]
 

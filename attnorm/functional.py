@@ -10,17 +10,15 @@ default; see :mod:`attnorm.kernels.backends`).
 
 from __future__ import annotations
 
-import math
-from numbers import Real
-
-import torch
 from torch import Tensor
 
 from attnorm.masks import StructuredMask
 from attnorm.normalizers.base import normalize
+from attnorm.validation import check_alpha, check_bool, check_finite, check_k, check_temperature
 
 __all__ = [
     "check_alpha",
+    "check_bool",
     "check_finite",
     "check_k",
     "check_temperature",
@@ -34,77 +32,6 @@ __all__ = [
 
 Mask = Tensor | StructuredMask | None
 Scalar = float | Tensor
-
-
-def _check_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (Real, Tensor)):
-        raise TypeError(f"{name} must be a real number or a tensor, got {value!r}")
-    if isinstance(value, Tensor) and not value.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
-
-
-def _values_checkable(value) -> bool:
-    # Learnable parameters are kept valid by their parametrisation; reading other
-    # tensors' values costs a device sync (or a graph break), accepted on CPU in eager only.
-    if isinstance(value, Real):
-        return True
-    return not value.requires_grad and value.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def _holds(value: Scalar, condition) -> bool:
-    """``condition`` (True for valid values) of a number, or of all a tensor's values;
-    True for tensors whose values are not read (see :func:`_values_checkable`)."""
-    if isinstance(value, Real):  # no tensor round trip: these checks run on every call
-        return condition(float(value))
-    return not _values_checkable(value) or bool(condition(value.detach()).all())
-
-
-# The smallest temperature whose reciprocal (the logit multiplier) is finite in float32.
-SMALLEST_TEMPERATURE = 1 / torch.finfo(torch.float32).max
-
-
-def check_temperature(temperature: Scalar) -> Scalar:
-    """Raise unless ``temperature`` is finite and >= :data:`SMALLEST_TEMPERATURE` (1/T finite in float32)."""
-    _check_number("temperature", temperature)
-    if not _holds(temperature, lambda t: (t >= SMALLEST_TEMPERATURE) & (t < math.inf)):
-        raise ValueError(
-            f"temperature must be finite and >= {SMALLEST_TEMPERATURE:.3g} (so that 1/T is finite in float32), "
-            f"got {_show(temperature)}"
-        )
-    return temperature
-
-
-def check_finite(name: str, value: Scalar) -> Scalar:
-    """Raise unless ``value`` is finite."""
-    _check_number(name, value)
-    if not _holds(value, lambda v: (v > -math.inf) & (v < math.inf)):
-        raise ValueError(f"{name} must be finite, got {_show(value)}")
-    return value
-
-
-def check_alpha(alpha: Scalar) -> Scalar:
-    """Raise unless ``alpha`` >= 1 and finite."""
-    _check_number("alpha", alpha)
-    if not _holds(alpha, lambda a: (a >= 1) & (a < math.inf)):
-        raise ValueError(f"alpha must be >= 1 and finite, got {_show(alpha)}")
-    return alpha
-
-
-def check_k(k: float) -> int | float:
-    """Raise unless ``k`` is an int >= 1 or a float fraction in (0, 1)."""
-    if isinstance(k, bool) or not isinstance(k, (int, float)):
-        raise TypeError(f"k must be an int >= 1 or a float in (0, 1), got {k!r}")
-    if isinstance(k, int) and k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if isinstance(k, float) and not 0 < k < 1:
-        raise ValueError(f"k given as a float is a fraction of the allowed positions and must be in (0, 1), got {k}")
-    return k
-
-
-def _show(value: Scalar) -> str:
-    if isinstance(value, Tensor):
-        return f"tensor with values {value.detach().flatten()[:8].tolist()}"
-    return repr(float(value))
 
 
 def softmax(
@@ -178,8 +105,7 @@ def self_adjusted_softmax(
     Returns:
         Weights like ``x``.
     """
-    if not isinstance(normalized, bool):
-        raise TypeError(f"normalized must be a bool, got {normalized!r}")
+    check_bool("normalized")(normalized)
     return normalize("self_adjusted_softmax", x, mask, dim, {"normalized": normalized}, backend)
 
 

@@ -26,7 +26,7 @@ from attnorm.diagnostics.selection import random_selection_distance, selection_d
 from attnorm.diagnostics.sensitivity import finite_difference_sensitivity, jacobian_norms
 from attnorm.diagnostics.stats import critical_top_n, ks_two_sample, loglog_slope
 from attnorm.diagnostics.weights import effective_tokens, entropy, normalized_entropy, support_size, top_n_mass
-from attnorm.registry import make
+from attnorm.normalizers.registry import make
 
 __all__ = [
     "ModelRun",

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from attnorm.diagnostics.weights import Mask, allowed_positions
 from attnorm.normalizers import Normalizer
-from attnorm.registry import make
+from attnorm.normalizers.registry import make
 
 __all__ = ["finite_difference_sensitivity", "jacobian", "jacobian_norms", "row_function"]
 

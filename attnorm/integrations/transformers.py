@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from attnorm.attention import attention
 from attnorm.normalizers import Normalizer
-from attnorm.registry import make
+from attnorm.normalizers.registry import make
 
 __all__ = ["ATTN_IMPLEMENTATION", "AttnormPatch", "Recorder", "attnorm_attention_forward", "patch"]
 

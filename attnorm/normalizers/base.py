@@ -18,6 +18,7 @@ implemented once, here, and every normalizer (and every backend) obeys them:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from attnorm.kernels import autograd, backends
 from attnorm.kernels.rules import NO_MASK, RowMask, check_key_lengths
 from attnorm.masks import StructuredMask
 
-__all__ = ["Normalizer", "broadcast_param", "normalize"]
+__all__ = ["Checked", "Normalizer", "broadcast_param", "normalize"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -144,6 +145,26 @@ def normalize(
     out = getattr(autograd, op)(x if last else x.movedim(dim, -1), row_mask, **row_params, backend=backend)
     out = out if last else out.movedim(-1, dim)
     return out.reshape(()) if squeeze else out
+
+
+class Checked:
+    """A hyperparameter validated on every assignment with the constructor's check.
+
+    ``temperature = Checked(check_temperature)`` in a class body: ``module.temperature = -1``
+    then raises the same error as ``Module(temperature=-1)`` and leaves the old value.
+    """
+
+    def __init__(self, check: Callable[[Any], Any]) -> None:
+        self.check = check
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, module: Any, owner: type | None = None) -> Any:
+        return self if module is None else getattr(module, self.slot)
+
+    def __set__(self, module: Any, value: Any) -> None:
+        setattr(module, self.slot, self.check(value))
 
 
 class Normalizer(nn.Module):

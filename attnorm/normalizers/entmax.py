@@ -7,10 +7,10 @@ import math
 import torch
 from torch import Tensor, nn
 
-from attnorm import functional as F
+from attnorm import validation as V
 from attnorm.normalizers.base import Normalizer
+from attnorm.normalizers.registry import register_normalizer
 from attnorm.normalizers.scalable_softmax import head_shape
-from attnorm.registry import register_normalizer
 
 
 class Sparsemax(Normalizer):
@@ -54,7 +54,7 @@ class Entmax(Normalizer):
         backend: str | None = None,
     ) -> None:
         super().__init__(dim, backend)
-        F.check_alpha(alpha)
+        V.check_alpha(alpha)
         self.learnable = learnable
         self.num_heads = num_heads
         shape = head_shape(num_heads)
@@ -79,7 +79,7 @@ class Entmax(Normalizer):
     def alpha(self, value: float) -> None:
         if self.learnable:
             raise ValueError("alpha is learnable (1 + sigmoid(alpha_logit)): assign alpha_logit instead")
-        F.check_alpha(value)
+        V.check_alpha(value)
         if isinstance(self.fixed_alpha, Tensor):
             self.fixed_alpha.fill_(float(value))
         else:
@@ -90,9 +90,9 @@ class Entmax(Normalizer):
 
     def check_state(self, state: dict[str, Tensor]) -> None:
         if "alpha_logit" in state:
-            F.check_finite("alpha_logit", state["alpha_logit"])
+            V.check_finite("alpha_logit", state["alpha_logit"])
         if "fixed_alpha" in state:
-            F.check_alpha(state["fixed_alpha"])
+            V.check_alpha(state["fixed_alpha"])
 
     def _repr_fields(self) -> dict:
         fields: dict = {"alpha": self.alpha, "learnable": self.learnable}

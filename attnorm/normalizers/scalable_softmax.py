@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnorm import functional as F
+from attnorm import validation as V
 from attnorm.normalizers.base import Normalizer
-from attnorm.registry import register_normalizer
+from attnorm.normalizers.registry import register_normalizer
 
 
 def head_shape(num_heads: int | None) -> tuple[int, ...]:
@@ -48,8 +48,8 @@ class ScalableSoftmax(Normalizer):
         backend: str | None = None,
     ) -> None:
         super().__init__(dim, backend)
-        F.check_finite("s", s)
-        F.check_finite("bias", bias)
+        V.check_finite("s", s)
+        V.check_finite("bias", bias)
         self.learnable = learnable
         self.num_heads = num_heads
         shape = head_shape(num_heads)
@@ -64,7 +64,7 @@ class ScalableSoftmax(Normalizer):
 
     def __setattr__(self, name: str, value) -> None:
         if name in ("s", "bias") and not isinstance(value, torch.Tensor):
-            F.check_finite(name, value)
+            V.check_finite(name, value)
             value = float(value)
         super().__setattr__(name, value)
 
@@ -73,7 +73,7 @@ class ScalableSoftmax(Normalizer):
 
     def check_state(self, state: dict[str, torch.Tensor]) -> None:
         for name, value in state.items():
-            F.check_finite(name, value)
+            V.check_finite(name, value)
 
     def _repr_fields(self) -> dict:
         fields: dict = {"s": self.s, "bias": self.bias, "learnable": self.learnable}

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from attnorm.normalizers.base import Normalizer
-from attnorm.registry import register_normalizer
+from attnorm import validation as V
+from attnorm.normalizers.base import Checked, Normalizer
+from attnorm.normalizers.registry import register_normalizer
 
 
 class SelfAdjustedSoftmax(Normalizer):
@@ -20,6 +21,7 @@ class SelfAdjustedSoftmax(Normalizer):
 
     kernel = "self_adjusted_softmax"
     sums_to_one = False
+    normalized = Checked(V.check_bool("normalized"))
 
     def __init__(self, normalized: bool = True, dim: int = -1, backend: str | None = None) -> None:
         super().__init__(dim, backend)
@@ -29,16 +31,6 @@ class SelfAdjustedSoftmax(Normalizer):
     def nonnegative(self) -> bool:
         """The plain variant ``x * softmax(x)`` is negative where ``x`` is."""
         return self.normalized
-
-    @property
-    def normalized(self) -> bool:
-        return self._normalized
-
-    @normalized.setter
-    def normalized(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"normalized must be a bool, got {value!r}")
-        self._normalized = value
 
     def kernel_params(self) -> dict:
         return {"normalized": self.normalized}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from attnorm import functional as F
-from attnorm.normalizers.base import Normalizer
-from attnorm.registry import register_normalizer
+from attnorm import validation as V
+from attnorm.normalizers.base import Checked, Normalizer
+from attnorm.normalizers.registry import register_normalizer
 
 
 class Softmax(Normalizer):
@@ -21,18 +21,11 @@ class Softmax(Normalizer):
     """
 
     kernel = "softmax"
+    temperature = Checked(V.check_temperature)
 
     def __init__(self, temperature: float = 1.0, dim: int = -1, backend: str | None = None) -> None:
         super().__init__(dim, backend)
         self.temperature = temperature
-
-    @property
-    def temperature(self) -> float:
-        return self._temperature
-
-    @temperature.setter
-    def temperature(self, value: float) -> None:
-        self._temperature = F.check_temperature(value)
 
     def kernel_params(self) -> dict:
         return {"temperature": self.temperature}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from attnorm import functional as F
-from attnorm.normalizers.base import Normalizer
-from attnorm.registry import register_normalizer
+from attnorm import validation as V
+from attnorm.normalizers.base import Checked, Normalizer
+from attnorm.normalizers.registry import register_normalizer
 
 
 class TopKSoftmax(Normalizer):
@@ -22,27 +22,13 @@ class TopKSoftmax(Normalizer):
 
     kernel = "topk_softmax"
     sparse = True
+    k = Checked(V.check_k)
+    temperature = Checked(V.check_temperature)
 
     def __init__(self, k: float, temperature: float = 1.0, dim: int = -1, backend: str | None = None) -> None:
         super().__init__(dim, backend)
         self.k = k
         self.temperature = temperature
-
-    @property
-    def k(self) -> int | float:
-        return self._k
-
-    @k.setter
-    def k(self, value: int | float) -> None:
-        self._k = F.check_k(value)
-
-    @property
-    def temperature(self) -> float:
-        return self._temperature
-
-    @temperature.setter
-    def temperature(self, value: float) -> None:
-        self._temperature = F.check_temperature(value)
 
     def kernel_params(self) -> dict:
         return {"k": self.k, "temperature": self.temperature}
