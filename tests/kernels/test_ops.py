@@ -120,6 +120,21 @@ def test_compile_fullgraph_has_no_graph_break_and_matches_eager(name, mask_kind)
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("name", ["ssmax_learnable", "entmax_learnable", "topk0.4"])
+def test_inductor_compiles_the_ops_and_matches_eager(name):
+    torch._dynamo.reset()
+    module = MODULES[name]().to(DEVICE)
+    mask = attnorm.causal_mask()
+    x = scores(2, 2, 4, 6, requires_grad=True)
+    upstream = scores(2, 2, 4, 6, seed=3)
+    expected, expected_grads = grads_of(module, x, mask, upstream)
+    out = torch.compile(lambda t: module(t, mask), fullgraph=True)(x)
+    grads = torch.autograd.grad(out, [x, *module.parameters()], upstream)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize(
     "call",
     [
