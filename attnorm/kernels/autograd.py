@@ -18,6 +18,8 @@ for ``"reference"``, and otherwise the op itself when nothing needs a gradient
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 from torch.autograd import Function
@@ -77,8 +79,17 @@ def _temperature_multiplier(multiplier: Tensor, temperature_rows: Tensor | None)
     return _live(multiplier, 1 / temperature_rows)
 
 
-class _Softmax(Function):
+class _RowFunction(Function):
+    """Base of the row Functions: vmap through the ops' rules, and ``forward``'s signature computed once."""
+
     generate_vmap_rule = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.forward.__signature__ = inspect.signature(cls.forward)  # inspect.signature reads it first
+
+
+class _Softmax(_RowFunction):
 
     @staticmethod
     def forward(*args):
@@ -105,8 +116,7 @@ def _temperature_backward(ctx, grad: Tensor, wants_temperature: bool) -> tuple[T
     return dx, None, None, None, None, _param_grad(per_row, temperature_rows) if wants_temperature else None, None
 
 
-class _ScalableSoftmax(Function):
-    generate_vmap_rule = True
+class _ScalableSoftmax(_RowFunction):
 
     @staticmethod
     def forward(*args):
@@ -134,8 +144,7 @@ class _ScalableSoftmax(Function):
         return dx, None, None, None, None, d_s, None, d_bias, None
 
 
-class _TopKSoftmax(Function):
-    generate_vmap_rule = True
+class _TopKSoftmax(_RowFunction):
 
     @staticmethod
     def forward(*args):
@@ -151,8 +160,7 @@ class _TopKSoftmax(Function):
         return dx, None, None, None, None, None, None, d_temperature, None
 
 
-class _Entmax(Function):
-    generate_vmap_rule = True
+class _Entmax(_RowFunction):
 
     @staticmethod
     def forward(*args):
@@ -178,8 +186,7 @@ class _Entmax(Function):
         return dx, None, None, None, None, _param_grad(per_row, alpha_rows) if wants else None, None
 
 
-class _SelfAdjustedSoftmax(Function):
-    generate_vmap_rule = True
+class _SelfAdjustedSoftmax(_RowFunction):
 
     @staticmethod
     def forward(*args):

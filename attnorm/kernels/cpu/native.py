@@ -17,6 +17,7 @@ autograd): :mod:`attnorm.kernels.ops` wraps them.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 from torch import Tensor
@@ -36,11 +37,15 @@ __all__ = [
 
 _MAX_LENGTH = 2**31 - 1  # positions are int32 in C
 _SA_STATS = 5
+_ONE_DOUBLE = ctypes.c_double * 1
 
 
 def _new(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """An output buffer the kernel fills completely (uninitialised)."""
-    return torch.empty(shape, dtype=dtype)
+    """An output buffer the kernel fills completely (uninitialised).
+
+    Sizes go unpacked: ``torch.empty(torch.Size)`` costs twice as much per call.
+    """
+    return torch.empty(*shape, dtype=dtype) if shape else torch.empty((), dtype=dtype)
 
 
 def _check_rows(tensor: Tensor, name: str) -> None:
@@ -71,7 +76,7 @@ def _per_row(value: float | Tensor, rows: torch.Size, name: str) -> tuple[Tensor
     per-row tensor broadcastable to ``rows`` (the scores' shape without its last axis).
     """
     if not isinstance(value, Tensor):
-        return (ctypes.c_double * 1)(float(value)), 0
+        return _ONE_DOUBLE(float(value)), 0
     if value.device.type != "cpu":
         raise ValueError(f"the native kernels take CPU tensors, got {name} on {value.device}")
     column = value.ndim == len(rows) + 1 and value.shape[-1] == 1
@@ -82,15 +87,16 @@ def _per_row(value: float | Tensor, rows: torch.Size, name: str) -> tuple[Tensor
     return expanded.detach().to(torch.float64).contiguous(), 1
 
 
-def _address(tensor: Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
-
-
 def _launch(name: str, rows_tensor: Tensor, *arguments: object) -> None:
     """Call kernel ``name`` for ``rows_tensor``'s dtype; tensors go as addresses, the thread count last."""
-    values = [_address(value) if isinstance(value, Tensor) or value is None else value for value in arguments]
-    if build.kernel(name, rows_tensor.dtype)(*values, torch.get_num_threads()) != 0:
+    values = [value.data_ptr() if isinstance(value, Tensor) else value for value in arguments]
+    if _kernel(name, rows_tensor.dtype)(*values, torch.get_num_threads()) != 0:
         raise MemoryError(f"attnorm native kernel {name} could not allocate its row buffers")
+
+
+@functools.cache
+def _kernel(name: str, dtype: torch.dtype):
+    return build.kernel(name, dtype)
 
 
 def _scores(x: Tensor, mask: rules.RowMask) -> tuple[Tensor, int, int]:
