@@ -283,6 +283,7 @@ static void entmax_anchored(double* v, int64_t count, double alpha, double start
 #define EXP exp_f64
 #define LOG log
 #define POW pow_f64
+#define SQRT sqrt
 #define EPS DBL_EPSILON
 #define SQRT_EPS 1.4901161193847656e-8 /* sqrt(DBL_EPSILON) */
 #define REAL_MAX DBL_MAX
@@ -295,6 +296,7 @@ static void entmax_anchored(double* v, int64_t count, double alpha, double start
 #undef EXP
 #undef LOG
 #undef POW
+#undef SQRT
 #undef EPS
 #undef SQRT_EPS
 #undef REAL_MAX
@@ -307,6 +309,7 @@ static void entmax_anchored(double* v, int64_t count, double alpha, double start
 #define EXP exp_f32
 #define LOG log_f32
 #define POW pow_f32
+#define SQRT sqrtf /* not sqrt: a double round trip per element */
 #define EPS FLT_EPSILON
 #define SQRT_EPS 3.4526698e-4 /* sqrt(FLT_EPSILON) */
 #define REAL_MAX FLT_MAX

@@ -555,14 +555,24 @@ static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t 
                                 int32_t* index, REAL* slope, REAL* alpha_grad) {
     const int kind = entmax_kind(alpha);
     double slope_total = 0, dot = 0;
-    if (kind != GENERAL) { /* cheap slopes: two vectorised passes over the row */
+    if (kind != GENERAL) { /* cheap slopes: two vectorised passes over the row, one loop per kind */
+        if (kind == ENTMAX15) {
 #pragma omp simd reduction(+ : slope_total, dot)
-        for (int64_t i = 0; i < length; i++) {
-            REAL positive = y[i] > 0 ? y[i] : 0;
-            REAL s = kind == SPARSEMAX ? (REAL)(y[i] > 0) : (kind == ENTMAX15 ? sqrt(positive) : positive);
-            gx[i] = s;
-            slope_total += s;
-            dot += (double)s * g[i];
+            for (int64_t i = 0; i < length; i++) {
+                REAL s = SQRT(y[i] > 0 ? y[i] : 0);
+                gx[i] = s;
+                slope_total += s;
+                dot += (double)s * g[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : slope_total, dot)
+            for (int64_t i = 0; i < length; i++) {
+                REAL positive = y[i] > 0 ? y[i] : 0;
+                REAL s = kind == SPARSEMAX ? (REAL)(y[i] > 0) : positive;
+                gx[i] = s;
+                slope_total += s;
+                dot += (double)s * g[i];
+            }
         }
         REAL mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
 #pragma omp simd
