@@ -4,7 +4,7 @@ Triton's interpreter runs kernels through numpy and accepts code the GPU compile
 rejects (device functions whose returns differ in type, for one).  Here each of the
 seven backend functions, forward and backward, single-block and multi-pass,
 float32/float64/float16/bfloat16, with a structured mask, a bool mask and both,
-launches its kernels (through ``torch.library.wrap_triton``) into Triton's compiler
+launches its kernels into Triton's compiler
 down to a cubin (ptxas ships with triton) for sm_80 and sm_90.  It runs in a subprocess with the interpreter off and
 a stand-in driver that only names the target; ``JITFunction.run`` is patched to compile
 (``warmup=True``) without launching.

@@ -2,9 +2,8 @@
 
 This package exports the seven functions of the backend contract; each is defined
 next to its forward and backward kernels in its family's module.  They are plain
-functions (no autograd, no host synchronisation) that launch every kernel through
-:func:`torch.library.wrap_triton`, so :mod:`attnorm.kernels.ops` can register them
-with :func:`torch.library.triton_op`.  The kernels run on CUDA tensors, or on CPU
+functions (no autograd, no host synchronisation) that :mod:`attnorm.kernels.ops`
+registers as the CUDA kernels of its operators.  The kernels run on CUDA tensors, or on CPU
 tensors under ``TRITON_INTERPRET=1``.  Importing this package raises ImportError
 when triton is missing.
 

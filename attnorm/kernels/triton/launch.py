@@ -6,9 +6,7 @@ once); a longer row is streamed in blocks of :data:`MULTI_PASS_BLOCK` elements
 over several passes.  Both constants are module attributes so that tests can force
 the multi-pass path with short rows.
 
-Kernels are launched through :func:`torch.library.wrap_triton` (:func:`run`) with
-tensors and numbers only, so the backend functions can be registered with
-:func:`torch.library.triton_op` and traced by ``torch.compile``.  Every output
+Kernels are launched by :func:`run` with tensors and numbers only.  Every output
 tensor is allocated through :func:`empty`, the one place tests patch to poison
 outputs (an element a kernel forgets to write then fails).
 """
@@ -101,14 +99,17 @@ def prepare(source: Tensor) -> Launch:
 
 
 def run(kernel: Any, launch: Launch, *args: Any, **constants: Any) -> None:
-    """Launch ``kernel`` with one program per row, through :func:`torch.library.wrap_triton`.
+    """Launch ``kernel`` with one program per row.
 
-    Rows of length 0 or no rows at all launch nothing (the outputs are empty, or
-    per-row outputs of rows with no allowed position, written by the caller).
+    A plain Triton launch: the ops of :mod:`attnorm.kernels.ops` are opaque to
+    ``torch.compile`` (which calls them, never traces into them), where
+    :func:`torch.library.wrap_triton` would only add a higher-order-op dispatch to every
+    eager call.  Rows of length 0 or no rows at all launch nothing (the outputs are
+    empty, or per-row outputs of rows with no allowed position, written by the caller).
     """
     if launch.rows.numel() == 0:
         return
-    torch.library.wrap_triton(kernel)[launch.grid](*args, num_warps=launch.config.num_warps, **constants)
+    kernel[launch.grid](*args, num_warps=launch.config.num_warps, **constants)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
