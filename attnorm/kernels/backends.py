@@ -36,6 +36,8 @@ from collections.abc import Iterator
 
 import torch
 
+from attnorm.kernels.cpu import build
+
 __all__ = ["BACKENDS", "check_backend", "get_backend", "resolve", "set_backend", "use_backend"]
 
 BACKENDS = ("auto", "reference", "native", "triton", "torch")
@@ -74,17 +76,10 @@ def use_backend(backend: str) -> Iterator[None]:
         set_backend(previous)
 
 
-@functools.cache
-def _native_loads() -> bool:
-    from attnorm.kernels.cpu import build
-
-    return build.usable()
-
-
 @torch.compiler.assume_constant_result
 def native_available() -> bool:
     """True when the native CPU kernels are built and loaded (builds them on first call)."""
-    return _native_loads()
+    return build.usable()
 
 
 @functools.cache
@@ -98,9 +93,9 @@ def _triton_interpreted() -> bool:
 
 
 def _native_ok() -> bool:
-    # The cached answer in eager (no call through assume_constant_result's wrapper); the
-    # wrapped function under torch.compile, which must not trace the build.
-    return native_available() if torch.compiler.is_compiling() else _native_loads()
+    # Eager asks build.usable() itself (cheap once loaded, and it follows build.disabled());
+    # under torch.compile the wrapped function, which must not trace the build.
+    return native_available() if torch.compiler.is_compiling() else build.usable()
 
 
 def resolve(backend: str | None, device: torch.device) -> str:
@@ -129,8 +124,6 @@ def resolve(backend: str | None, device: torch.device) -> str:
         if kind != "cpu":
             raise ValueError(f"backend='native' runs on CPU tensors, got a {kind} tensor")
         if not _native_ok():
-            from attnorm.kernels.cpu import build
-
             reason = build.build_info().get("reason")
             raise RuntimeError(f"backend='native' was requested but the native kernels are unavailable: {reason}")
         return "native"

@@ -313,3 +313,16 @@ def test_autocast_computes_forward_ops_in_float32(backend):
         y, multiplier = ops.softmax_fwd(x, None, None, None, 1.0, None, backend)
     assert y.dtype == torch.float32 and multiplier.dtype == torch.float32
     torch.testing.assert_close(y, torch.softmax(x.float(), -1))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the native kernels run on CPU")
+def test_disabling_the_native_kernels_switches_auto_to_the_reference():
+    from attnorm.kernels import backends
+    from attnorm.kernels.cpu import build
+
+    x = scores(2, 5)
+    attnorm.Softmax()(x)  # loads the native kernels first
+    assert backends.resolve(None, x.device) == "native"
+    with build.disabled():
+        assert backends.resolve(None, x.device) == "reference"
+    assert backends.resolve(None, x.device) == "native"

@@ -17,7 +17,6 @@ autograd): :mod:`attnorm.kernels.ops` wraps them.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 from torch import Tensor
@@ -90,13 +89,8 @@ def _per_row(value: float | Tensor, rows: torch.Size, name: str) -> tuple[Tensor
 def _launch(name: str, rows_tensor: Tensor, *arguments: object) -> None:
     """Call kernel ``name`` for ``rows_tensor``'s dtype; tensors go as addresses, the thread count last."""
     values = [value.data_ptr() if isinstance(value, Tensor) else value for value in arguments]
-    if _kernel(name, rows_tensor.dtype)(*values, torch.get_num_threads()) != 0:
+    if build.kernel(name, rows_tensor.dtype)(*values, torch.get_num_threads()) != 0:
         raise MemoryError(f"attnorm native kernel {name} could not allocate its row buffers")
-
-
-@functools.cache
-def _kernel(name: str, dtype: torch.dtype):
-    return build.kernel(name, dtype)
 
 
 def _scores(x: Tensor, mask: rules.RowMask) -> tuple[Tensor, int, int]:
