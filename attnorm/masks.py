@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnorm.kernels.rules import check_key_lengths
+
 __all__ = ["StructuredMask", "causal_mask", "key_padding_mask"]
 
 
@@ -56,15 +58,8 @@ class StructuredMask:
             allowed = allowed.tril(self.causal_diagonal)
         if self.key_lengths is None:
             return allowed
-        if len(shape) < 3:
-            raise ValueError(
-                f"key_lengths needs scores shaped (B, ..., Lq, Lk) with a batch axis, got shape {tuple(shape)}"
-            )
+        check_key_lengths(self.key_lengths, tuple(shape))
         lengths = self.key_lengths.to(device)
-        if lengths.ndim != 1 or lengths.shape[0] not in (1, shape[0]):
-            raise ValueError(
-                f"key_lengths must have shape (B,) with B = scores.shape[0] = {shape[0]}, got {tuple(lengths.shape)}"
-            )
         keys = torch.arange(lk, device=device)
         padding = keys < lengths[:, None]  # (B, Lk)
         padding = padding.reshape(padding.shape[0], *([1] * (len(shape) - 2)), lk)

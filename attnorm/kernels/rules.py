@@ -27,7 +27,6 @@ __all__ = [
     "allowed_count",
     "check_key_lengths",
     "masked_scores",
-    "row_param",
     "ssmax_multiplier",
     "sum_to_shape",
     "topk_row_count",
@@ -117,13 +116,6 @@ def ssmax_multiplier(n: Tensor, s: float | Tensor, bias: float | Tensor) -> Tens
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """What kernels accumulate (and store per-row statistics) in: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def row_param(value: float | Tensor, x: Tensor) -> float | Tensor:
-    """A parameter as one number or as a per-row tensor of shape ``x.shape[:-1]`` (expanded, not copied)."""
-    if not isinstance(value, Tensor):
-        return value
-    return value.expand(*x.shape[:-1], 1).squeeze(-1)
 
 
 def sum_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:
