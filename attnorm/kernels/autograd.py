@@ -214,14 +214,18 @@ class _SelfAdjustedSoftmax(_RowFunction):
 # ---- entry points -------------------------------------------------------------------------
 
 
+def _call(function: type[Function], op, args: tuple, *params: Tensor | None) -> Tensor:
+    """The weights from ``op(*args)``: through ``function`` when ``x`` (``args[0]``) or a parameter needs a gradient."""
+    return (function.apply(*args) if _needs_grad(args[0], *params) else op(*args))[0]
+
+
 def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None) -> Tensor:
     """``softmax(x / T)`` over the allowed positions of each row."""
     implementation = backends.resolve(backend, x.device)
     if implementation == "reference":
         return reference.softmax(x, mask, temperature)
     value, rows = _split(temperature)
-    args = (x, *mask, value, rows, implementation)
-    return (_Softmax.apply(*args) if _needs_grad(x, rows) else ops.softmax_fwd(*args))[0]
+    return _call(_Softmax, ops.softmax_fwd, (x, *mask, value, rows, implementation), rows)
 
 
 def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: str | None) -> Tensor:
@@ -232,9 +236,7 @@ def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: s
     s_value, s_rows = _split(s)
     bias_value, bias_rows = _split(bias)
     args = (x, *mask, s_value, s_rows, bias_value, bias_rows, implementation)
-    if _needs_grad(x, s_rows, bias_rows):
-        return _ScalableSoftmax.apply(*args)[0]
-    return ops.scalable_softmax_fwd(*args)[0]
+    return _call(_ScalableSoftmax, ops.scalable_softmax_fwd, args, s_rows, bias_rows)
 
 
 def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, backend: str | None) -> Tensor:
@@ -245,7 +247,7 @@ def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, b
         return reference.topk_softmax(x, mask, float(k), is_fraction, temperature)
     value, rows = _split(temperature)
     args = (x, *mask, float(k), is_fraction, value, rows, implementation)
-    return (_TopKSoftmax.apply(*args) if _needs_grad(x, rows) else ops.topk_softmax_fwd(*args))[0]
+    return _call(_TopKSoftmax, ops.topk_softmax_fwd, args, rows)
 
 
 def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None) -> Tensor:
@@ -254,15 +256,15 @@ def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None) -> Tenso
     if implementation == "reference":
         return reference.entmax(x, mask, alpha)
     value, rows = _split(alpha)
-    args = (x, *mask, value, rows, implementation)
-    return (_Entmax.apply(*args) if _needs_grad(x, rows) else ops.entmax_fwd(*args))[0]
+    return _call(_Entmax, ops.entmax_fwd, (x, *mask, value, rows, implementation), rows)
 
 
 def sparsemax(x: Tensor, mask: RowMask, backend: str | None) -> Tensor:
     """Sparsemax, i.e. 2-entmax."""
-    if backends.resolve(backend, x.device) == "reference":
+    implementation = backends.resolve(backend, x.device)
+    if implementation == "reference":
         return reference.sparsemax(x, mask)
-    return entmax(x, mask, 2.0, backend)
+    return _call(_Entmax, ops.entmax_fwd, (x, *mask, 2.0, None, implementation))
 
 
 def self_adjusted_softmax(x: Tensor, mask: RowMask, normalized: bool, backend: str | None) -> Tensor:
@@ -270,7 +272,4 @@ def self_adjusted_softmax(x: Tensor, mask: RowMask, normalized: bool, backend: s
     implementation = backends.resolve(backend, x.device)
     if implementation == "reference":
         return reference.self_adjusted_softmax(x, mask, normalized)
-    args = (x, *mask, normalized, implementation)
-    if _needs_grad(x):
-        return _SelfAdjustedSoftmax.apply(*args)[0]
-    return ops.self_adjusted_softmax_fwd(*args)[0]
+    return _call(_SelfAdjustedSoftmax, ops.self_adjusted_softmax_fwd, (x, *mask, normalized, implementation))
