@@ -90,6 +90,13 @@ def attention(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     mask, additive = _split_mask(attn_mask, is_causal)
+    own_route = getattr(normalizer, "attend", None)
+    if own_route is not None:
+        # A normalizer with its own route (an output normalizer, a linear-time form) goes first.
+        result = own_route(q, k, v, mask=mask, additive=additive, scale=scale, dropout_p=dropout_p,
+                           groups=groups, return_weights=return_weights)
+        if result is not NotImplemented:
+            return result
     if not return_weights:
         multiplier = _logit_multiplier(normalizer, mask, additive, q, k)
         if multiplier is not None:
@@ -108,8 +115,10 @@ def attention(
 def _as_normalizer(normalizer: Normalizer | str | None) -> Normalizer:
     if normalizer is None:
         return Softmax()
-    if isinstance(normalizer, (Normalizer, str)):
+    if isinstance(normalizer, str):
         return make(normalizer)
+    if isinstance(normalizer, Normalizer) or callable(getattr(normalizer, "attend", None)):
+        return normalizer
     raise TypeError(f"normalizer must be a Normalizer, a spec string or None, got {type(normalizer).__name__}")
 
 
@@ -125,7 +134,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, normalizer: Normalizer) -> in
             "expected q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv); "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if normalizer.dim not in (-1, q.ndim - 1):
+    if getattr(normalizer, "dim", -1) not in (-1, q.ndim - 1):
         raise ValueError(f"attention normalises over the keys (dim=-1); the normalizer has dim={normalizer.dim}")
     if q.ndim < 3 or k.ndim < 3 or q.shape[-3] == k.shape[-3]:
         return 1
