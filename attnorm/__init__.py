@@ -7,13 +7,18 @@ Every normalizer maps attention scores to weights with one interface
 from attnorm import functional
 from attnorm.attention import attention
 from attnorm.kernels.backends import get_backend, set_backend, use_backend
-from attnorm.masks import StructuredMask, causal_mask, key_padding_mask
+from attnorm.masks import StructuredMask, causal_mask, document_mask, key_padding_mask, sliding_window_mask
 from attnorm.normalizers import (
     Entmax,
+    Normalized,
     Normalizer,
+    ReLUNormalized,
     ScalableSoftmax,
     SelfAdjustedSoftmax,
+    SigmoidAttention,
     Softmax,
+    Softmax1,
+    SoftplusNormalized,
     Sparsemax,
     TopKSoftmax,
 )
@@ -23,10 +28,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Entmax",
+    "Normalized",
     "Normalizer",
+    "ReLUNormalized",
     "ScalableSoftmax",
     "SelfAdjustedSoftmax",
+    "SigmoidAttention",
     "Softmax",
+    "Softmax1",
+    "SoftplusNormalized",
     "Sparsemax",
     "StructuredMask",
     "TopKSoftmax",
@@ -34,10 +44,12 @@ __all__ = [
     "attention",
     "available",
     "causal_mask",
+    "document_mask",
     "functional",
     "get_backend",
     "key_padding_mask",
     "make",
     "set_backend",
+    "sliding_window_mask",
     "use_backend",
 ]

@@ -1,5 +1,5 @@
-"""Structured attention masks: causal and key-padding masks that kernels can
-apply without materialising an (Lq x Lk) boolean tensor.
+"""Structured attention masks: causal, sliding-window, key-padding and document masks that
+kernels apply without materialising an (Lq x Lk) boolean tensor.
 
 Convention everywhere in attnorm (the ``scaled_dot_product_attention`` one):
 True means "may attend".  A structured mask applies to scores shaped
@@ -15,12 +15,17 @@ from torch import Tensor
 
 from attnorm.kernels.rules import check_key_lengths
 
-__all__ = ["StructuredMask", "causal_mask", "key_padding_mask"]
+__all__ = ["StructuredMask", "causal_mask", "document_mask", "key_padding_mask", "sliding_window_mask"]
 
 
 @dataclass(frozen=True)
 class StructuredMask:
-    """A causal and/or key-padding mask described by a few numbers.
+    """Causal, sliding-window, key-padding and document masks described by a few numbers.
+
+    Every field restricts the keys of query row ``i`` (batch row ``b``) to an interval,
+    so the combined mask allows the keys ``j`` in ``[key_start(b, i), key_stop(b, i))``
+    (see :meth:`key_range`): kernels skip whole key blocks outside it, and the number of
+    allowed keys (Scalable-Softmax's ``n``) is ``key_stop - key_start``.
 
     Attributes:
         causal_diagonal: when not None, query ``i`` may attend key ``j`` only if
@@ -29,22 +34,71 @@ class StructuredMask:
             ``Lk - Lq`` is the bottom-right aligned mask used with a KV cache.
         key_lengths: when not None, an integer tensor of shape ``(B,)``: in batch row
             ``b`` only the first ``key_lengths[b]`` keys may be attended (right padding).
+        window_diagonal: when not None, query ``i`` may attend key ``j`` only if
+            ``j - i >= window_diagonal`` (the lower edge of a sliding window).
+        cu_seqlens: when not None, an integer tensor ``(D + 1,)`` of document
+            boundaries ``0 = c_0 <= c_1 <= ... <= c_D`` (flash-attn's convention for
+            packed sequences): a position ``p`` with ``c_d <= p < c_{d+1}`` belongs to
+            document ``d``, and queries attend keys of their own document only.
+            Positions at or past ``c_D`` form one more document.  Queries and keys share
+            positions, so scores must be square (``Lq = Lk``).
     """
 
     causal_diagonal: int | None = None
     key_lengths: Tensor | None = None
+    window_diagonal: int | None = None
+    cu_seqlens: Tensor | None = None
 
     def __and__(self, other: StructuredMask) -> StructuredMask:
         if not isinstance(other, StructuredMask):
             return NotImplemented
-        if self.causal_diagonal is not None and other.causal_diagonal is not None:
-            diagonal = min(self.causal_diagonal, other.causal_diagonal)
-        else:
-            diagonal = self.causal_diagonal if self.causal_diagonal is not None else other.causal_diagonal
-        lengths = self.key_lengths
-        if other.key_lengths is not None:
-            lengths = other.key_lengths if lengths is None else torch.minimum(lengths, other.key_lengths)
-        return StructuredMask(diagonal, lengths)
+        lengths = _combine(self.key_lengths, other.key_lengths, torch.minimum)
+        # Two packings intersect into the packing with the boundaries of both.
+        bounds = _combine(self.cu_seqlens, other.cu_seqlens, lambda a, b: torch.unique(torch.cat([a, b.to(a)])))
+        return StructuredMask(
+            _combine(self.causal_diagonal, other.causal_diagonal, min),
+            lengths,
+            _combine(self.window_diagonal, other.window_diagonal, max),
+            bounds,
+        )
+
+    @property
+    def row_fields_only(self) -> bool:
+        """True when only ``causal_diagonal`` and ``key_lengths`` are set (what the row kernels take)."""
+        return self.window_diagonal is None and self.cu_seqlens is None
+
+    def key_range(
+        self, batch: int, lq: int, lk: int, device: torch.device | str | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Allowed keys of each query row as an interval: int32 ``(start, stop)``, each ``(B | 1, Lq)``.
+
+        Row ``(b, i)`` may attend keys ``start[b, i] <= j < stop[b, i]``; ``stop <= start``
+        means none.  ``B`` is ``batch`` when ``key_lengths`` is set, else 1.
+        """
+        rows = torch.arange(lq, device=device)
+        start = torch.zeros(lq, dtype=torch.int64, device=device)
+        stop = torch.full((lq,), lk, dtype=torch.int64, device=device)
+        if self.causal_diagonal is not None:
+            stop = torch.minimum(stop, rows + self.causal_diagonal + 1)
+        if self.window_diagonal is not None:
+            start = torch.maximum(start, rows + self.window_diagonal)
+        if self.cu_seqlens is not None:
+            if lq != lk:
+                raise ValueError(f"a document mask needs square scores (Lq = Lk), got Lq = {lq}, Lk = {lk}")
+            bounds = self.cu_seqlens.to(device=device, dtype=torch.int64)
+            document = torch.searchsorted(bounds, rows, right=True)  # 1 + index of the last bound <= row
+            edges = torch.cat([bounds, bounds.new_full((1,), max(lk, 0))])
+            start = torch.maximum(start, edges[document - 1])
+            stop = torch.minimum(stop, torch.where(document < bounds.shape[0], edges[document], lk))
+        start, stop = start[None], stop[None]
+        if self.key_lengths is not None:
+            lengths = self.key_lengths.to(device=device, dtype=torch.int64)
+            if lengths.shape[0] not in (1, batch):
+                raise ValueError(f"key_lengths must have shape (B,) with B = {batch}, got {tuple(lengths.shape)}")
+            stop = torch.minimum(stop, lengths[:, None])
+        stop = torch.maximum(stop, start)
+        start = start.expand_as(stop)  # both (B | 1, Lq), so they share one batch stride
+        return start.to(torch.int32).contiguous(), stop.to(torch.int32).contiguous()
 
     def materialize(self, shape: torch.Size, device: torch.device | str | None = None) -> Tensor:
         """The equivalent bool mask, broadcastable to scores of ``shape`` (..., Lq, Lk)."""
@@ -52,18 +106,22 @@ class StructuredMask:
             raise ValueError(
                 f"a structured mask needs scores with at least 2 dims (..., Lq, Lk), got shape {tuple(shape)}"
             )
+        if self.key_lengths is not None:
+            check_key_lengths(self.key_lengths, tuple(shape))
         lq, lk = shape[-2], shape[-1]
-        allowed = torch.ones(lq, lk, dtype=torch.bool, device=device)
-        if self.causal_diagonal is not None:
-            allowed = allowed.tril(self.causal_diagonal)
-        if self.key_lengths is None:
-            return allowed
-        check_key_lengths(self.key_lengths, tuple(shape))
-        lengths = self.key_lengths.to(device)
+        start, stop = self.key_range(shape[0], lq, lk, device)  # (B | 1, Lq)
         keys = torch.arange(lk, device=device)
-        padding = keys < lengths[:, None]  # (B, Lk)
-        padding = padding.reshape(padding.shape[0], *([1] * (len(shape) - 2)), lk)
-        return allowed & padding
+        allowed = (keys >= start[..., None]) & (keys < stop[..., None])  # (B | 1, Lq, Lk)
+        if self.key_lengths is None:
+            return allowed[0]
+        return allowed.reshape(allowed.shape[0], *([1] * (len(shape) - 3)), lq, lk)
+
+
+def _combine(a, b, both):
+    """``both(a, b)`` when both are set, else whichever is."""
+    if a is None:
+        return b
+    return a if b is None else both(a, b)
 
 
 def causal_mask(diagonal: int = 0) -> StructuredMask:
@@ -84,3 +142,39 @@ def key_padding_mask(lengths: Tensor) -> StructuredMask:
     if lengths.device.type == "cpu" and not torch.compiler.is_compiling() and bool((lengths < 0).any()):
         raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
     return StructuredMask(key_lengths=lengths)
+
+
+def sliding_window_mask(window: int, diagonal: int = 0) -> StructuredMask:
+    """Causal sliding window: query ``i`` attends the ``window`` keys ``i + diagonal - window < j <= i + diagonal``.
+
+    The local layers of Mistral, Gemma 2 and gpt-oss (``window`` = their ``sliding_window``).
+    ``diagonal`` aligns it as :func:`causal_mask` does (``Lk - Lq`` with a KV cache).
+    """
+    for name, value in (("window", window), ("diagonal", diagonal)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return StructuredMask(causal_diagonal=diagonal, window_diagonal=diagonal - window + 1)
+
+
+def document_mask(cu_seqlens: Tensor) -> StructuredMask:
+    """Packed sequences: each query attends only keys of its own document.
+
+    Args:
+        cu_seqlens: cumulative document lengths ``(D + 1,)``, ``[0, len_0, len_0 + len_1, ...]``
+            (flash-attn's ``cu_seqlens``).  Combine with :func:`causal_mask` by ``&`` for
+            causal packed training; Scalable-Softmax's ``n`` then counts each document's keys.
+    """
+    cu_seqlens = torch.as_tensor(cu_seqlens)
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool or cu_seqlens.ndim != 1:
+        raise TypeError(
+            f"cu_seqlens must be a 1-D integer tensor, got dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must hold at least one boundary (0)")
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        values = cu_seqlens.tolist()
+        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:], strict=False)):
+            raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {values}")
+    return StructuredMask(cu_seqlens=cu_seqlens)

@@ -85,3 +85,59 @@ def test_key_padding_needs_a_batch_axis():
     # On (Lq, Lk) scores axis 0 holds queries, not batch rows: refuse rather than pad per query.
     with pytest.raises(ValueError, match=r"key_lengths needs scores shaped \(B, \.\.\., Lq, Lk\).*\(2, 4\)"):
         attnorm.Softmax()(torch.randn(2, 4), mask=attnorm.key_padding_mask(torch.tensor([2, 3])))
+
+
+@pytest.mark.parametrize("window,diagonal", [(1, 0), (3, 0), (4, 2), (10, 0)])
+def test_sliding_window_keeps_the_window_keys_up_to_the_diagonal(window, diagonal):
+    queries, keys = 5, 7
+    allowed = attnorm.sliding_window_mask(window, diagonal).materialize(torch.Size([queries, keys]))
+    expected = torch.tensor(
+        [[query + diagonal - window < key <= query + diagonal for key in range(keys)] for query in range(queries)]
+    )
+    assert torch.equal(allowed, expected)
+
+
+def test_document_mask_keeps_keys_of_the_same_document_and_counts_the_trailing_positions_as_one():
+    bounds = [0, 2, 2, 5]  # documents [0, 2), [] and [2, 5); positions 5.. form one more
+    length = 7
+    allowed = attnorm.document_mask(torch.tensor(bounds)).materialize(torch.Size([length, length]))
+    document = [0, 0, 2, 2, 2, 3, 3]
+    expected = torch.tensor([[document[i] == document[j] for j in range(length)] for i in range(length)])
+    assert torch.equal(allowed, expected)
+
+
+def test_two_document_masks_intersect_into_the_common_refinement():
+    a, b = attnorm.document_mask(torch.tensor([0, 4, 8])), attnorm.document_mask(torch.tensor([0, 2, 8]))
+    shape = torch.Size([8, 8])
+    assert torch.equal((a & b).materialize(shape), a.materialize(shape) & b.materialize(shape))
+
+
+def test_document_mask_combines_with_causal_and_padding():
+    shape = torch.Size([2, 1, 6, 6])
+    parts = [
+        attnorm.document_mask(torch.tensor([0, 3, 6])),
+        attnorm.causal_mask(),
+        attnorm.key_padding_mask(torch.tensor([6, 4])),
+    ]
+    combined = parts[0] & parts[1] & parts[2]
+    expected = parts[0].materialize(shape) & parts[1].materialize(shape) & parts[2].materialize(shape)
+    assert torch.equal(combined.materialize(shape), expected)
+
+
+@pytest.mark.parametrize(
+    "bad,error",
+    [(torch.tensor([1, 3]), ValueError), (torch.tensor([0, 3, 2]), ValueError), (torch.tensor([0.0, 2.0]), TypeError)],
+)
+def test_document_mask_rejects_bad_boundaries(bad, error):
+    with pytest.raises(error, match="cu_seqlens"):
+        attnorm.document_mask(bad)
+
+
+def test_sliding_window_rejects_a_window_below_one():
+    with pytest.raises(ValueError, match="window"):
+        attnorm.sliding_window_mask(0)
+
+
+def test_document_mask_needs_square_scores():
+    with pytest.raises(ValueError, match="square"):
+        attnorm.document_mask(torch.tensor([0, 2])).materialize(torch.Size([2, 3]))

@@ -21,9 +21,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "AttentionMask",
     "RowMask",
     "accumulation_dtype",
     "allowed",
+    "attention_allowed",
     "allowed_count",
     "check_key_lengths",
     "masked_scores",
@@ -126,3 +128,42 @@ def sum_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:
         if size == 1 and grad.shape[axis] != 1:
             grad = grad.sum(axis, keepdim=True)
     return grad
+
+
+class AttentionMask(NamedTuple):
+    """Which keys each query may attend, as the attention kernels take it.
+
+    Scores are ``(B, Hq, Lq, Lk)``; a key is allowed for row ``(b, h, i)`` when it lies
+    in the row's interval, the dense mask allows it, and its score (after the
+    additive mask) is not -inf.
+
+    Attributes:
+        key_start, key_stop: int32 ``(B | 1, Lq)``, or both None (every key): row
+            ``(b, h, i)`` may attend keys ``key_start[b, i] <= j < key_stop[b, i]``.  The
+            structured masks (causal, sliding window, key padding, documents) all
+            reduce to this interval (:meth:`attnorm.masks.StructuredMask.key_range`);
+            kernels skip key blocks outside it.
+        dense: bool tensor broadcastable to ``(B, Hq, Lq, Lk)``, True = may attend, or None.
+        additive: float tensor broadcastable to ``(B, Hq, Lq, Lk)`` added to the scaled
+            scores (-inf = masked), or None.
+    """
+
+    key_start: Tensor | None = None
+    key_stop: Tensor | None = None
+    dense: Tensor | None = None
+    additive: Tensor | None = None
+
+
+def attention_allowed(mask: AttentionMask, shape: tuple[int, int, int, int], device) -> Tensor | None:
+    """The mask's interval and dense parts as one bool tensor broadcastable to ``shape`` (None: all allowed).
+
+    The additive part is not included (its -inf entries act through the scores).
+    """
+    keep = None
+    if mask.key_start is not None:
+        keys = torch.arange(shape[-1], device=device)
+        start, stop = mask.key_start.to(device)[:, None, :, None], mask.key_stop.to(device)[:, None, :, None]
+        keep = (keys >= start) & (keys < stop)  # (B | 1, 1, Lq, Lk)
+    if mask.dense is not None:
+        keep = mask.dense if keep is None else keep & mask.dense
+    return keep

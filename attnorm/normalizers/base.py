@@ -96,7 +96,7 @@ def _row_mask(mask: Tensor | StructuredMask | None, x: Tensor, dim: int) -> RowM
         return NO_MASK
     last = x.ndim - 1
     if isinstance(mask, StructuredMask):
-        if dim == last and x.ndim >= 2:
+        if dim == last and x.ndim >= 2 and mask.row_fields_only:
             lengths = mask.key_lengths
             if lengths is not None:
                 check_key_lengths(lengths, tuple(x.shape))

@@ -1,0 +1,110 @@
+"""What every fused attention kernel shares: mask arguments, key-block bounds, score tiles.
+
+A fused kernel runs one program per (query block, batch x head).  It never builds
+the ``(Lq, Lk)`` score matrix: each tile ``S = scale * Q_blk K_blk^T (+ additive)`` is
+recomputed from ``q`` and ``k`` where it is needed, in float32 (float64 for float64
+inputs).  The mask is an :class:`attnorm.kernels.rules.AttentionMask`:
+
+* an **interval** ``[key_start[b, i], key_stop[b, i])`` per query row (causal in either
+  alignment, sliding window, key padding, documents).  :func:`key_block_bounds` turns a
+  query block's intervals into the key range ``[lo, hi)`` the block must visit, so
+  key blocks no row of the block may attend are never loaded;
+* an optional **dense** bool mask and an optional **additive** float mask, each read
+  through four strides (``(B, Hq, Lq, Lk)``, stride 0 along broadcast dims).
+
+:func:`mask_arguments` packs these into the launch arguments every kernel takes in
+the same order; :func:`score_tile` computes one tile with masked entries at -inf.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from attnorm.kernels.rules import AttentionMask
+
+__all__ = ["key_block_bounds", "mask_arguments", "score_tile"]
+
+
+def _strides(t: Tensor | None, shape: tuple[int, int, int, int]) -> tuple[Any, int, int, int, int]:
+    if t is None:
+        return None, 0, 0, 0, 0
+    while t.ndim < 4:
+        t = t.unsqueeze(0)
+    t = t.expand(shape)
+    return (t, *t.stride())
+
+
+def mask_arguments(mask: AttentionMask, shape: tuple[int, int, int, int], device: torch.device) -> dict[str, Any]:
+    """Launch arguments for ``mask`` over scores of ``shape`` ``(B, Hq, Lq, Lk)``.
+
+    Returns keyword arguments: the interval pointers and their batch stride, the dense
+    and additive pointers with four strides each, and the three ``HAS_*`` constants.
+    Absent parts pass a dummy pointer (never read: their ``HAS_*`` constant is False).
+    """
+    dummy = torch.empty(1, dtype=torch.int32, device=device)
+    has_range = mask.key_start is not None
+    start = mask.key_start if has_range else dummy
+    stop = mask.key_stop if has_range else dummy
+    range_stride = start.stride(0) if has_range and start.shape[0] > 1 else 0
+    dense, db, dh, dm, dn = _strides(mask.dense, shape)
+    additive, ab, ah, am, an = _strides(mask.additive, shape)
+    return dict(
+        key_start=start, key_stop=stop, range_stride=range_stride,
+        dense=dummy if dense is None else dense.view(torch.uint8) if dense.dtype == torch.bool else dense,
+        dense_sb=db, dense_sh=dh, dense_sm=dm, dense_sn=dn,
+        additive=dummy if additive is None else additive, add_sb=ab, add_sh=ah, add_sm=am, add_sn=an,
+        HAS_RANGE=has_range, HAS_DENSE=dense is not None, HAS_ADDITIVE=additive is not None,
+    )
+
+
+@triton.jit
+def key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE: tl.constexpr):
+    """The intervals of the query rows ``offs_m`` and the key range ``[lo, hi)`` they reach together.
+
+    Returns ``(row_start, row_stop, lo, hi)``: per-row vectors (rows past ``lq`` get the
+    empty interval) and two scalars; ``hi <= lo`` when no row attends any key.
+    """
+    if HAS_RANGE:
+        rows = offs_m < lq
+        row_start = tl.load(key_start + batch * range_stride + offs_m, mask=rows, other=lk)
+        row_stop = tl.load(key_stop + batch * range_stride + offs_m, mask=rows, other=0)
+        lo = tl.min(tl.where(row_stop > row_start, row_start, lk), 0)
+        hi = tl.max(tl.where(row_stop > row_start, row_stop, 0), 0)
+    else:
+        row_start = tl.zeros(offs_m.shape, dtype=tl.int32)
+        row_stop = tl.where(offs_m < lq, lk, 0).to(tl.int32)
+        lo = 0
+        hi = tl.where(lq > 0, lk, 0)
+    return row_start, row_stop, lo, hi
+
+
+@triton.jit
+def score_tile(
+    q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, batch, head,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn,
+    additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, ACC: tl.constexpr,
+):
+    """Scores of the query rows ``offs_m`` against keys ``offs_n``: ``(BLOCK_M, BLOCK_N)``, masked at -inf.
+
+    ``q_tile`` is the query block ``(BLOCK_M, D)`` already loaded; ``k_ptrs`` point at
+    the key block as ``(D, BLOCK_N)`` (the transposed view, so ``tl.dot`` needs no
+    transpose).  Keys past ``lk`` or outside a row's interval, dense-masked keys and
+    -inf scores are -inf; NaN scores stay NaN.
+    """
+    k_tile = tl.load(k_ptrs, mask=(offs_n < lk)[None, :], other=0.0)
+    scores = tl.dot(q_tile, k_tile, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC) * scale
+    keep = (offs_n[None, :] >= row_start[:, None]) & (offs_n[None, :] < row_stop[:, None])
+    if HAS_DENSE:
+        dense_ptrs = dense + batch * dense_sb + head * dense_sh
+        dense_ptrs += offs_m[:, None] * dense_sm + offs_n[None, :] * dense_sn
+        keep = keep & (tl.load(dense_ptrs, mask=keep, other=0) != 0)
+    if HAS_ADDITIVE:
+        add_ptrs = additive + batch * add_sb + head * add_sh + offs_m[:, None] * add_sm + offs_n[None, :] * add_sn
+        scores = scores + tl.load(add_ptrs, mask=keep, other=0.0).to(ACC)
+    return tl.where(keep, scores, float("-inf"))
