@@ -6,6 +6,7 @@ Every normalizer maps attention scores to weights with one interface
 
 from attnorm import functional
 from attnorm.attention import attention
+from attnorm.integrations import register_when_imported
 from attnorm.kernels.backends import get_backend, set_backend, use_backend
 from attnorm.masks import StructuredMask, causal_mask, document_mask, key_padding_mask, sliding_window_mask
 from attnorm.normalizers import (
@@ -25,6 +26,8 @@ from attnorm.normalizers import (
 from attnorm.normalizers.registry import available, make
 
 __version__ = "0.1.0"
+
+register_when_imported()  # the "attnorm" attention implementation of transformers, once it is imported
 
 __all__ = [
     "Entmax",

