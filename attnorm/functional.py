@@ -10,9 +10,12 @@ default; see :mod:`attnorm.kernels.backends`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 from attnorm.masks import StructuredMask
+from attnorm.normalizers import normalized as _normalized_module
 from attnorm.normalizers.base import normalize
 from attnorm.validation import check_alpha, check_bool, check_finite, check_k, check_temperature
 
@@ -23,9 +26,14 @@ __all__ = [
     "check_k",
     "check_temperature",
     "entmax",
+    "normalized",
+    "relu_normalized",
     "scalable_softmax",
     "self_adjusted_softmax",
+    "sigmoid_attention",
     "softmax",
+    "softmax1",
+    "softplus_normalized",
     "sparsemax",
     "topk_softmax",
 ]
@@ -187,3 +195,91 @@ def topk_softmax(
     return normalize("topk_softmax", x, mask, dim, {"k": k, "temperature": temperature}, backend)
 
 
+
+
+def normalized(
+    x: Tensor, f: Callable[[Tensor], Tensor], dim: int = -1, *, derivative: Callable[[Tensor], Tensor] | None = None,
+    mask: Mask = None,
+) -> Tensor:
+    """Any ``F / sum F`` normalisation: ``a_i = F(x_i) / sum_j F(x_j)`` for an elementwise ``F >= 0``.
+
+    The general form of Mudarisov et al. (arXiv 2508.17821); see :class:`attnorm.Normalized`.
+    A row whose ``F`` sums to 0 gives zeros.
+
+    Args:
+        x: scores.
+        f: ``F`` as a torch function of a tensor.
+        dim: axis to normalise over.
+        derivative: ``F'`` as a torch function (backward), or None for autograd.
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+
+    Returns:
+        Weights like ``x``.
+    """
+    return _normalized_module.Normalized(f, derivative, dim)(x, mask)
+
+
+def relu_normalized(x: Tensor, dim: int = -1, *, power: float = 1.0, mask: Mask = None) -> Tensor:
+    """``a_i = max(x_i, 0)^p / sum_j max(x_j, 0)^p`` (zeros when no allowed score is positive).
+
+    Args:
+        x: scores.
+        dim: axis to normalise over.
+        power: p > 0 (1: ``relu``, 2: ``relu2``).
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+
+    Returns:
+        Sparse weights like ``x``.
+
+    Raises:
+        ValueError: power <= 0 or not finite.
+    """
+    return _normalized_module.ReLUNormalized(power, dim)(x, mask)
+
+
+def softplus_normalized(x: Tensor, dim: int = -1, *, mask: Mask = None) -> Tensor:
+    """``a_i = softplus(x_i) / sum_j softplus(x_j)``, computed from ``log softplus`` (no underflow).
+
+    Args:
+        x: scores.
+        dim: axis to normalise over.
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+
+    Returns:
+        Weights like ``x``; rows sum to 1.
+    """
+    return _normalized_module.SoftplusNormalized(dim)(x, mask)
+
+
+def softmax1(x: Tensor, dim: int = -1, *, mask: Mask = None) -> Tensor:
+    """softmax_1: ``a_i = e^{x_i} / (1 + sum_j e^{x_j})``, stable for any ``x``.
+
+    Softmax with a sink key of logit 0 whose weight is dropped; rows sum to less than 1.
+
+    Args:
+        x: scores.
+        dim: axis to normalise over.
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+
+    Returns:
+        Weights like ``x``.
+    """
+    return _normalized_module.Softmax1(dim)(x, mask)
+
+
+def sigmoid_attention(x: Tensor, dim: int = -1, *, bias: float | None = None, mask: Mask = None) -> Tensor:
+    """Sigmoid attention (Ramapuram et al., 2024, arXiv 2409.04431): ``a_i = sigmoid(x_i - log n)``.
+
+    ``n`` is the number of allowed positions of the row; ``bias`` replaces ``-log n`` when given.
+    Not normalised: each weight lies in (0, 1).
+
+    Args:
+        x: scores.
+        dim: axis to normalise over.
+        bias: a finite number, or None for ``-log n``.
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+
+    Returns:
+        Weights like ``x``.
+    """
+    return _normalized_module.SigmoidAttention(bias, dim)(x, mask)

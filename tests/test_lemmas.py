@@ -227,3 +227,132 @@ def test_sparsemax_spectral_norm_is_one_with_two_or_more_in_support(length, scal
     size = int((attnorm.Sparsemax()(x) > 0).sum())
     norm = spectral_norm(jacobian(attnorm.Sparsemax(), x))
     assert norm == pytest.approx(1.0 if size >= 2 else 0.0, abs=1e-12)
+
+
+# ---------------------------------------------------------------- every F / sum F normalizer
+#
+# For a = F(x) / sum F(x) with F > 0 on [a, b], Lemma 1 reads
+#     min F / (L max F) <= a_i <= max F / (L min F)          (min, max of F over [a, b]),
+# tight as L grows (one logit at F's argmax, the rest at its argmin, or the reverse).
+# Lemma 2's J = (diag(F') - a F'^T) / sum F equals (diag(a) - a a^T) diag(r) with
+# r = F' / F = (log F)', and diag(a) - a a^T has spectral norm <= 1/2 and entries <= 1/4, so
+#     ||J||_2 <= max_j |r(x_j)| / 2,   |J_ij| <= max_j |r(x_j)| / 4       (j over a_j > 0),
+# softmax's 1/(2T) and 1/(4T) when r = 1/T; equality at two equal dominant logits where |r| peaks.
+
+
+def _softplus(x):
+    return torch.log1p(torch.exp(x))
+
+
+# name: (module, F, F', the x where |F'/F| peaks, that peak, the region F > 0)
+FAMILIES = {
+    "softmax_T0.5": (lambda: attnorm.Softmax(0.5), lambda x: torch.exp(2 * x), lambda x: 2 * torch.exp(2 * x),
+                     0.0, 2.0, None),
+    "relu": (lambda: attnorm.make("relu"), lambda x: x.clamp_min(0), lambda x: (x > 0).double(), 0.5, 2.0, 0.0),
+    "relu2": (lambda: attnorm.make("relu2"), lambda x: x.clamp_min(0) ** 2, lambda x: 2 * x.clamp_min(0),
+              0.5, 4.0, 0.0),
+    "softplus": (lambda: attnorm.make("softplus"), _softplus, torch.sigmoid, -40.0, 1.0, None),
+    "normalized_x2+1": (lambda: attnorm.Normalized(lambda x: x * x + 1), lambda x: x * x + 1, lambda x: 2 * x,
+                        1.0, 1.0, None),
+}
+
+
+def f_range(f, low: float, high: float) -> tuple[float, float]:
+    """min and max of F over [low, high] (a fine grid holding the ends and F's critical points -1, 0, 1)."""
+    grid = torch.cat([torch.linspace(low, high, 20001, dtype=torch.float64),
+                      torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64).clamp(low, high)])
+    values = f(grid)
+    return float(values.min()), float(values.max())
+
+
+@SETTINGS
+@given(family=st.sampled_from(sorted(FAMILIES)), length=lengths, low=st.floats(-20, 20), width=st.floats(0, 8),
+       seed=seeds)
+def test_lemma1_every_ratio_of_f_lies_within_its_f_range_over_length(family, length, low, width, seed):
+    build, f, _, _, _, positive_above = FAMILIES[family]
+    if positive_above is not None:
+        low = abs(low) + 0.1  # F > 0 on [a, b] only for a > 0
+    x = uniform(low, low + width, length, seed)
+    x[0], x[-1] = low, low + width
+    f_min, f_max = f_range(f, low, low + width)
+    out = build()(x)
+    assert float(out.min()) >= (1 - 1e-9) * f_min / (length * f_max)
+    assert float(out.max()) <= (1 + 1e-9) * f_max / (length * f_min)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_lemma1_ratio_bounds_are_approached_by_a_lone_extreme_logit(family):
+    build, f, _, _, _, positive_above = FAMILIES[family]
+    length, low, high = 100_000, (0.5 if positive_above is not None else -1.5), 1.5
+    grid = torch.linspace(low, high, 3001, dtype=torch.float64)
+    values = f(grid)
+    arg_min, arg_max = float(grid[values.argmin()]), float(grid[values.argmax()])
+    f_min, f_max = float(values.min()), float(values.max())
+    top = torch.full((length,), arg_min, dtype=torch.float64)
+    top[0] = arg_max
+    assert float(build()(top)[0]) >= 0.99 * f_max / (length * f_min)
+    bottom = torch.full((length,), arg_max, dtype=torch.float64)
+    bottom[0] = arg_min
+    assert float(build()(bottom)[0]) >= 0.99 * f_min / (length * f_max)
+
+
+def test_relu_escapes_lemma1_when_scores_reach_zero():
+    # With a <= 0 the lower bound is 0 and only the positive scores share the mass: a needle keeps it all.
+    for length in (10, 1000, 100_000):
+        x = -torch.rand(length, dtype=torch.float64)
+        x[0] = 0.1
+        assert float(attnorm.make("relu")(x)[0]) == 1.0
+
+
+@SETTINGS
+@given(family=st.sampled_from(sorted(FAMILIES)), length=st.integers(1, 48), scale=st.floats(0.1, 6), seed=seeds)
+def test_lemma2_every_ratio_of_f_has_the_papers_jacobian_and_half_max_log_derivative_bound(family, length, scale,
+                                                                                           seed):
+    build, f, derivative, _, _, _ = FAMILIES[family]
+    x = uniform(-scale, scale, length, seed)
+    x[0] = scale + 0.5  # at least one positive score (relu)
+    matrix = jacobian(build(), x)
+    values = f(x)
+    torch.testing.assert_close(matrix, general_jacobian(values, derivative(x)), rtol=1e-9, atol=1e-12)
+    on = values > 0
+    peak = float((derivative(x)[on] / values[on]).abs().max())
+    assert spectral_norm(matrix) <= (1 + 1e-9) * peak / 2
+    assert float(matrix.abs().max()) <= (1 + 1e-9) * peak / 4
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_lemma2_ratio_bound_is_reached_at_two_equal_dominant_logits_where_log_f_is_steepest(family):
+    build, f, _, peak_at, peak, _ = FAMILIES[family]
+    x = torch.tensor([peak_at, peak_at], dtype=torch.float64)
+    if family.startswith("relu"):
+        x = torch.tensor([peak_at, peak_at, -1.0, -2.0], dtype=torch.float64)  # F = 0: no share, no effect
+    norm = spectral_norm(jacobian(build(), x))
+    assert norm == pytest.approx(peak / 2, rel=1e-6)
+
+
+def test_softmax1_keeps_softmax_bounds_from_above_but_not_from_below():
+    # a_i = e^{x_i} / (1 + sum e^x) <= softmax_i, so Lemma 1's upper bound and Lemma 2's 1/2, 1/4 hold;
+    # the lower bound becomes e^a / (1 + L e^b): a row may put almost no weight anywhere.
+    generator = torch.Generator().manual_seed(0)
+    for length, low, width in ((10, -30.0, 2.0), (1000, 0.0, 3.0), (20, 5.0, 1.0)):
+        x = low + width * torch.rand(length, dtype=torch.float64, generator=generator)
+        x[0], x[-1] = low, low + width
+        out = attnorm.make("softmax1")(x)
+        assert float(out.max()) <= math.exp(width) / length
+        assert float(out.min()) >= (1 - 1e-12) * math.exp(low) / (1 + length * math.exp(low + width))
+        matrix = jacobian(attnorm.make("softmax1"), x[:40])
+        assert spectral_norm(matrix) <= 0.5 + 1e-12 and float(matrix.abs().max()) <= 0.25 + 1e-12
+    assert spectral_norm(jacobian(attnorm.make("softmax1"), torch.tensor([30.0, 30.0], dtype=torch.float64))) \
+        == pytest.approx(0.5, rel=1e-9)
+
+
+def test_sigmoid_attention_vanishes_like_one_over_n_with_a_diagonal_jacobian():
+    # a_i = sigmoid(x_i - log n) <= e^{x_i} / n: Lemma 1's 1/n decay holds for its upper bound; J is
+    # diag(a_i (1 - a_i)) at fixed n, so ||J||_2 = max a_i (1 - a_i) <= 1/4 (no 1/T growth at T = 1).
+    for length in (10, 1000, 100_000):
+        x = uniform(0.0, 2.0, length, seed=length)
+        assert float(attnorm.make("sigmoid")(x).max()) <= math.exp(2.0) / length
+    x = uniform(-3, 3, 12, seed=1)
+    matrix = jacobian(attnorm.make("sigmoid"), x)
+    weights = 1 / (1 + torch.exp(-(x - math.log(12))))
+    torch.testing.assert_close(matrix, torch.diag(weights * (1 - weights)), rtol=1e-12, atol=1e-15)

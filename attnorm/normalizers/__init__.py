@@ -10,5 +10,19 @@ from attnorm.normalizers.scalable_softmax import ScalableSoftmax
 from attnorm.normalizers.self_adjusted import SelfAdjustedSoftmax
 from attnorm.normalizers.entmax import Entmax, Sparsemax
 from attnorm.normalizers.topk import TopKSoftmax
+from attnorm.normalizers.normalized import Normalized, ReLUNormalized, SigmoidAttention, Softmax1, SoftplusNormalized
 
-__all__ = ["Entmax", "Normalizer", "ScalableSoftmax", "SelfAdjustedSoftmax", "Softmax", "Sparsemax", "TopKSoftmax"]
+__all__ = [
+    "Entmax",
+    "Normalized",
+    "Normalizer",
+    "ReLUNormalized",
+    "ScalableSoftmax",
+    "SelfAdjustedSoftmax",
+    "SigmoidAttention",
+    "Softmax",
+    "Softmax1",
+    "SoftplusNormalized",
+    "Sparsemax",
+    "TopKSoftmax",
+]

@@ -6,13 +6,17 @@ import ast
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from attnorm.normalizers.base import Normalizer
 
-__all__ = ["available", "make", "register_normalizer"]
+__all__ = ["available", "make", "register_kind", "register_normalizer"]
 
 _FACTORIES: dict[str, Callable[..., Normalizer]] = {}
 _ALIASES: dict[str, str] = {}
+# The kinds of module make() builds and passes through: normalizers of scores, and the
+# kinds registered by register_kind (output normalizers, attnorm.normalizers.output).
+_KINDS: list[type[nn.Module]] = [Normalizer]
 
 
 def register_normalizer(name: str, factory: Callable[..., Normalizer], aliases: tuple[str, ...] = ()) -> None:
@@ -25,6 +29,15 @@ def register_normalizer(name: str, factory: Callable[..., Normalizer], aliases: 
         _ALIASES[alias] = name
 
 
+def register_kind(kind: type[nn.Module]) -> None:
+    """Let :func:`make` return instances of ``kind`` as well as :class:`Normalizer` ones.
+
+    A kind is a base class of modules that ``attnorm.attention`` accepts, such as
+    :class:`attnorm.normalizers.output.OutputNormalizer` (it normalises attention outputs,
+    not scores).
+    """
+    if kind not in _KINDS:
+        _KINDS.append(kind)
 
 
 def available() -> list[str]:
@@ -57,13 +70,14 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name.strip(), kwargs
 
 
-def make(spec: str | Normalizer, **overrides) -> Normalizer:
+def make(spec: str | nn.Module, **overrides) -> nn.Module:
     """Build a normalizer from a name or spec string.
 
     Args:
         spec: a name from :func:`available`, optionally with arguments:
             ``"entmax:alpha=1.3"``, ``"topk:k=0.06"``, ``"ssmax:s=0.5,learnable=true"``.
-            A :class:`Normalizer` instance is returned as it is (when no overrides are given).
+            A :class:`Normalizer` instance (or one of a kind from :func:`register_kind`) is
+            returned as it is (when no overrides are given).
         **overrides: keyword arguments that take precedence over the spec's.
 
     Returns:
@@ -72,12 +86,13 @@ def make(spec: str | Normalizer, **overrides) -> Normalizer:
     Raises:
         ValueError: unknown name, or an argument the normalizer does not take.
     """
-    if isinstance(spec, Normalizer):
+    if isinstance(spec, tuple(_KINDS)):
         if overrides:
-            raise ValueError("overrides can only be given with a spec string, not a Normalizer instance")
+            raise ValueError(f"overrides can only be given with a spec string, not a {type(spec).__name__} instance")
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"spec must be a string or a Normalizer, got {type(spec).__name__}")
+        kinds = " or ".join(kind.__name__ for kind in _KINDS)
+        raise TypeError(f"spec must be a string or a {kinds}, got {type(spec).__name__}")
     name, kwargs = parse_spec(spec)
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in _FACTORIES:

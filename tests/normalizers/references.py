@@ -79,6 +79,45 @@ def topk_softmax_reference(x: Tensor, k: float, temperature: float = 1.0) -> Ten
     return torch.softmax((x / temperature).masked_fill(x < kth_largest, -math.inf), dim=-1)
 
 
+def ratio_reference(values: Tensor) -> Tensor:
+    """``F / sum F`` over the last axis from the values of ``F`` (rows summing to 0 give zeros)."""
+    total = values.sum(-1, keepdim=True)
+    return torch.where(total > 0, values / torch.where(total > 0, total, 1.0), 0.0)
+
+
+def relu_reference(x: Tensor, power: float = 1.0) -> Tensor:
+    """``max(x, 0)^p / sum max(x, 0)^p`` in float64."""
+    return ratio_reference(x.double().clamp_min(0) ** power)
+
+
+def softplus_reference(x: Tensor) -> Tensor:
+    """``log(1 + e^x) / sum log(1 + e^x)`` in float64."""
+    return ratio_reference(torch.log1p(torch.exp(x.double())))
+
+
+def softmax1_reference(x: Tensor) -> Tensor:
+    """``e^x / (1 + sum e^x)`` in float64 (moderate scores only: no shift)."""
+    exps = torch.exp(x.double())
+    return exps / (1 + exps.sum(-1, keepdim=True))
+
+
+def sigmoid_reference(x: Tensor, bias: float | None = None) -> Tensor:
+    """``1 / (1 + e^{-(x - log n)})``, n the row length, in float64."""
+    shift = -math.log(x.shape[-1]) if bias is None else bias
+    return 1 / (1 + torch.exp(-(x.double() + shift)))
+
+
+def taylor_reference(x: Tensor, order: int = 2) -> Tensor:
+    """``T_n(x) / sum T_n(x)``, ``T_n(x) = sum_{m <= n} x^m / m!``, scores used as given, in float64."""
+    x = x.double()
+    return ratio_reference(sum(x**m / math.factorial(m) for m in range(order + 1)))
+
+
+def square_plus_one(x: Tensor) -> Tensor:
+    """A user's ``F(x) = x^2 + 1`` for :class:`attnorm.Normalized`."""
+    return x * x + 1
+
+
 @dataclass(frozen=True)
 class Case:
     """A normalizer configuration, how to build it, its functional form and its reference.
@@ -167,6 +206,43 @@ CASES = [
         lambda x, **kw: F.topk_softmax(x, 0.4, temperature=2.0, **kw),
         lambda x: topk_softmax_reference(x, 0.4, 2.0),
         sparse=True,
+    ),
+    Case(
+        "relu",
+        lambda **kw: attnorm.make("relu", **kw),
+        lambda x, **kw: F.relu_normalized(x, **kw),
+        relu_reference,
+        sparse=True,
+        shift_invariant=False,
+    ),
+    Case(
+        "relu2",
+        lambda **kw: attnorm.make("relu2", **kw),
+        lambda x, **kw: F.relu_normalized(x, power=2.0, **kw),
+        lambda x: relu_reference(x, 2.0),
+        sparse=True,
+        shift_invariant=False,
+    ),
+    Case(
+        "softplus",
+        lambda **kw: attnorm.make("softplus", **kw),
+        lambda x, **kw: F.softplus_normalized(x, **kw),
+        softplus_reference,
+        shift_invariant=False,
+    ),
+    Case(
+        "softmax1",
+        lambda **kw: attnorm.make("softmax1", **kw),
+        lambda x, **kw: F.softmax1(x, **kw),
+        softmax1_reference,
+        shift_invariant=False,
+    ),
+    Case(
+        "normalized_x2+1",
+        lambda **kw: attnorm.Normalized(square_plus_one, **kw),
+        lambda x, **kw: F.normalized(x, square_plus_one, **kw),
+        lambda x: ratio_reference(x.double() ** 2 + 1),
+        shift_invariant=False,
     ),
 ]
 
