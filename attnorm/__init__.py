@@ -4,7 +4,7 @@ Every normalizer maps attention scores to weights with one interface
 (``dim``, ``mask``, dtype rules), as an ``nn.Module`` and as a function.
 """
 
-from attnorm import functional
+from attnorm import functional, nn
 from attnorm.attention import attention
 from attnorm.integrations import register_when_imported
 from attnorm.kernels.backends import get_backend, set_backend, use_backend
@@ -24,6 +24,7 @@ from attnorm.normalizers import (
     TopKSoftmax,
 )
 from attnorm.normalizers.registry import available, make
+from attnorm.sdpa_override import override_sdpa
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,8 @@ __all__ = [
     "get_backend",
     "key_padding_mask",
     "make",
+    "nn",
+    "override_sdpa",
     "set_backend",
     "sliding_window_mask",
     "use_backend",
