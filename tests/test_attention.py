@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 import attnorm
 from attnorm import causal_mask, key_padding_mask
 
-attention_module = importlib.import_module("attnorm.attention")
+blocked_module = importlib.import_module("attnorm.routes.blocked")
 
 B, H, D = 2, 3, 8
 
@@ -62,6 +62,17 @@ def allowed_of(lq: int, lk: int, diagonal: int | None = None, lengths: list[int]
     return allowed
 
 
+def window_of(lq: int, lk: int, window: int, diagonal: int) -> torch.Tensor:
+    """Query i attends keys i + diagonal - window < j <= i + diagonal."""
+    return torch.tensor([[i + diagonal - window < j <= i + diagonal for j in range(lk)] for i in range(lq)])
+
+
+def documents_of(length: int, bounds: list[int]) -> torch.Tensor:
+    """Positions attend positions of their own document (positions past the last bound: one more document)."""
+    document = [sum(position >= bound for bound in bounds) for position in range(length)]
+    return torch.tensor([[document[i] == document[j] for j in range(length)] for i in range(length)])
+
+
 def mask_kinds(lq: int, lk: int):
     """(id, attention kwargs, allowed bool mask, additive mask) for the mask conventions."""
     generator = torch.Generator().manual_seed(1)
@@ -84,7 +95,15 @@ def mask_kinds(lq: int, lk: int):
         ("causal_diag-2", {"attn_mask": causal_mask(-2)}, allowed_of(lq, lk, -2), None),
         ("causal_diag3", {"attn_mask": causal_mask(3)}, allowed_of(lq, lk, 3), None),
         ("additive", {"attn_mask": additive}, allowed_of(lq, lk), additive),
-    ]
+        ("window", {"attn_mask": attnorm.sliding_window_mask(3, lk - lq)}, window_of(lq, lk, 3, lk - lq), None),
+    ] + ([] if lq != lk else [
+        (
+            "documents&causal",
+            {"attn_mask": attnorm.document_mask(torch.tensor([0, 3, lq - 2])) & causal_mask()},
+            documents_of(lq, [0, 3, lq - 2]) & allowed_of(lq, lk, 0),
+            None,
+        )
+    ])
 
 
 SHAPES = [(8, 8), (7, 11), (12, 5)]
@@ -93,10 +112,10 @@ FAST_CASES = [case for case in CASES if case.name.startswith(("softmax", "ssmax"
 
 @pytest.fixture(params=["one_block", "tiny_blocks"])
 def blocks(request, monkeypatch):
-    """Run the SDPA route with its default blocks, or with blocks of one or two query rows."""
+    """Normalizers off the SDPA route run materialised (one block) or blocked, one query row per block."""
     if request.param == "tiny_blocks":
-        monkeypatch.setattr(attention_module, "_MIN_BLOCK_BYTES", 1)
-        monkeypatch.setattr(attention_module, "_BLOCKS_PER_Q", 10**9)
+        monkeypatch.setattr(blocked_module, "MIN_BLOCK_BYTES", 1)
+        monkeypatch.setattr(blocked_module, "BLOCKS_PER_INPUTS", 10**9)
     return request.param
 
 
@@ -112,7 +131,7 @@ def test_sdpa_route_matches_float64_reference_under_every_mask(case, lq, lk, blo
 
 @pytest.mark.parametrize("case", CASES, ids=repr)
 @pytest.mark.parametrize("lq,lk", SHAPES)
-def test_materialised_route_matches_float64_reference_under_every_mask(case, lq, lk):
+def test_materialised_and_blocked_routes_match_float64_reference_under_every_mask(case, lq, lk, blocks):
     q, k, v = qkv(lq, lk)
     for name, kwargs, allowed, additive in mask_kinds(lq, lk):
         expected, expected_weights = reference_attention(case, q, k, v, allowed, additive)
@@ -120,7 +139,7 @@ def test_materialised_route_matches_float64_reference_under_every_mask(case, lq,
         torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10, msg=f"mask {name}")
         torch.testing.assert_close(weights, expected_weights, rtol=1e-10, atol=1e-10, msg=f"weights, mask {name}")
         if case not in FAST_CASES:
-            torch.testing.assert_close(attnorm.attention(q, k, v, case.build(), **kwargs), out, rtol=0, atol=0)
+            torch.testing.assert_close(attnorm.attention(q, k, v, case.build(), **kwargs), out, rtol=1e-12, atol=1e-12)
 
 
 @settings(max_examples=40, deadline=None)
@@ -129,9 +148,8 @@ def test_materialised_route_matches_float64_reference_under_every_mask(case, lq,
     lk=st.integers(1, 9),
     diagonal=st.one_of(st.none(), st.integers(-10, 10)),
     lengths=st.one_of(st.none(), st.lists(st.integers(0, 9), min_size=B, max_size=B)),
-    rows_per_block=st.integers(1, 9),
 )
-def test_scalable_softmax_structured_masks(lq, lk, diagonal, lengths, rows_per_block):
+def test_scalable_softmax_structured_masks(lq, lk, diagonal, lengths):
     """Any causal diagonal and key lengths (0 included), any block size: n counts the allowed keys."""
     if diagonal is None and lengths is None:
         diagonal = 0
@@ -141,13 +159,7 @@ def test_scalable_softmax_structured_masks(lq, lk, diagonal, lengths, rows_per_b
         mask = padding if mask is None else mask & padding
     q, k, v = qkv(lq, lk)
     expected, _ = reference_attention(FAST_CASES[1], q, k, v, allowed_of(lq, lk, diagonal, lengths))
-    row_bytes = 2 * B * H * (2 * D + 2) * 8
-    original = attention_module._MIN_BLOCK_BYTES, attention_module._BLOCKS_PER_Q
-    attention_module._MIN_BLOCK_BYTES, attention_module._BLOCKS_PER_Q = rows_per_block * row_bytes, 10**9
-    try:
-        out = attnorm.attention(q, k, v, FAST_CASES[1].build(), attn_mask=mask)
-    finally:
-        attention_module._MIN_BLOCK_BYTES, attention_module._BLOCKS_PER_Q = original
+    out = attnorm.attention(q, k, v, FAST_CASES[1].build(), attn_mask=mask)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
 
 
@@ -198,6 +210,43 @@ def test_gradcheck(normalizer, mask, blocks):
     q, k, v = (t[:, :1, :, :4].detach().requires_grad_() for t in qkv(5, 6, seed=3))
     check = lambda *inputs: attnorm.attention(*inputs, normalizer, **mask)
     assert torch.autograd.gradcheck(check, (q, k, v), fast_mode=True)
+
+
+def test_blocked_route_gradients_of_learnable_parameters_and_additive_masks(blocks):
+    """q, k, v, a learnable alpha and an additive mask get float64 autograd's gradients of the formula."""
+    q, k, v = (t.requires_grad_() for t in qkv(7, 9, heads=4, kv_heads=2))
+    normalizer = attnorm.Entmax(alpha=1.4, learnable=True).double()
+    additive = torch.randn(4, 7, 9, dtype=torch.float64, requires_grad=True)
+    cotangent = torch.randn(B, 4, 7, D + 2, dtype=torch.float64)
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=additive)
+    wanted = (q, k, v, additive, *normalizer.parameters())
+    got = torch.autograd.grad((out * cotangent).sum(), wanted)
+    groups_k, groups_v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = q @ groups_k.transpose(-2, -1) / math.sqrt(D) + additive
+    weights = normalizer(scores)  # the row normalizer itself is checked against entmax in its own tests
+    expected = torch.autograd.grad(((weights @ groups_v) * cotangent).sum(), wanted)
+    for actual, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(actual, reference, rtol=1e-9, atol=1e-10)
+
+
+def test_blocked_route_replays_dropout_in_its_backward(monkeypatch):
+    monkeypatch.setattr(blocked_module, "MIN_BLOCK_BYTES", 1)
+    monkeypatch.setattr(blocked_module, "BLOCKS_PER_INPUTS", 10**9)
+    q, k, v = (t[:, :1, :, :4].detach().requires_grad_() for t in qkv(5, 6, seed=3))
+
+    def dropped(*inputs):
+        torch.manual_seed(0)  # the same dropout masks at every call: a deterministic function of the inputs
+        return attnorm.attention(*inputs, "sparsemax", dropout_p=0.4)
+
+    assert not torch.equal(dropped(q, k, v), attnorm.attention(q, k, v, "sparsemax"))
+    assert torch.autograd.gradcheck(dropped, (q, k, v), fast_mode=True)
+
+
+def test_blocked_route_never_holds_the_score_matrix():
+    q, k, v = (t.float() for t in qkv(2048, 2048))
+    scores = B * H * 2048 * 2048 * 4
+    blocked = peak_allocated_bytes(lambda: attnorm.attention(q, k, v, "sparsemax", is_causal=True))
+    assert blocked < scores // 4
 
 
 @pytest.mark.parametrize("normalizer", ["softmax", "ssmax", "entmax", "sa_softmax"])
@@ -278,24 +327,32 @@ def peak_allocated_bytes(run) -> int:
     return int(held.cumsum(0).max())
 
 
-@pytest.mark.parametrize(
-    "mask",
-    [
-        {"is_causal": True},
+SDPA_EQUIVALENT = {
+    "is_causal": ({"is_causal": True}, {"is_causal": True}),
+    "structured": (
         {"attn_mask": causal_mask(3) & key_padding_mask(torch.tensor([1000, 600]))},
-        {"attn_mask": torch.ones(B, 1, 1024, 1024, dtype=torch.bool).tril()},
-    ],
-    ids=["is_causal", "structured", "bool"],
-)
-def test_scalable_softmax_route_never_holds_a_score_matrix(mask):
-    """Peak extra memory of the SDPA route stays below half of ONE head's (Lq x Lk) float32 scores."""
+        {"attn_mask": allowed_of(1024, 1024, 3, [1000, 600])},
+    ),
+    "bool": ({"attn_mask": torch.ones(B, 1, 1024, 1024, dtype=torch.bool).tril()},) * 2,
+}
+
+
+@pytest.mark.parametrize("mask", list(SDPA_EQUIVALENT))
+@pytest.mark.parametrize("learnable", [False, True])
+def test_scalable_softmax_route_holds_what_sdpa_holds(mask, learnable):
+    """Peak memory of the SDPA route: what SDPA holds given the same mask, plus the scaled q and the mask it builds."""
+    ours, sdpa = SDPA_EQUIVALENT[mask]
     q, k, v = (t.float() for t in qkv(1024, 1024))
     v = v[..., :D]  # CPU flash attention needs Dv == D (SDPA's math fallback would hold the scores itself)
-    one_head_scores = 1024 * 1024 * 4
-    fast = peak_allocated_bytes(lambda: attnorm.attention(q, k, v, attnorm.ScalableSoftmax(num_heads=H), **mask))
-    materialised = peak_allocated_bytes(lambda: attnorm.attention(q, k, v, attnorm.Sparsemax(), **mask))
-    assert fast < one_head_scores // 2
-    assert materialised > B * H * one_head_scores  # the measurement does see score matrices
+    normalizer = attnorm.ScalableSoftmax(num_heads=H, learnable=True) if learnable else attnorm.ScalableSoftmax()
+    fast = peak_allocated_bytes(lambda: attnorm.attention(q, k, v, normalizer, **ours))
+    baseline = peak_allocated_bytes(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, **sdpa))
+    built_mask = B * 1024 * 1024 if mask == "structured" else 0  # bool (B, 1, Lq, Lk)
+    assert fast <= 1.1 * baseline + q.nbytes + built_mask + 2 * B * 1024 * 8
+    materialised = peak_allocated_bytes(
+        lambda: attnorm.attention(q, k, v, attnorm.Sparsemax(), return_weights=True, **ours)
+    )
+    assert materialised > B * H * 1024 * 1024 * 4  # the measurement does see score matrices
 
 
 def test_errors_name_the_argument():

@@ -1,0 +1,96 @@
+"""Masks as the attention routes take them: allowed counts, empty rows, kernel masks, SDPA masks.
+
+A user's mask arrives split by :func:`attnorm.attention` into a bool tensor or a
+:class:`~attnorm.masks.StructuredMask` (``mask``) and a float tensor added to the
+scores (``additive``).  Scores are ``(..., Hq, Lq, Lk)``; a StructuredMask's batch dim
+is ``q``'s first dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from attnorm.kernels.rules import AttentionMask
+from attnorm.masks import StructuredMask
+
+__all__ = ["allowed_counts", "interval", "kernel_mask", "row_attends", "structured_rows"]
+
+Mask = Tensor | StructuredMask | None
+
+# A bool mask's allowed counts are summed this many bytes of int64 at a time (a
+# whole-tensor sum would first copy the mask to int64).
+_COUNT_BLOCK_BYTES = 1 << 20
+
+
+def interval(mask: StructuredMask, q: Tensor, lk: int) -> tuple[Tensor, Tensor]:
+    """The key interval ``[start, stop)`` of each row: int32 ``(B | 1, 1, ..., Lq, 1)``, broadcasting over scores."""
+    batch = q.shape[0] if q.ndim >= 3 else 1
+    if mask.key_lengths is not None and q.ndim < 3:
+        raise ValueError(f"key_lengths need q shaped (B, ..., Lq, D) with a batch dim, got {tuple(q.shape)}")
+    start, stop = mask.key_range(batch, q.shape[-2], lk, q.device)  # (B | 1, Lq)
+    shape = (start.shape[0], *([1] * (q.ndim - 3)), q.shape[-2], 1) if q.ndim >= 3 else (q.shape[-2], 1)
+    return start.reshape(shape), stop.reshape(shape)
+
+
+def allowed_counts(mask: Mask, q: Tensor, lk: int) -> Tensor | None:
+    """Allowed keys per query row, ``(..., Lq, 1)``; None when every row sees all ``lk`` keys."""
+    if mask is None:
+        return None
+    if isinstance(mask, StructuredMask):
+        start, stop = interval(mask, q, lk)
+        return stop - start
+    if mask.ndim < 2:
+        return mask.sum(-1, keepdim=True)
+    rows = max(1, _COUNT_BLOCK_BYTES // (8 * mask[..., 0, :].numel()))
+    blocks = [mask[..., start : start + rows, :].sum(-1, keepdim=True) for start in range(0, mask.shape[-2], rows)]
+    return torch.cat(blocks, dim=-2)
+
+
+def row_attends(mask: Mask, additive: Tensor | None, q: Tensor, lk: int) -> Tensor | None:
+    """Bool ``(..., Lq, 1)``: rows with at least one allowed key; None when every row has one for sure."""
+    if additive is not None:
+        return ~torch.isneginf(additive).all(-1, keepdim=True)
+    if isinstance(mask, Tensor):
+        return mask.any(-1, keepdim=True)
+    if mask is None or lk == 0:
+        return None if mask is None and lk > 0 else torch.zeros((), dtype=torch.bool, device=q.device)
+    plain_causal = mask.key_lengths is None and mask.row_fields_only
+    if plain_causal and (mask.causal_diagonal is None or mask.causal_diagonal >= 0):
+        return None
+    return allowed_counts(mask, q, lk) > 0
+
+
+def structured_rows(mask: StructuredMask, q: Tensor, start: int, stop: int, lk: int) -> Tensor:
+    """Bool mask (True = may attend) of query rows ``start:stop``, broadcastable to their scores."""
+    first, last = interval(mask, q, lk)
+    first, last = first[..., start:stop, :], last[..., start:stop, :]
+    keys = torch.arange(lk, device=q.device)
+    return (keys >= first) & (keys < last)
+
+
+def kernel_mask(mask: Mask, additive: Tensor | None, q: Tensor, lk: int) -> AttentionMask:
+    """The mask as the fused kernels take it, for ``q`` shaped ``(B, Hq, Lq, D)``."""
+    start = stop = dense = None
+    if isinstance(mask, StructuredMask):
+        start, stop = mask.key_range(q.shape[0], q.shape[-2], lk, q.device)
+    elif mask is not None:
+        dense = mask
+    if additive is not None:
+        additive = additive.to(q.device)
+    return AttentionMask(start, stop, dense, additive)
+
+
+def padding_only(mask: Mask) -> bool:
+    """True for a StructuredMask holding key lengths and nothing else."""
+    return (
+        isinstance(mask, StructuredMask) and mask.key_lengths is not None and mask.causal_diagonal is None
+        and mask.row_fields_only
+    )
+
+
+def neg_inf_where_masked(scores: Tensor, keep: Tensor | None) -> Tensor:
+    """``scores`` with -inf wherever ``keep`` is False (in place when possible)."""
+    return scores if keep is None else scores.masked_fill_(~keep, -math.inf)

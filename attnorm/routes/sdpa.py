@@ -1,0 +1,108 @@
+"""Logit-scaling route: ``softmax(c * (scale q k^T + additive)) v`` in one SDPA call.
+
+Softmax with temperature and Scalable-Softmax are softmax of scores times a
+multiplier ``c`` constant along each query row: ``1 / T``, or ``s log n + bias`` with
+``n`` the allowed keys of the row (per-head learnable ``s`` included).  A number ``c``
+goes into SDPA's ``scale``; a tensor ``c`` (per row or head) is folded into ``q``
+(``c q k^T = (c q) k^T``), so gradients of ``s`` and ``bias`` flow through the scaled
+``q``.  The mask is passed in the form that keeps SDPA's fast backends eligible:
+
+================================================ ==========================================
+mask                                             passed to SDPA as
+================================================ ==========================================
+none                                             nothing
+causal, top-left, ``Lq = Lk``                    ``is_causal=True``
+causal, bottom-right (``diagonal = Lk - Lq``)    ``torch.nn.attention.bias.causal_lower_right``
+key padding only                                 a bool ``(B, 1, ..., 1, Lk)`` mask
+bool / additive tensor                           as given (additive scaled by ``c``)
+other structured masks (window, documents,       a bool ``(B | 1, 1, ..., Lq, Lk)`` mask
+other diagonals, causal & padding)
+================================================ ==========================================
+
+Rows with no allowed key are set to zero (SDPA would give NaN or a uniform row).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+
+from attnorm.kernels.rules import ssmax_multiplier
+from attnorm.masks import StructuredMask
+from attnorm.normalizers import Normalizer
+from attnorm.routes.common import allowed_counts, interval, row_attends
+
+__all__ = ["logit_multiplier", "scaled_sdpa"]
+
+_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+Multiplier = float | Tensor
+
+
+def logit_multiplier(normalizer: Normalizer, mask, additive: Tensor | None, q: Tensor, lk: int) -> Multiplier | None:
+    """The per-row logit multiplier ``c`` when ``normalizer`` is a pure logit scaling, else None."""
+    kernel = getattr(normalizer, "kernel", None)
+    if kernel not in ("softmax", "scalable_softmax"):
+        return None
+    params = normalizer.kernel_params()
+    if kernel == "softmax":
+        return 1 / params["temperature"]
+    if additive is not None:  # n would count the keys the additive mask leaves finite: not a mask SDPA takes
+        return None
+    s, bias = params["s"], params["bias"]
+    count = allowed_counts(mask, q, lk)
+    if count is None and not isinstance(s, Tensor) and not isinstance(bias, Tensor):
+        return s * math.log(max(lk, 1)) + bias
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    count = torch.tensor(float(lk), device=q.device) if count is None else count
+    return ssmax_multiplier(count.to(compute_dtype), s, bias)
+
+
+def scaled_sdpa(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, additive: Tensor | None,
+                scale: float, dropout_p: float, groups: int) -> Tensor:
+    """``softmax(multiplier * (scale q k^T + additive)) v`` with one ``scaled_dot_product_attention`` call."""
+    if groups > 1 and not _SDPA_HAS_GQA:
+        k, v, groups = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), 1
+    lq, lk = q.shape[-2], k.shape[-2]
+    attends = row_attends(mask, additive, q, lk)
+    if isinstance(multiplier, Tensor):
+        q = (q * multiplier).to(q.dtype)  # (..., Hq, Lq, D): c folded into the queries
+    else:
+        scale *= multiplier
+    sdpa_mask, is_causal = _sdpa_mask(mask, q, lq, lk)
+    if additive is not None:
+        # c (scale q k^T + additive): the additive mask is scaled too, its -inf entries kept.
+        scaled = additive * multiplier if isinstance(multiplier, Tensor) or multiplier != 1 else additive
+        sdpa_mask = torch.where(torch.isneginf(additive), -math.inf, scaled).to(q.dtype)
+    extra = {"enable_gqa": True} if groups > 1 else {}
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
+    )
+    return out if attends is None else torch.where(attends, out, 0.0)
+
+
+def _sdpa_mask(mask, q: Tensor, lq: int, lk: int):
+    """(SDPA ``attn_mask``, ``is_causal``) for a bool or structured mask (table in the module docstring)."""
+    if not isinstance(mask, StructuredMask):
+        return mask, False
+    diagonal = mask.causal_diagonal
+    if mask.row_fields_only and mask.key_lengths is None:
+        if diagonal is None or diagonal >= lk - 1:
+            return None, False
+        if diagonal == 0 and lq == lk:
+            return None, True
+        if diagonal == lk - lq and lq < lk:
+            return causal_lower_right(lq, lk), False
+    if mask.row_fields_only and diagonal is None and q.ndim >= 3:
+        lengths = mask.key_lengths.to(q.device)
+        allowed = torch.arange(lk, device=q.device) < lengths[:, None]  # (B, Lk)
+        return allowed.reshape(allowed.shape[0], *([1] * (q.ndim - 2)), lk), False
+    start, stop = interval(mask, q, lk)  # (B | 1, 1, ..., Lq, 1)
+    keys = torch.arange(lk, device=q.device)
+    allowed = keys >= start
+    allowed &= keys < stop
+    return allowed, False
