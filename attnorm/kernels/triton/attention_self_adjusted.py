@@ -1,0 +1,570 @@
+"""Fused Self-Adjusted Softmax attention (Zheng et al., 2025, arXiv 2502.18277): forward and backward.
+
+``out_i = sum_j phi(x_ij) w_ij v_j`` with ``x = scale q k^T + additive`` over row ``i``'s
+allowed keys, ``w = softmax(x)`` and ``phi(x) = x`` (plain) or ``(x - low) / (high - low)``,
+``low = min(min x, 0)``, ``high = max(max x, 0)`` (normalized; ``phi = 0`` when
+``high = low``).  No ``(Lq, Lk)`` matrix is stored: each kernel runs one program per
+query block (or key block) and recomputes score tiles with
+:func:`.attention_blocks.score_tile`, always on the same aligned ``(BLOCK_M, BLOCK_N)``
+tiles, so every kernel sees bit-identical scores (the backward's ``x == low`` and
+``x == high`` tests rely on it).
+
+**Forward, one pass over K and V.**  ``phi`` is affine in ``x`` once ``low`` is known, so
+``sum_j phi_j e_j v_j`` (``e_j = exp(x_j - m)``) follows from two running sums rescaled
+online as the row max ``m`` grows: ``A = sum e (x - m) v`` and ``B = sum e v``; then
+``out = (A + m B) / l`` (plain) or ``(A + (m - low) B) / (l span)`` (normalized), both
+terms of the same sign, so nothing cancels.  The same pass tracks ``l = sum e``, the row
+min and how many keys attain the min and the max.  Rows holding +inf (the limit of the
+finite case: uniform over their +inf keys, factor 1 normalized, +inf plain) take a
+second pass, only in query blocks that hold such a row.
+
+**Backward, by recomputation (FlashAttention-2 style, no atomics).**  With
+``g_j = dO_i . v_j``, ``P = sum_j g_j y_j = dO_i . out_i`` (a per-row pre-pass over
+``out``, no K/V) and ``Q = sum_j g_j w_j``, :func:`attnorm.kernels.reference.jacobians.self_adjusted_vjp`
+gives the score gradient
+
+* plain: ``ds_j = w_j (g_j (1 + x_j) - P)``;
+* normalized: ``ds_j = w_j (g_j phi_j - P) + (g_j w_j + [x_j = low] (P - Q) / n_low
+  - [x_j = high] P / n_high) / span``, the last two the paths through ``low`` (when
+  ``low < 0``) and ``high`` (when ``high > 0``), shared by the ``n_low`` (``n_high``) keys
+  attaining them.
+
+The dq kernel (one program per query block, looping over its key blocks) accumulates
+``Q`` as it goes and the keys at ``low`` (one extra ``(BLOCK_M, D)`` product, only in
+key blocks holding a row's minimum), adds the ``low`` path at the end and writes ``Q``;
+the dk/dv kernel (one program per key block, looping over the query heads of its GQA
+group and their query blocks that reach it) then has every term.  Passes over K and V
+per query block: forward 1 (2 with +inf rows); backward 1 (dq) plus 1 over Q and dO per
+key block (dk, dv).
+
+Bytes per query row beyond q, k, v, out and their gradients: forward writes
+:data:`STATS` stats of 4 bytes (8 for float64); backward reads them and writes two
+per-row sums (``P`` and ``Q``).
+
+Shared with :mod:`.attention_topk`: :func:`block_size`, :class:`Problem`, :func:`row_dot`
+and the device helpers :func:`load_rows`, :func:`scores` and :func:`key_tile`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from attnorm.kernels import rules
+from attnorm.kernels.rules import AttentionMask
+from attnorm.kernels.triton import launch
+from attnorm.kernels.triton.attention_blocks import key_block_bounds, mask_arguments, score_tile
+from attnorm.kernels.triton.self_adjusted import _factor, _span
+
+__all__ = [
+    "BLOCK_CUDA",
+    "BLOCK_INTERPRETED",
+    "STATS",
+    "Problem",
+    "block_size",
+    "dot_operands",
+    "key_tile",
+    "load_rows",
+    "problem",
+    "row_dot",
+    "scores",
+    "self_adjusted_attention_backward",
+    "self_adjusted_attention_forward",
+]
+
+BLOCK_CUDA = 64
+"""Query and key block size on CUDA."""
+
+BLOCK_INTERPRETED = 16
+"""Query and key block size under Triton's interpreter (``tl.dot``'s smallest)."""
+
+STATS = 7
+"""Per-row stats: ``(max, log_sum, low, high, low_count, high_count, state)``.
+
+``w = exp((x - max) - log_sum)`` are the softmax weights; ``low_count`` (``high_count``)
+the keys attaining the row's finite min (max); ``state`` 1 for a finite row, 2 for a
+row holding +inf (then ``max = 0``, ``log_sum = log(count of +inf keys)``: ``w`` is
+uniform over them once they are read as 0), 0 for a row with no allowed key or a NaN."""
+
+
+_STATS_WIDTH = tl.constexpr(STATS)
+
+
+def block_size(device: torch.device) -> int:
+    """Query and key block size: :data:`BLOCK_CUDA` on CUDA, :data:`BLOCK_INTERPRETED` elsewhere (interpreter)."""
+    return BLOCK_CUDA if device.type == "cuda" else BLOCK_INTERPRETED
+
+
+class Problem(NamedTuple):
+    """Shapes and launch constants of one attention call."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    lq: int
+    lk: int
+    head_dim: int
+    value_dim: int
+    block: int
+    constants: dict[str, Any]
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def score_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.lq, self.lk)
+
+    def row_tensor(self, *extra: int, like: Tensor) -> Tensor:
+        """A per-query-row output ``(B, Hq, Lq, *extra)`` in the accumulation dtype (from :func:`launch.empty`)."""
+        dtype = rules.accumulation_dtype(like.dtype)
+        return launch.empty((self.batch, self.heads, self.lq, *extra), dtype, like.device)
+
+
+def problem(q: Tensor, k: Tensor, v: Tensor) -> Problem:
+    """Check the shapes of ``q`` ``(B, Hq, Lq, D)``, ``k`` ``(B, Hkv, Lk, D)``, ``v`` ``(B, Hkv, Lk, Dv)``.
+
+    Raises:
+        ValueError: wrong number of dims, mismatched batch, heads, lengths or head dims,
+            ``Hq`` not a multiple of ``Hkv``, or mixed dtypes.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must have 4 dims, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    batch, heads, lq, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k's head dim must equal q's ({head_dim}), got {k.shape[3]}")
+    if k.shape[1] == 0 or heads % k.shape[1]:
+        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({k.shape[1]})")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    block = block_size(q.device)
+    constants = dict(
+        BLOCK_M=block, BLOCK_N=block,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(v.shape[3])),
+        ACC=launch.compute_dtype(q),
+    )
+    return Problem(batch, heads, k.shape[1], lq, k.shape[2], head_dim, v.shape[3], block, constants)
+
+
+def dot_operands(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors kernels read: bfloat16 as float32 off CUDA (Triton's interpreter multiplies bfloat16's raw bits).
+
+    Exact for the score products (a product of two bfloat16 is exact in float32); the
+    outputs keep the caller's dtype.
+    """
+    return tuple(t.float() if t.dtype == torch.bfloat16 and t.device.type != "cuda" else t for t in tensors)
+
+
+@triton.jit
+def load_rows(base, offs_m, offs_d, lq, width, s_m, s_d):
+    """A ``(BLOCK_M, BLOCK_D)`` tile of rows ``offs_m`` (0 past ``lq`` and past ``width`` columns)."""
+    ptrs = base + offs_m[:, None] * s_m + offs_d[None, :] * s_d
+    return tl.load(ptrs, mask=(offs_m < lq)[:, None] & (offs_d < width)[None, :], other=0.0)
+
+
+@triton.jit
+def key_tile(base, offs_n, offs_d, lk, width, s_n, s_d):
+    """Keys (or values) ``offs_n`` as ``(BLOCK_N, BLOCK_D)``, 0 past ``lk`` and past ``width`` columns."""
+    ptrs = base + offs_n[:, None] * s_n + offs_d[None, :] * s_d
+    return tl.load(ptrs, mask=(offs_n < lk)[:, None] & (offs_d < width)[None, :], other=0.0)
+
+
+@triton.jit
+def scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+           batch, head, masking, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, ACC: tl.constexpr):
+    """:func:`.attention_blocks.score_tile` for keys at ``k_base``; ``masking`` packs the dense and additive arguments.
+
+    Columns past the head dim read the last real column (finite, multiplied by the
+    query tile's zeros there), so no pointer leaves a key row.
+    """
+    k_ptrs = k_base + offs_n[None, :] * sk_n + tl.minimum(offs_d, head_dim - 1)[:, None] * sk_d
+    dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn = masking
+    return score_tile(q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, batch, head,
+                      dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+                      HAS_DENSE, HAS_ADDITIVE, ACC)
+
+
+@triton.jit
+def _row_dot_kernel(A, B, OUT, sa_b, sa_h, sa_m, sa_d, sb_b, sb_h, sb_m, sb_d, heads, lq, width,
+                    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr):
+    block, bh = tl.program_id(0), tl.program_id(1)
+    batch, head = bh // heads, bh % heads
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    a = load_rows(A + batch * sa_b + head * sa_h, offs_m, offs_d, lq, width, sa_m, sa_d).to(ACC)
+    b = load_rows(B + batch * sb_b + head * sb_h, offs_m, offs_d, lq, width, sb_m, sb_d).to(ACC)
+    tl.store(OUT + bh * lq + offs_m, tl.sum(a * b, 1), mask=offs_m < lq)
+
+
+def row_dot(shape: Problem, out: Tensor, grad_out: Tensor) -> Tensor:
+    """``rowsum(dO * out)`` per query row ``(B, Hq, Lq)``, accumulation dtype: the backward pre-pass (no K/V)."""
+    result = shape.row_tensor(like=out)
+    if result.numel():
+        c = shape.constants
+        _row_dot_kernel[(triton.cdiv(shape.lq, shape.block), shape.batch * shape.heads)](
+            out, grad_out, result, *out.stride(), *grad_out.stride(), shape.heads, shape.lq, shape.value_dim,
+            BLOCK_M=c["BLOCK_M"], BLOCK_DV=c["BLOCK_DV"], ACC=c["ACC"],
+        )
+    return result
+
+
+# ---- Self-Adjusted device helpers ----------------------------------------------------------
+
+
+@triton.jit
+def _weights(x, c0, c1, state):
+    """Scores (0 where unused), softmax weights ``w`` and SA weights ``y`` of a tile from the row stats."""
+    posinf = (state == 2)[:, None]
+    used = tl.where(posinf, x == float("inf"), (x > float("-inf")) & (x < float("inf"))) & (state > 0)[:, None]
+    xs = tl.where(used & ~posinf, x, 0.0)
+    w = tl.where(used, tl.exp((xs - c0[:, None]) - c1[:, None]), 0.0)
+    return xs, w, used, posinf
+
+
+@triton.jit
+def _score_grad(xs, w, used, g, low, high, low_count, high_count, state, total, low_term, NORMALIZED: tl.constexpr):
+    """``ds`` (without the factor ``scale``) for rows in state 1 and the keys attaining ``low``.
+
+    ``total`` is ``P = sum g y`` per row; ``low_term`` the path through ``low`` per key
+    attaining it (0 in the dq kernel, which adds it at the end).
+    """
+    if NORMALIZED:
+        s, span = _span(low, high)
+        phi = _factor(xs, low[:, None], s[:, None], span[:, None], True)
+        ds = w * g * phi - w * total[:, None]  # g phi - P could overflow; each product cannot
+        positive = span > 0
+        divisor = tl.where(positive, span, 1.0)
+        at_low = used & (xs == low[:, None]) & (low < 0)[:, None]
+        at_high = used & (xs == high[:, None]) & (high > 0)[:, None]
+        high_term = total * s / divisor / tl.maximum(high_count, 1.0)
+        through = g * w * (s / divisor)[:, None] + tl.where(at_low, low_term[:, None], 0.0)
+        through -= tl.where(at_high, high_term[:, None], 0.0)
+        ds += tl.where(positive[:, None], through, 0.0)
+    else:
+        at_low = used & False
+        ds = tl.where(w > 0, w * (g * (1 + xs) - total[:, None]), 0.0)
+    return tl.where((state == 1)[:, None] & used, ds, 0.0), at_low
+
+
+@triton.jit
+def _low_term(total, weighted, low, high, low_count, state):
+    """The path through ``low`` per key attaining it: ``(P - Q) / (n_low span)``; 0 without a span or off state 1."""
+    s, span = _span(low, high)
+    term = tl.where(span > 0, (total - weighted) * s / tl.where(span > 0, span, 1.0), 0.0)
+    return tl.where(state == 1, term / tl.maximum(low_count, 1.0), 0.0)
+
+
+@triton.jit
+def _load_stats(STATS_PTR, rows, offs_m, lq, ACC: tl.constexpr):
+    ptrs = STATS_PTR + rows * _STATS_WIDTH
+    live = offs_m < lq
+    c0 = tl.load(ptrs, mask=live, other=0.0).to(ACC)
+    c1 = tl.load(ptrs + 1, mask=live, other=0.0).to(ACC)
+    low = tl.load(ptrs + 2, mask=live, other=0.0).to(ACC)
+    high = tl.load(ptrs + 3, mask=live, other=0.0).to(ACC)
+    low_count = tl.load(ptrs + 4, mask=live, other=0.0).to(ACC)
+    high_count = tl.load(ptrs + 5, mask=live, other=0.0).to(ACC)
+    state = tl.load(ptrs + 6, mask=live, other=0.0).to(tl.int32)
+    return c0, c1, low, high, low_count, high_count, state
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _self_adjusted_forward_kernel(
+    Q, K, V, OUT, STATS_PTR,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    heads, group, lq, lk, head_dim, value_dim, scale,
+    key_start, key_stop, range_stride,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
+):
+    """One query block: online max/sum/min/tie counts and the sums ``A``, ``B`` in one pass (module docstring)."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    batch, head = bh // heads, bh % heads
+    masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    k_base = K + batch * sk_b + (head // group) * sk_h
+    v_base = V + batch * sv_b + (head // group) * sv_h
+    row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
+    lo = lo // BLOCK_N * BLOCK_N  # aligned tiles: the backward recomputes the very same ones
+
+    top = tl.full((BLOCK_M,), float("-inf"), ACC)
+    bottom = tl.full((BLOCK_M,), float("inf"), ACC)
+    top_count = tl.zeros((BLOCK_M,), ACC)
+    bottom_count = tl.zeros((BLOCK_M,), ACC)
+    total = tl.zeros((BLOCK_M,), ACC)
+    posinf_count = tl.zeros((BLOCK_M,), ACC)
+    nan_count = tl.zeros((BLOCK_M,), ACC)
+    shifted_sum = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # A = sum e (x - top) v
+    plain_sum = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # B = sum e v
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                   batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+        finite = (x > float("-inf")) & (x < float("inf"))
+        posinf_count += tl.sum((x == float("inf")).to(ACC), 1)
+        nan_count += tl.sum((x != x).to(ACC), 1)
+        block_top = tl.max(tl.where(finite, x, float("-inf")), 1)
+        block_bottom = tl.min(tl.where(finite, x, float("inf")), 1)
+        at_top = tl.sum((finite & (x == block_top[:, None])).to(ACC), 1)
+        at_bottom = tl.sum((finite & (x == block_bottom[:, None])).to(ACC), 1)
+        top_count = tl.where(block_top > top, at_top, tl.where(block_top == top, top_count + at_top, top_count))
+        bottom_count = tl.where(block_bottom < bottom, at_bottom,
+                                tl.where(block_bottom == bottom, bottom_count + at_bottom, bottom_count))
+        new_top = tl.maximum(top, block_top)
+        bottom = tl.minimum(bottom, block_bottom)
+        ref = tl.where(new_top > float("-inf"), new_top, 0.0)
+        rescale = tl.where(top > float("-inf"), tl.exp(top - ref), 0.0)
+        moved = tl.where(top > float("-inf"), top - ref, 0.0)
+        top = new_top
+        xs = tl.where(finite, x - ref[:, None], 0.0)
+        e = tl.where(finite, tl.exp(xs), 0.0)
+        total = total * rescale + tl.sum(e, 1)
+        v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+        shifted_sum = rescale[:, None] * (shifted_sum + moved[:, None] * plain_sum)
+        shifted_sum += tl.dot((e * xs).to(v_tile.dtype), v_tile, out_dtype=ACC)
+        plain_sum = rescale[:, None] * plain_sum + tl.dot(e.to(v_tile.dtype), v_tile, out_dtype=ACC)
+
+    live = total > 0
+    top = tl.where(live, top, 0.0)
+    low = tl.minimum(tl.where(live, bottom, 0.0), 0.0)
+    high = tl.maximum(top, 0.0)
+    divisor = tl.where(live, total, 1.0)
+    if NORMALIZED:
+        s, span = _span(low, high)
+        out = shifted_sum * s[:, None] + (top * s - low * s)[:, None] * plain_sum
+        out = tl.where((span > 0)[:, None], out / (divisor * tl.where(span > 0, span, 1.0))[:, None], 0.0)
+    else:
+        out = (shifted_sum + top[:, None] * plain_sum) / divisor[:, None]
+    posinf_row = posinf_count > 0
+    if tl.max(posinf_count, 0) > 0:
+        # The limit of the finite case: the softmax mass sits uniformly on the +inf keys.
+        limit = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
+                       scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+            mass = tl.where(x == float("inf"), 1.0 if NORMALIZED else float("inf"), 0.0)
+            v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+            limit += tl.dot(mass.to(v_tile.dtype), v_tile, out_dtype=ACC)
+        out = tl.where(posinf_row[:, None], limit / tl.maximum(posinf_count, 1.0)[:, None], out)
+    nan_row = nan_count > 0
+    out = tl.where(nan_row[:, None], float("nan"), out)
+    rows = bh * lq + offs_m
+    tl.store(OUT + rows[:, None] * value_dim + offs_dv[None, :], out.to(OUT.dtype.element_ty),
+             mask=(offs_m < lq)[:, None] & (offs_dv < value_dim)[None, :])
+
+    state = tl.where(nan_row, 0, tl.where(posinf_row, 2, tl.where(live, 1, 0)))
+    finite_row = state == 1
+    ptrs = STATS_PTR + rows * _STATS_WIDTH
+    live_rows = offs_m < lq
+    tl.store(ptrs, tl.where(finite_row, top, 0.0), mask=live_rows)
+    log_sum = tl.where(finite_row, tl.log(divisor), tl.where(state == 2, tl.log(tl.maximum(posinf_count, 1.0)), 0.0))
+    tl.store(ptrs + 1, log_sum, mask=live_rows)
+    tl.store(ptrs + 2, tl.where(finite_row, low, 0.0), mask=live_rows)
+    tl.store(ptrs + 3, tl.where(finite_row, high, 0.0), mask=live_rows)
+    tl.store(ptrs + 4, tl.where(finite_row, bottom_count, 0.0), mask=live_rows)
+    tl.store(ptrs + 5, tl.where(finite_row, top_count, 0.0), mask=live_rows)
+    tl.store(ptrs + 6, state.to(ACC), mask=live_rows)
+
+
+@triton.jit
+def _self_adjusted_dq_kernel(
+    Q, K, V, DO, TOTAL, STATS_PTR, DQ, WEIGHTED,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
+    heads, group, lq, lk, head_dim, value_dim, scale,
+    key_start, key_stop, range_stride,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
+):
+    """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks; writes ``Q = sum_j g_j w_j`` per row."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    batch, head = bh // heads, bh % heads
+    masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    do_tile = load_rows(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+    k_base = K + batch * sk_b + (head // group) * sk_h
+    v_base = V + batch * sv_b + (head // group) * sv_h
+    rows = bh * lq + offs_m
+    c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
+    total = tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0)
+    row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
+    lo = lo // BLOCK_N * BLOCK_N
+
+    dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
+    keys_at_low = tl.zeros((BLOCK_M, BLOCK_D), ACC)
+    weighted = tl.zeros((BLOCK_M,), ACC)
+    no_low = tl.zeros((BLOCK_M,), ACC)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                   batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+        xs, w, used, _ = _weights(x, c0, c1, state)
+        v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+        g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
+        ds, at_low = _score_grad(xs, w, used, g, low, high, low_count, high_count, state, total, no_low, NORMALIZED)
+        k_tile = key_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
+        dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC)
+        if NORMALIZED:
+            weighted += tl.sum(tl.where((state == 1)[:, None], g * w, 0.0), 1)
+            if tl.max(tl.sum(at_low.to(tl.int32), 1), 0) > 0:
+                keys_at_low += tl.dot(at_low.to(k_tile.dtype), k_tile, out_dtype=ACC)
+    if NORMALIZED:
+        dq += _low_term(total, weighted, low, high, low_count, state)[:, None] * keys_at_low
+        tl.store(WEIGHTED + rows, weighted, mask=offs_m < lq)
+    tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
+
+
+@triton.jit
+def _self_adjusted_dkdv_kernel(
+    Q, K, V, DO, TOTAL, STATS_PTR, WEIGHTED, DK, DV,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
+    heads, group, lq, lk, head_dim, value_dim, scale,
+    key_start, key_stop, range_stride,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
+):
+    """One key block of one key/value head: ``dv = sum y^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    kv_heads = heads // group
+    batch, kv_head = bh // kv_heads, bh % kv_heads
+    masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
+    start = block * BLOCK_N
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_base = K + batch * sk_b + kv_head * sk_h
+    v_tile = key_tile(V + batch * sv_b + kv_head * sv_h, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
+    for member in range(group):
+        head = kv_head * group + member
+        for query_block in range(tl.cdiv(lq, BLOCK_M)):
+            offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
+                                                           HAS_RANGE)
+            if (start < hi) & (start + BLOCK_N > lo):
+                q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+                do_tile = load_rows(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+                rows = (batch * heads + head) * lq + offs_m
+                c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
+                total = tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0)
+                x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
+                           scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                xs, w, used, posinf = _weights(x, c0, c1, state)
+                if NORMALIZED:
+                    s, span = _span(low, high)
+                    y = tl.where(posinf, w, _factor(xs, low[:, None], s[:, None], span[:, None], True) * w)
+                    weighted = tl.load(WEIGHTED + rows, mask=offs_m < lq, other=0.0)
+                    low_term = _low_term(total, weighted, low, high, low_count, state)
+                else:
+                    y = tl.where(posinf, tl.where(w > 0, float("inf"), 0.0), xs * w)
+                    low_term = tl.zeros((BLOCK_M,), ACC)
+                dv += tl.dot(tl.trans(y.to(do_tile.dtype)), do_tile, out_dtype=ACC)
+                g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
+                ds, _ = _score_grad(xs, w, used, g, low, high, low_count, high_count, state, total, low_term,
+                                    NORMALIZED)
+                dk += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, out_dtype=ACC)
+    key_rows = bh * lk + offs_n
+    tl.store(DK + key_rows[:, None] * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=(offs_n < lk)[:, None] & (offs_d < head_dim)[None, :])
+    tl.store(DV + key_rows[:, None] * value_dim + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+             mask=(offs_n < lk)[:, None] & (offs_dv < value_dim)[None, :])
+
+
+# ---- host functions ------------------------------------------------------------------------
+
+
+def _common(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> tuple:
+    """The launch arguments every kernel takes: strides of q, k, v; sizes and scale; the mask's keywords."""
+    strides = (*q.stride(), *k.stride(), *v.stride())
+    sizes = (shape.heads, shape.group, shape.lq, shape.lk, shape.head_dim, shape.value_dim, float(scale))
+    return strides, sizes, mask_arguments(mask, shape.score_shape, q.device)
+
+
+def self_adjusted_attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool
+) -> tuple[Tensor, Tensor]:
+    """Self-Adjusted Softmax attention: ``out = (phi(x) softmax(x)) v``, ``x = scale q k^T + additive``.
+
+    One pass over K and V per query block (two in query blocks holding a row with a +inf
+    score); writes ``out`` and :data:`STATS` per-row stats.
+
+    Args:
+        q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, Dv)``; ``Hq % Hkv == 0``
+            (query head ``h`` uses key/value head ``h // (Hq // Hkv)``), one float dtype.
+        mask: which keys each query row may attend.
+        scale: the score scale.
+        normalized: ``phi(x) = (x - low) / (high - low)`` instead of ``x``.
+
+    Returns:
+        ``(out, stats)``: ``(B, Hq, Lq, Dv)`` in q's dtype (zero rows where no key is allowed,
+        NaN rows where a score is NaN); ``(B, Hq, Lq, 7)`` in the accumulation dtype, laid out as
+        :data:`STATS` says.
+    """
+    shape = problem(q, k, v)
+    out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
+    stats = shape.row_tensor(STATS, like=q)
+    if out.numel() == 0 and stats.numel() == 0:
+        return out, stats
+    q, k, v = dot_operands(q, k, v)
+    strides, sizes, masking = _common(shape, q, k, v, mask, scale)
+    _self_adjusted_forward_kernel[(triton.cdiv(shape.lq, shape.block), shape.batch * shape.heads)](
+        q, k, v, out, stats, *strides, *sizes, **masking, NORMALIZED=bool(normalized), **shape.constants,
+    )
+    return out, stats
+
+
+def self_adjusted_attention_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
+    scale: float, normalized: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`self_adjusted_attention_forward` by recomputation (formulas in the module docstring).
+
+    A pre-pass ``P = rowsum(dO * out)`` (no K/V); the dq kernel (one pass over K and V per
+    query block; writes ``Q = sum g w`` per row); the dk/dv kernel (one pass over the
+    group's q and dO per key block).  Rows in state 0 or 2 (no key, NaN, +inf) get no score
+    gradient; +inf rows still pass their weights to ``dv``.
+
+    Returns:
+        ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``.
+    """
+    shape = problem(q, k, v)
+    dq = launch.empty(tuple(q.shape), q.dtype, q.device)
+    dk = launch.empty(tuple(k.shape), k.dtype, k.device)
+    dv = launch.empty(tuple(v.shape), v.dtype, v.device)
+    total = row_dot(shape, out, grad_out)
+    weighted = shape.row_tensor(like=q)
+    q, k, v, grad_out = dot_operands(q, k, v, grad_out)
+    strides, sizes, masking = _common(shape, q, k, v, mask, scale)
+    arguments = (*strides, *grad_out.stride(), *sizes)
+    constants = dict(**masking, NORMALIZED=bool(normalized), **shape.constants)
+    if dq.numel():
+        _self_adjusted_dq_kernel[(triton.cdiv(shape.lq, shape.block), shape.batch * shape.heads)](
+            q, k, v, grad_out, total, stats, dq, weighted, *arguments, **constants,
+        )
+    if dk.numel() or dv.numel():
+        _self_adjusted_dkdv_kernel[(triton.cdiv(shape.lk, shape.block), shape.batch * shape.kv_heads)](
+            q, k, v, grad_out, total, stats, weighted, dk, dv, *arguments, **constants,
+        )
+    return dq, dk, dv
