@@ -1,0 +1,648 @@
+"""Fused flash-style alpha-entmax and sparsemax attention: forward and backward, nothing of size Lq x Lk.
+
+``out = p v`` with ``p = entmax_alpha(scale q k^T + additive)`` over the allowed keys of
+each query row (Peters, Niculae & Martins, 2019; alpha = 2 is sparsemax, alpha = 1
+softmax): ``p_ij = [z_ij - tau_i]_+^(1 / (alpha - 1)) / N_i`` with
+``z_ij = (alpha - 1)(s_ij - m_i)``, ``m_i`` the row's largest score, ``tau_i`` its
+threshold and ``N_i`` a normaliser (1 in exact arithmetic, kept so that rows sum to 1
+to rounding).  The structure follows FlashAttention-2 (one program per query block
+and batch x head, score tiles recomputed from ``q`` and ``k`` in float32 by
+:func:`~attnorm.kernels.triton.attention_blocks.score_tile`, per-row statistics in
+place of the score matrix) and AdaSplash (the threshold found by a safeguarded
+root search whose every step is one pass over the keys).
+
+Forward, per query block (``1 + I + 1`` passes over K, one over V):
+
+1. one pass over K: each row's max ``m``, allowed count ``n`` and ``sum (s - m)``;
+2. ``I`` Newton passes over K for ``tau``: Newton's method on the convex
+   ``F(tau) = ||[z - tau]_+||_p = 1`` (``p = 1 / (alpha - 1) >= 1``) from the larger of
+   two lower bounds, ``-1`` and Hölder's ``(sum z - n^(2 - alpha)) / n``, safeguarded
+   by the bracket ``[-1, -n^(1 - alpha)]`` (bisection when a step leaves it).  Newton
+   on a convex function climbs monotonically to the root, so each row stops when a
+   step no longer climbs; the block stops when all its rows have (no host
+   synchronisation; at most :data:`MAX_STEPS` passes).  For sparsemax these steps
+   are Michelot's algorithm and the threshold is finished exactly,
+   ``tau = (sum of the support's z - 1) / |support|`` (``N = 1``);
+3. one output pass over K and V accumulating ``p v`` in float32 (float64 for
+   float64 inputs).  A tile where no row of the block has a positive weight loads
+   no V and skips its ``p v`` product.
+
+The forward keeps per row ``(m, tau, N)``: 12 bytes (24 for float64), the ``stats``
+tensor ``(B, Hq, Lq, 3)``.  Typical ``I``: 3-6 for 1.5-entmax, 2-5 for sparsemax
+(the output is exact for sparsemax, accurate to a few ulps otherwise).
+
+Backward, with ``g_ij = p_ij^(2 - alpha)`` on the support and ``dP = dO v^T``
+(the closed-form entmax Jacobian): ``dS = g (dP - delta)``,
+``delta_i = sum_j g_ij dP_ij / sum_j g_ij``, ``dq = scale dS k``, ``dk = scale dS^T q``,
+``dv = p^T dO`` and, per row, ``d alpha = beta (sum(dP T) - sum(T) / sum(g) sum(g dP))``,
+``beta = 1 / (alpha - 1)``, ``T = p (beta - log p)`` (0 for alpha = 1 heads); the rows'
+alpha gradients are summed per head in torch.  Three kernels, none with atomics,
+so the gradients are deterministic (bitwise equal from run to run):
+
+* a row pass per query block (one pass over K and V) computing ``delta`` and the
+  row's alpha gradient: 4 bytes per row each (8 for float64), kept O(L);
+* ``dq``: one program per query block, one more pass over K and V;
+* ``dk, dv``: one program per key block and key/value head, looping over the
+  query blocks (and the group's query heads, GQA) whose key range reaches it: one
+  pass over Q and dO per key block.
+
+Tiles with no positive weight skip the V load and every product after the scores in
+all three.  Key blocks outside a query block's key range
+(:func:`~attnorm.kernels.triton.attention_blocks.key_block_bounds`: causal, sliding
+window, key padding, documents) are never visited.
+
+Supported: alpha in ``[1, 2]`` (python number, or a float32 tensor per query head);
+for alpha > 2 the weights ``(z - tau)^p`` with ``p < 1`` amplify the rounding of
+``z - tau`` (see :mod:`attnorm.kernels.triton.entmax`), which this kernel does not
+correct, so python numbers above 2 raise ValueError.  Accuracy falls like
+``eps / (alpha - 1)`` as alpha approaches 1 from above (1 itself is exact softmax).
+float16 / bfloat16 / float32 with float32 accumulation; float64 with float64
+accumulation (tested under the interpreter; ``tl.dot`` in float64 on a GPU is not
+verified here).  float32 products run at ``tl.dot``'s default precision (TF32 on
+GPUs that have it), as in the shared score tiles.  Head dims up to 256 (padded to
+a power of 2, at least 16).  A row with no allowed key gives a zero output and zero
+gradients; a NaN or +inf score at an allowed key makes its row NaN (output and
+gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from attnorm.kernels import rules
+from attnorm.kernels.rules import AttentionMask
+from attnorm.kernels.triton import launch
+from attnorm.kernels.triton.attention_blocks import key_block_bounds, mask_arguments, score_tile
+from attnorm.kernels.triton.entmax import _power
+
+__all__ = ["entmax_attention_backward", "entmax_attention_forward"]
+
+CUDA_BLOCK = 64
+"""Query and key block size on CUDA (halved for float64 and head dims above 128)."""
+
+INTERPRETER_BLOCK = 16
+"""Query and key block size under ``TRITON_INTERPRET=1`` (small: the interpreter runs tiles in numpy)."""
+
+MAX_STEPS = {torch.float64: 100}
+"""Cap on Newton passes per query block (float64; every other dtype: :data:`MAX_STEPS_DEFAULT`)."""
+
+MAX_STEPS_DEFAULT = 50
+
+STATS = 3
+"""Per-row statistics kept by the forward: row max ``m``, threshold ``tau``, normaliser ``N``."""
+
+
+# ---- tiles ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks,
+                 HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    """The masked score tile of keys ``start + [0, BLOCK_N)``; ``rows`` = (row_start, row_stop, lk, scale, b, h)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    scores = score_tile(
+        q_tile, k_base + offs_n[None, :] * k_sn, offs_m, offs_n, rows[0], rows[1], rows[2], rows[3], rows[4], rows[5],
+        masks[0], masks[1], masks[2], masks[3], masks[4], masks[5], masks[6], masks[7], masks[8], masks[9],
+        HAS_DENSE, HAS_ADDITIVE, ACC,
+    )
+    return scores, offs_n
+
+
+@triton.jit
+def _unnormalised(scores, row_max, tau, multiplier, power, softmax):
+    """Gaps ``u = z - tau`` and unnormalised weights ``[u]_+^p`` (``exp(u)`` for softmax heads)."""
+    u = (scores - row_max[:, None]) * multiplier - tau[:, None]
+    if softmax:
+        mass = tl.exp(u)
+    else:
+        mass = _power(u, power)
+    return u, mass
+
+
+@triton.jit
+def _weights(scores, row_max, tau, norm, multiplier, power, softmax):
+    """Gaps, unnormalised and final weights of a tile (NaN at allowed keys of a NaN row, whose ``N`` is NaN)."""
+    u, mass = _unnormalised(scores, row_max, tau, multiplier, power, softmax)
+    p = tl.where(scores != float("-inf"), mass / norm[:, None], 0.0)
+    return u, mass, p
+
+
+@triton.jit
+def _gppr(u, mass, p, gppr_scale, softmax):
+    """``p^(2 - alpha)`` on the support, as ``u^(p - 1) N^(alpha - 2)`` (no power of ``p`` needed)."""
+    if softmax:
+        gppr = p
+    else:
+        on = u > 0
+        gppr = tl.where(on, mass / tl.where(on, u, 1.0), 0.0) * gppr_scale[:, None]
+    return gppr
+
+
+@triton.jit
+def _live(p, nan_rows):
+    """Whether a tile needs its products: some weight is positive, or a row of the block is NaN."""
+    return (tl.max(tl.max((p > 0).to(tl.int32), 1), 0) > 0) | (tl.max(nan_rows.to(tl.int32), 0) > 0)
+
+
+@triton.jit
+def _head_alpha(alpha_ptr, alpha_stride, head):
+    """Head ``head``'s alpha: whether it is softmax (alpha = 1), ``alpha - 1`` (1 for softmax) and ``p``."""
+    alpha = tl.load(alpha_ptr + head * alpha_stride)
+    softmax = alpha == 1
+    multiplier = tl.where(softmax, 1.0, alpha - 1)
+    return alpha, softmax, multiplier, 1.0 / multiplier
+
+
+@triton.jit
+def _load_block(ptr, offs, limit, offs_d, dim, stride):
+    """Rows ``offs`` (< ``limit``) of a ``(L, dim)`` matrix padded to the block's width with zeros."""
+    return tl.load(ptr + offs[:, None] * stride + offs_d[None, :],
+                   mask=(offs < limit)[:, None] & (offs_d < dim)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_transposed(ptr, offs, limit, offs_d, dim, stride):
+    """Rows ``offs`` of a ``(L, dim)`` matrix as a ``(width, len(offs))`` block (the transposed view)."""
+    return tl.load(ptr + offs[None, :] * stride + offs_d[:, None],
+                   mask=(offs < limit)[None, :] & (offs_d < dim)[:, None], other=0.0)
+
+
+@triton.jit
+def _load_stats(STATS_PTR, row_base, offs_m, lq):
+    """The forward's ``(m, tau, N)`` of the rows ``offs_m`` (padding rows: 0, 0, 1)."""
+    rows = offs_m < lq
+    ptr = STATS_PTR + (row_base + offs_m) * 3
+    return (tl.load(ptr, mask=rows, other=0.0), tl.load(ptr + 1, mask=rows, other=0.0),
+            tl.load(ptr + 2, mask=rows, other=1.0))
+
+
+# ---- forward -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _newton_sums(q_tile, k_base, k_sn, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax,
+                 HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    """One pass over the keys at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, support size, its ``sum z``."""
+    mass = tl.zeros((BLOCK_M,), ACC)
+    slope = tl.zeros((BLOCK_M,), ACC)
+    support = tl.zeros((BLOCK_M,), tl.int32)
+    support_z = tl.zeros((BLOCK_M,), ACC)
+    for start in range(first, hi, BLOCK_N):
+        scores, _ = _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+                                 BLOCK_N, ACC)
+        u, block_mass = _unnormalised(scores, row_max, tau, multiplier, power, softmax)
+        on = u > 0
+        mass += tl.sum(block_mass, 1)
+        slope += tl.sum(tl.where(on, block_mass / tl.where(on, u, 1.0), 0.0), 1)
+        support += tl.sum(on.to(tl.int32), 1)
+        support_z += tl.sum(tl.where(on, u + tau[:, None], 0.0), 1)
+    return mass, slope, support, support_z
+
+
+@triton.jit
+def _entmax_attention_forward_kernel(
+    Q, K, V, OUT, STATS_PTR, scale_ptr, alpha_ptr, alpha_stride,
+    q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
+    lq, lk, heads, group, head_dim, value_dim, max_steps,
+    key_start, key_stop, range_stride,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn,
+    additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, ACC: tl.constexpr,
+):
+    """One query block of one (batch, head): threshold search, then ``out = p v`` (module docstring)."""
+    block = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    batch = bh // heads
+    head = bh % heads
+    kv_head = head // group
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    scale = tl.load(scale_ptr)
+    alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+    q_tile = _load_block(Q + batch * q_sb + head * q_sh, offs_m, lq, offs_d, head_dim, q_sm)
+    # Padding columns of the head dim read the last real one: q is 0 there.
+    k_base = K + batch * k_sb + kv_head * k_sh + tl.minimum(offs_d, head_dim - 1)[:, None]
+    v_base = V + batch * v_sb + kv_head * v_sh
+    row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
+    first = (lo // BLOCK_N) * BLOCK_N
+    rows = (row_start, row_stop, lk, scale, batch, head)
+    masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
+
+    # Pass 1: max, allowed count and sum(s - max) per row (the sum rescaled as the max grows).
+    row_max = tl.full((BLOCK_M,), float("-inf"), ACC)
+    below = tl.zeros((BLOCK_M,), ACC)
+    count = tl.zeros((BLOCK_M,), tl.int32)
+    bad = tl.zeros((BLOCK_M,), tl.int32)
+    for start in range(first, hi, BLOCK_N):
+        scores, _ = _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+                                 BLOCK_N, ACC)
+        invalid = (scores != scores) | (scores == float("inf"))
+        finite = (scores != float("-inf")) & ~invalid
+        new_max = tl.maximum(row_max, tl.max(tl.where(finite, scores, float("-inf")), 1))
+        pivot = tl.where(new_max == float("-inf"), 0.0, new_max)  # -inf - -inf would be NaN
+        shift = tl.where(count > 0, row_max, pivot) - pivot
+        below += count.to(ACC) * shift + tl.sum(tl.where(finite, scores, pivot[:, None]) - pivot[:, None], 1)
+        count += tl.sum(finite.to(tl.int32), 1)
+        bad += tl.sum(invalid.to(tl.int32), 1)
+        row_max = new_max
+    nan_rows = bad > 0
+    row_max = tl.where(count > 0, row_max, 0.0)
+
+    # Passes 2..I+1: safeguarded Newton on ||[z - tau]_+||_p = 1, scores shifted so that max z = 0.
+    n = tl.maximum(count, 1).to(ACC)
+    low = tl.full((BLOCK_M,), -1.0, ACC)
+    high = -tl.exp2((1 - alpha) * tl.log2(n))
+    hoelder = (below * multiplier - tl.exp2((2 - alpha) * tl.log2(n))) / n
+    tau = tl.where(softmax, tl.zeros((BLOCK_M,), ACC), tl.maximum(low, hoelder))
+    active = tl.where(softmax, False, (count > 0) & ~nan_rows)
+    mass = tl.zeros((BLOCK_M,), ACC)
+    support = tl.zeros((BLOCK_M,), tl.int32)
+    support_z = tl.zeros((BLOCK_M,), ACC)
+    step_count = 0
+    searching = True
+    while searching:
+        mass, slope, support, support_z = _newton_sums(
+            q_tile, k_base, k_sn, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax,
+            HAS_DENSE, HAS_ADDITIVE, BLOCK_M, BLOCK_N, ACC,
+        )
+        above = mass >= 1
+        low = tl.where(above, tau, low)
+        high = tl.where(above, high, tau)
+        sloped = slope > 0
+        newton = tau + (mass - _power(mass, 2 - alpha)) / tl.where(sloped, slope, 1.0)
+        step = tl.where(sloped & (newton >= low) & (newton <= high), newton, 0.5 * (low + high))
+        step_count += 1
+        # A Newton step on the convex F only climbs (the first may descend once, should
+        # rounding put the start above the root): a step back is rounding noise at the root.
+        climbing = tl.where(step_count == 1, True, step > tau)
+        active = active & (step != tau) & climbing & (step_count < max_steps)
+        tau = tl.where(active, step, tau)
+        searching = tl.max(active.to(tl.int32), 0) > 0
+    exact = (alpha != 1) & (power == 1)
+    tau = tl.where(exact, (support_z - 1) / tl.maximum(support, 1).to(ACC), tau)
+    norm = tl.where(exact, 1.0, tl.where(mass > 0, mass, 1.0))
+    norm = tl.where(nan_rows, float("nan"), norm)
+
+    # Last pass: out = p v, skipping V for tiles without support.
+    acc = tl.zeros((BLOCK_M, DV), ACC)
+    for start in range(first, hi, BLOCK_N):
+        scores, offs_n = _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+                                      BLOCK_N, ACC)
+        _, _, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
+        if _live(p, nan_rows):
+            v_tile = _load_block(v_base, offs_n, lk, offs_dv, value_dim, v_sn)
+            acc += tl.dot(p.to(v_tile.dtype), v_tile, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+    acc = tl.where(nan_rows[:, None], float("nan"), acc)
+    row_base = bh * lq
+    inside = offs_m < lq
+    out_ptrs = OUT + (row_base + offs_m)[:, None] * value_dim + offs_dv[None, :]
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=inside[:, None] & (offs_dv < value_dim)[None, :])
+    stats_ptrs = STATS_PTR + (row_base + offs_m) * 3
+    tl.store(stats_ptrs, row_max, mask=inside)
+    tl.store(stats_ptrs + 1, tau, mask=inside)
+    tl.store(stats_ptrs + 2, norm, mask=inside)
+
+
+# ---- backward ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _entmax_attention_rows_kernel(
+    Q, K, V, DO, STATS_PTR, DELTA, D_ALPHA, scale_ptr, alpha_ptr, alpha_stride,
+    q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
+    lq, lk, heads, group, head_dim, value_dim,
+    key_start, key_stop, range_stride,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn,
+    additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, ALPHA_GRAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, ACC: tl.constexpr,
+):
+    """Per row: ``delta = sum(g dP) / sum(g)`` and (ALPHA_GRAD) the row's alpha gradient, in one pass over K and V."""
+    block = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    batch = bh // heads
+    head = bh % heads
+    kv_head = head // group
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    scale = tl.load(scale_ptr)
+    alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+    beta = tl.where(softmax, 0.0, power)
+    row_base = bh * lq
+    q_tile = _load_block(Q + batch * q_sb + head * q_sh, offs_m, lq, offs_d, head_dim, q_sm)
+    do_tile = _load_block(DO + row_base * value_dim, offs_m, lq, offs_dv, value_dim, value_dim)
+    k_base = K + batch * k_sb + kv_head * k_sh + tl.minimum(offs_d, head_dim - 1)[:, None]
+    v_base = V + batch * v_sb + kv_head * v_sh
+    row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
+    nan_rows = norm != norm
+    gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
+    row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
+    rows = (row_start, row_stop, lk, scale, batch, head)
+    masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
+    gppr_sum = tl.zeros((BLOCK_M,), ACC)
+    gppr_dp = tl.zeros((BLOCK_M,), ACC)
+    entropy_sum = tl.zeros((BLOCK_M,), ACC)
+    entropy_dp = tl.zeros((BLOCK_M,), ACC)
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        scores, offs_n = _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+                                      BLOCK_N, ACC)
+        u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
+        if _live(p, nan_rows):
+            v_t = _load_transposed(v_base, offs_n, lk, offs_dv, value_dim, v_sn)
+            dp = tl.dot(do_tile, v_t, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+            gppr = _gppr(u, mass, p, gppr_scale, softmax)
+            gppr_sum += tl.sum(gppr, 1)
+            gppr_dp += tl.sum(gppr * dp, 1)
+            if ALPHA_GRAD:
+                on = p > 0
+                entropy = tl.where(on, p * (beta - tl.log(tl.where(on, p, 1.0))), 0.0)
+                entropy = tl.where(p != p, p, entropy)
+                entropy_sum += tl.sum(entropy, 1)
+                entropy_dp += tl.sum(entropy * dp, 1)
+    safe_sum = tl.where(gppr_sum > 0, gppr_sum, 1.0)
+    delta = tl.where(nan_rows, float("nan"), gppr_dp / safe_sum)
+    inside = offs_m < lq
+    tl.store(DELTA + row_base + offs_m, delta, mask=inside)
+    if ALPHA_GRAD:
+        d_alpha = tl.where(softmax, 0.0, beta * (entropy_dp - entropy_sum / safe_sum * gppr_dp))
+        tl.store(D_ALPHA + row_base + offs_m, tl.where(nan_rows, float("nan"), d_alpha), mask=inside)
+
+
+@triton.jit
+def _entmax_attention_dq_kernel(
+    Q, K, V, DO, STATS_PTR, DELTA, DQ, scale_ptr, alpha_ptr, alpha_stride,
+    q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
+    lq, lk, heads, group, head_dim, value_dim,
+    key_start, key_stop, range_stride,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn,
+    additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, ACC: tl.constexpr,
+):
+    """``dq = scale dS k`` for one query block, one pass over K and V."""
+    block = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    batch = bh // heads
+    head = bh % heads
+    kv_head = head // group
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    scale = tl.load(scale_ptr)
+    alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+    row_base = bh * lq
+    q_tile = _load_block(Q + batch * q_sb + head * q_sh, offs_m, lq, offs_d, head_dim, q_sm)
+    do_tile = _load_block(DO + row_base * value_dim, offs_m, lq, offs_dv, value_dim, value_dim)
+    k_rows = K + batch * k_sb + kv_head * k_sh
+    k_base = k_rows + tl.minimum(offs_d, head_dim - 1)[:, None]
+    v_base = V + batch * v_sb + kv_head * v_sh
+    row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
+    nan_rows = norm != norm
+    gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
+    delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < lq, other=0.0)
+    row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
+    rows = (row_start, row_stop, lk, scale, batch, head)
+    masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
+    dq = tl.zeros((BLOCK_M, D), ACC)
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        scores, offs_n = _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+                                      BLOCK_N, ACC)
+        u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
+        if _live(p, nan_rows):
+            v_t = _load_transposed(v_base, offs_n, lk, offs_dv, value_dim, v_sn)
+            dp = tl.dot(do_tile, v_t, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+            ds = _gppr(u, mass, p, gppr_scale, softmax) * (dp - delta[:, None])
+            k_tile = _load_block(k_rows, offs_n, lk, offs_d, head_dim, k_sn)
+            dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+    dq = tl.where(nan_rows[:, None], float("nan"), dq * scale)
+    tl.store(DQ + (row_base + offs_m)[:, None] * head_dim + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
+
+
+@triton.jit
+def _entmax_attention_dkdv_kernel(
+    Q, K, V, DO, STATS_PTR, DELTA, DK, DV_PTR, scale_ptr, alpha_ptr, alpha_stride,
+    q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
+    lq, lk, heads, group, head_dim, value_dim,
+    key_start, key_stop, range_stride,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn,
+    additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, ACC: tl.constexpr,
+):
+    """``dk = scale dS^T q`` and ``dv = p^T dO`` for one key block of one (batch, kv head), no atomics."""
+    key_block = tl.program_id(0)
+    bkv = tl.program_id(1).to(tl.int64)
+    kv_heads = heads // group
+    batch = bkv // kv_heads
+    kv_head = bkv % kv_heads
+    offs_n = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    scale = tl.load(scale_ptr)
+    k_base = K + batch * k_sb + kv_head * k_sh + tl.minimum(offs_d, head_dim - 1)[:, None]
+    v_t = _load_transposed(V + batch * v_sb + kv_head * v_sh, offs_n, lk, offs_dv, value_dim, v_sn)
+    masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
+    dk = tl.zeros((BLOCK_N, D), ACC)
+    dv = tl.zeros((BLOCK_N, DV), ACC)
+    key_lo = key_block * BLOCK_N
+    for query_block in range(0, tl.cdiv(lq, BLOCK_M)):
+        offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
+                                                       HAS_RANGE)
+        if (lo < key_lo + BLOCK_N) & (hi > key_lo):
+            for member in range(0, group):
+                head = kv_head * group + member
+                row_base = (batch * heads + head) * lq
+                alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+                q_tile = _load_block(Q + batch * q_sb + head * q_sh, offs_m, lq, offs_d, head_dim, q_sm)
+                row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
+                nan_rows = norm != norm
+                rows = (row_start, row_stop, lk, scale, batch, head)
+                scores, _ = _score_block(q_tile, k_base, k_sn, offs_m, key_lo, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+                                         BLOCK_N, ACC)
+                u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
+                if _live(p, nan_rows):
+                    do_tile = _load_block(DO + row_base * value_dim, offs_m, lq, offs_dv, value_dim, value_dim)
+                    delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < lq, other=0.0)
+                    dp = tl.dot(do_tile, v_t, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+                    gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
+                    ds = _gppr(u, mass, p, gppr_scale, softmax) * (dp - delta[:, None])
+                    dv += tl.dot(tl.trans(p).to(do_tile.dtype), do_tile,
+                                 out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+                    dk += tl.dot(tl.trans(ds).to(q_tile.dtype), q_tile,
+                                 out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+    rows_out = (bkv * lk + offs_n)[:, None]
+    inside = (offs_n < lk)[:, None]
+    tl.store(DK + rows_out * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=inside & (offs_d < head_dim)[None, :])
+    tl.store(DV_PTR + rows_out * value_dim + offs_dv[None, :], dv.to(DV_PTR.dtype.element_ty),
+             mask=inside & (offs_dv < value_dim)[None, :])
+
+
+# ---- launchers -----------------------------------------------------------------------------
+
+
+def _block_config(q: Tensor, width: int) -> tuple[int, int, int]:
+    """Block size, warps and pipeline stages for head dims padded to ``width`` (as the Triton tutorial picks them)."""
+    if q.device.type != "cuda":
+        return INTERPRETER_BLOCK, 4, 1
+    block = CUDA_BLOCK if width <= 128 and q.dtype != torch.float64 else CUDA_BLOCK // 2
+    return block, 4 if width <= 64 else 8, 3 if width <= 64 else 2
+
+
+def _width(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))
+
+
+def _operand(t: Tensor) -> Tensor:
+    """An input as the kernels read it: unit stride along its last axis.
+
+    Triton's interpreter multiplies bfloat16 ``tl.dot`` operands as their uint16 bit
+    patterns (numpy has no bfloat16), so off CUDA bfloat16 inputs are read as float32
+    copies; outputs keep the inputs' dtypes.
+    """
+    if t.dtype == torch.bfloat16 and t.device.type != "cuda":
+        t = t.float()
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, alpha: float, alpha_heads: Tensor | None) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, H, L, D), got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] != 0 or k.shape[1] != v.shape[1]:
+        raise ValueError(f"query heads must be a multiple of key/value heads, got Hq = {q.shape[1]}, "
+                         f"Hk = {k.shape[1]}, Hv = {v.shape[1]}")
+    if alpha_heads is None and not 1 <= alpha <= 2:
+        raise ValueError(f"alpha must be in [1, 2] for the fused entmax attention, got {alpha}")
+    if alpha_heads is not None and alpha_heads.shape != (q.shape[1],):
+        raise ValueError(f"alpha_heads must have shape (Hq,) = ({q.shape[1]},), got {tuple(alpha_heads.shape)}")
+
+
+class _Problem:
+    """The launch arguments every kernel shares, in their order, and the launch grids."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float,
+                 alpha_heads: Tensor | None) -> None:
+        _check(q, k, v, alpha, alpha_heads)
+        self.q, self.k, self.v = (_operand(t) for t in (q, k, v))
+        batch, heads, lq, head_dim = q.shape
+        lk, value_dim = k.shape[2], v.shape[3]
+        acc = rules.accumulation_dtype(q.dtype)
+        if alpha_heads is None:
+            alpha_values, alpha_stride = torch.full((1,), float(alpha), dtype=acc, device=q.device), 0
+        else:
+            alpha_values, alpha_stride = alpha_heads.detach().to(device=q.device, dtype=acc).contiguous(), 1
+        self.shape = (batch, heads, lq, lk)
+        self.block, self.num_warps, self.num_stages = _block_config(q, max(_width(head_dim), _width(value_dim)))
+        self.scale = torch.full((1,), float(scale), dtype=acc, device=q.device)
+        self.head_args = (self.scale, alpha_values, alpha_stride)
+        self.stride_args = (*self.q.stride()[:3], *self.k.stride()[:3], *self.v.stride()[:3])
+        self.size_args = (lq, lk, heads, heads // k.shape[1], head_dim, value_dim)
+        self.mask_args = mask_arguments(mask, self.shape, q.device)
+        self.constants = dict(BLOCK_M=self.block, BLOCK_N=self.block, D=_width(head_dim), DV=_width(value_dim),
+                              ACC=tl.float64 if q.dtype == torch.float64 else tl.float32)
+        self.acc_dtype = acc
+
+    @property
+    def query_grid(self) -> tuple[int, int]:
+        batch, heads, lq, _ = self.shape
+        return triton.cdiv(lq, self.block), batch * heads
+
+    @property
+    def key_grid(self) -> tuple[int, int]:
+        batch, _, _, lk = self.shape
+        return triton.cdiv(lk, self.block), batch * self.k.shape[1]
+
+    def launch(self, kernel, grid: tuple[int, int], *pointers, **constants) -> None:
+        if grid[0] * grid[1] == 0:
+            return
+        kernel[grid](*pointers, *self.head_args, *self.stride_args, *self.size_args, **self.mask_args,
+                     **self.constants, **constants, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def entmax_attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float, alpha_heads: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Fused alpha-entmax attention ``out = entmax_alpha(scale q k^T + additive) v`` over the allowed keys.
+
+    Args:
+        q: queries ``(B, Hq, Lq, D)``, float16/bfloat16/float32/float64.
+        k: keys ``(B, Hkv, Lk, D)``, ``Hq % Hkv == 0`` (query head ``h`` uses key/value head
+            ``h // (Hq // Hkv)``).
+        v: values ``(B, Hkv, Lk, Dv)``.
+        mask: which keys each query row may attend (intervals, dense, additive).
+        scale: multiplier of ``q k^T``.
+        alpha: the entmax alpha, in ``[1, 2]`` (1 softmax, 2 sparsemax), used when
+            ``alpha_heads`` is None.
+        alpha_heads: None, or per query head alphas ``(Hq,)`` in ``[1, 2]`` (not checked:
+            reading them would synchronise the device).
+
+    Returns:
+        ``(out, stats)``: ``out`` ``(B, Hq, Lq, Dv)`` in ``q``'s dtype; ``stats``
+        ``(B, Hq, Lq, 3)`` in the accumulation dtype, per row ``(m, tau, N)``: the row's
+        largest allowed score, its threshold on ``(alpha - 1)(s - m)`` and the weights'
+        normaliser (NaN in NaN rows).
+
+    Raises:
+        ValueError: shapes that do not fit, or a python ``alpha`` outside ``[1, 2]``.
+    """
+    problem = _Problem(q, k, v, mask, scale, alpha, alpha_heads)
+    batch, heads, lq, _ = problem.shape
+    out = launch.empty((batch, heads, lq, v.shape[3]), q.dtype, q.device)
+    stats = launch.empty((batch, heads, lq, STATS), problem.acc_dtype, q.device)
+    problem.launch(_entmax_attention_forward_kernel, problem.query_grid, problem.q, problem.k, problem.v, out, stats,
+                   max_steps=MAX_STEPS.get(q.dtype, MAX_STEPS_DEFAULT))
+    return out, stats
+
+
+def entmax_attention_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
+    scale: float, alpha: float, alpha_heads: Tensor | None, alpha_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients of :func:`entmax_attention_forward` by the closed-form entmax Jacobian (module docstring).
+
+    Deterministic: no atomics, every gradient element is written by one program.
+
+    Args:
+        q, k, v, mask, scale, alpha, alpha_heads: the forward's arguments.
+        out: the forward's output (unused: entmax's ``delta`` needs its own pass).
+        grad_out: gradient of ``out``, ``(B, Hq, Lq, Dv)``.
+        stats: the forward's per-row statistics.
+        alpha_grad: also return alpha's gradient per query head.
+
+    Returns:
+        ``(dq, dk, dv, d_alpha)``: shapes and dtypes of ``q``, ``k``, ``v``; ``d_alpha``
+        ``(Hq,)`` float32 summed over batch and rows, or None.
+    """
+    problem = _Problem(q, k, v, mask, scale, alpha, alpha_heads)
+    batch, heads, lq, lk = problem.shape
+    grad_out = _operand(grad_out.to(q.dtype)).contiguous()
+    stats = stats.contiguous()
+    delta = launch.empty((batch, heads, lq), problem.acc_dtype, q.device)
+    d_alpha_rows = launch.empty((batch, heads, lq), problem.acc_dtype, q.device) if alpha_grad else delta
+    dq = launch.empty(tuple(q.shape), q.dtype, q.device)
+    dk = launch.empty(tuple(k.shape), k.dtype, k.device)
+    dv = launch.empty(tuple(v.shape), v.dtype, v.device)
+    common = (problem.q, problem.k, problem.v, grad_out, stats, delta)
+    problem.launch(_entmax_attention_rows_kernel, problem.query_grid, *common, d_alpha_rows,
+                   ALPHA_GRAD=bool(alpha_grad))
+    problem.launch(_entmax_attention_dq_kernel, problem.query_grid, *common, dq)
+    if lq == 0:  # no query attends any key: the key-block programs would write zeros anyway
+        dk.zero_()
+        dv.zero_()
+    else:
+        problem.launch(_entmax_attention_dkdv_kernel, problem.key_grid, *common, dk, dv)
+    if not alpha_grad:
+        return dq, dk, dv, None
+    d_alpha = d_alpha_rows.sum((0, 2)) if lq else torch.zeros(heads, dtype=problem.acc_dtype, device=q.device)
+    return dq, dk, dv, d_alpha.to(torch.float32)
+

@@ -1,0 +1,354 @@
+"""Fused alpha-entmax / sparsemax attention (Triton) against a float64 materialised reference.
+
+The reference is written here from the definition: float64 scores ``scale q k^T + additive``
+masked by an allowed-key tensor built from each mask's own definition, alpha-entmax
+by bisection (the ``entmax`` package's ``entmax_bisect``; ``sparsemax`` for the exact
+check, ``torch.softmax`` for alpha = 1), rows with no allowed key set to zero, and
+gradients of q, k, v and alpha by ``torch.autograd``.  Every output of the kernels is
+poisoned with NaN before they run (``launch.empty`` is patched), so an element a
+kernel forgets to write fails.  Shapes are tiny (blocks of 16 under the interpreter,
+so 40 keys make three key blocks and tiles without support are skipped).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import entmax  # noqa: E402
+
+import attnorm  # noqa: E402
+from attnorm.kernels.rules import AttentionMask  # noqa: E402
+from attnorm.kernels.triton import launch  # noqa: E402
+from attnorm.kernels.triton.attention_entmax import (  # noqa: E402
+    entmax_attention_backward,
+    entmax_attention_forward,
+)
+
+SCALE = 0.5
+TOLERANCES = {  # (atol, rtol) for outputs and gradients
+    torch.float64: (1e-9, 1e-8),
+    torch.float32: (5e-5, 5e-4),
+    torch.float16: (2e-2, 2e-2),
+    torch.bfloat16: (8e-2, 5e-2),
+}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    def empty(shape, dtype, device):
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+
+    monkeypatch.setattr(launch, "empty", empty)
+
+
+# ---- reference ---------------------------------------------------------------------------
+
+
+def reference(q, k, v, keep, additive, scale, alpha):
+    """Float64 ``entmax_alpha(scale q k^T + additive) v`` over the allowed keys; ``alpha`` a float or ``(Hq,)``."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = scale * q @ k.transpose(-1, -2)
+    if additive is not None:
+        scores = scores + additive.double()
+    allowed = scores != -math.inf
+    if keep is not None:
+        allowed = allowed & keep
+    # Finite fill: the package's bisection needs a finite max (rows with no allowed key are zeroed below).
+    filled = torch.where(allowed, scores, torch.where(allowed.any(-1, keepdim=True), -1e30, 0.0))
+    if isinstance(alpha, float) and alpha == 1:
+        weights = torch.softmax(filled, -1)
+    else:
+        weights = entmax.entmax_bisect(filled, alpha.view(1, -1, 1, 1), dim=-1, n_iter=100)
+    return (weights * allowed.any(-1, keepdim=True)) @ v
+
+
+def inputs(batch, heads, kv_heads, lq, lk, dim, value_dim=None, dtype=torch.float32, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, lq, dim, generator=gen)
+    k = torch.randn(batch, kv_heads, lk, dim, generator=gen)
+    v = torch.randn(batch, kv_heads, lk, value_dim or dim, generator=gen)
+    grad = torch.randn(batch, heads, lq, value_dim or dim, generator=gen)
+    return [t.to(dtype).to(device) for t in (q, k, v, grad)]
+
+
+def run_kernels(q, k, v, grad, mask, alpha=1.5, alpha_heads=None, alpha_grad=True):
+    out, stats = entmax_attention_forward(q, k, v, mask, SCALE, alpha, alpha_heads)
+    dq, dk, dv, d_alpha = entmax_attention_backward(q, k, v, out, grad, stats, mask, SCALE, alpha, alpha_heads,
+                                                    alpha_grad)
+    return out, stats, (dq, dk, dv), d_alpha
+
+
+def run_reference(q, k, v, grad, keep, additive, alpha, alpha_heads=None):
+    """Output, gradients of q, k, v and alpha per head (None for alpha = 1) of the reference."""
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    heads = q.shape[1]
+    if alpha_heads is not None:
+        alpha_ref = alpha_heads.detach().double().cpu().requires_grad_()
+    elif alpha == 1:
+        alpha_ref = 1.0
+    else:
+        alpha_ref = torch.full((heads,), float(alpha), dtype=torch.float64, requires_grad=True)
+    keep = None if keep is None else keep.cpu()
+    additive = None if additive is None else additive.cpu()
+    out = reference(*leaves, keep, additive, SCALE, alpha_ref)
+    wrt = leaves + ([alpha_ref] if isinstance(alpha_ref, torch.Tensor) else [])
+    grads = torch.autograd.grad(out, wrt, grad.double().cpu())
+    return out, grads[:3], grads[3] if len(grads) > 3 else None
+
+
+def assert_close(actual, expected, dtype):
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected.double(), atol=atol, rtol=rtol)
+
+
+def check(q, k, v, grad, mask, keep, additive, alpha=1.5, alpha_heads=None):
+    """Outputs and every gradient of the kernels equal the reference's (alpha's per head, summed)."""
+    out, stats, grads, d_alpha = run_kernels(q, k, v, grad, mask, alpha, alpha_heads)
+    expected_out, expected_grads, expected_alpha = run_reference(q, k, v, grad, keep, additive, alpha, alpha_heads)
+    assert out.dtype == q.dtype and out.shape == expected_out.shape
+    assert stats.shape == (*q.shape[:3], 3)
+    assert stats.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    assert_close(out, expected_out, q.dtype)
+    for actual, expected, source in zip(grads, expected_grads, (q, k, v), strict=True):
+        assert actual.dtype == source.dtype and actual.shape == source.shape
+        assert_close(actual, expected, q.dtype)
+    assert d_alpha.shape == (q.shape[1],) and d_alpha.dtype == torch.float32
+    if expected_alpha is None:
+        assert torch.equal(d_alpha, torch.zeros_like(d_alpha))
+    else:
+        atol, rtol = TOLERANCES[q.dtype]
+        torch.testing.assert_close(d_alpha.double().cpu(), expected_alpha, atol=max(atol, 1e-4) * 10,
+                                   rtol=max(rtol, 1e-4) * 10)
+
+
+# ---- masks, each with its allowed keys built from its definition -------------------------
+
+
+def structured(mask, batch, lq, lk, device):
+    start, stop = mask.key_range(batch, lq, lk, device)
+    return AttentionMask(start, stop, None, None)
+
+
+def rows_and_keys(lq, lk):
+    return torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+
+
+def causal_case(batch, lq, lk, device, diagonal):
+    i, j = rows_and_keys(lq, lk)
+    return structured(attnorm.causal_mask(diagonal), batch, lq, lk, device), j <= i + diagonal, None
+
+
+def window_case(batch, lq, lk, device):
+    window, diagonal = 7, lk - lq
+    i, j = rows_and_keys(lq, lk)
+    keep = (j <= i + diagonal) & (j > i + diagonal - window)
+    return structured(attnorm.sliding_window_mask(window, diagonal), batch, lq, lk, device), keep, None
+
+
+def padding_case(batch, lq, lk, device, lengths=(40, 9), causal=False):
+    lengths = torch.tensor(lengths[:batch])
+    i, j = rows_and_keys(lq, lk)
+    keep = (j < lengths[:, None, None, None]) & ((j <= i) if causal else True)
+    mask = attnorm.key_padding_mask(lengths)
+    if causal:
+        mask = mask & attnorm.causal_mask()
+    return structured(mask, batch, lq, lk, device), keep, None
+
+
+def documents_case(batch, lq, lk, device, causal):
+    bounds = torch.tensor([0, 5, 21, 22])
+    document = torch.searchsorted(bounds, torch.arange(lk), right=True)
+    keep = document[:, None] == document[None, :]
+    mask = attnorm.document_mask(bounds)
+    if causal:
+        i, j = rows_and_keys(lq, lk)
+        keep, mask = keep & (j <= i), mask & attnorm.causal_mask()
+    return structured(mask, batch, lq, lk, device), keep, None
+
+
+def dense_case(batch, lq, lk, device):
+    keep = torch.rand(batch, 1, lq, lk, generator=torch.Generator().manual_seed(3)) > 0.4
+    return AttentionMask(None, None, keep.to(device), None), keep, None
+
+
+def additive_case(batch, lq, lk, device):
+    gen = torch.Generator().manual_seed(4)
+    additive = torch.where(torch.rand(lq, lk, generator=gen) > 0.3, torch.randn(lq, lk, generator=gen), -math.inf)
+    return AttentionMask(None, None, None, additive.to(device)), None, additive
+
+
+def combined_case(batch, lq, lk, device):
+    """Key padding and causal intervals, a dense mask per head and an additive mask together."""
+    mask, keep, _ = padding_case(batch, lq, lk, device, lengths=(30, 12), causal=True)
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.rand(1, 2, lq, lk, generator=gen) > 0.2
+    additive = 0.5 * torch.randn(batch, 1, lq, lk, generator=gen)
+    return mask._replace(dense=dense.to(device), additive=additive.to(device)), keep & dense, additive
+
+
+CASES = {  # name: (Lq, Lk, builder(batch, lq, lk, device) -> (mask, keep, additive))
+    "none": (40, 33, lambda b, lq, lk, d: (AttentionMask(), None, None)),
+    "causal": (40, 40, lambda b, lq, lk, d: causal_case(b, lq, lk, d, 0)),
+    "causal-bottom-right": (20, 40, lambda b, lq, lk, d: causal_case(b, lq, lk, d, lk - lq)),
+    "causal-top-left-rectangular": (40, 24, lambda b, lq, lk, d: causal_case(b, lq, lk, d, 0)),
+    "sliding-window": (24, 40, window_case),
+    "key-padding": (40, 40, padding_case),
+    "documents": (40, 40, lambda b, lq, lk, d: documents_case(b, lq, lk, d, False)),
+    "documents-causal": (40, 40, lambda b, lq, lk, d: documents_case(b, lq, lk, d, True)),
+    "dense": (40, 40, dense_case),
+    "additive": (40, 40, additive_case),
+    "combined": (40, 40, combined_case),
+}
+
+
+# ---- tests -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.5])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference_under_every_mask(case, alpha, device):
+    lq, lk, build = CASES[case]
+    batch = 2 if case in ("key-padding", "combined") else 1
+    q, k, v, grad = inputs(batch, 2, 2, lq, lk, 16, device=device)
+    mask, keep, additive = build(batch, lq, lk, device)
+    check(q, k, v, grad, mask, keep, additive, alpha)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.25, 1.75])
+def test_other_alphas(alpha, device):
+    q, k, v, grad = inputs(1, 2, 2, 24, 40, 16, device=device)
+    mask, keep, additive = causal_case(1, 24, 40, device, 16)
+    check(q, k, v, grad, mask, keep, additive, alpha)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+def test_grouped_query_heads_with_alpha_per_head(kv_heads, device):
+    q, k, v, grad = inputs(1, 4, kv_heads, 40, 40, 16, device=device, seed=1)
+    mask, keep, additive = causal_case(1, 40, 40, device, 0)
+    alpha_heads = torch.tensor([1.5, 2.0, 1.3, 1.8], device=device)
+    check(q, k, v, grad, mask, keep, additive, alpha=1.5, alpha_heads=alpha_heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("alpha", [2.0, 1.5])
+def test_dtypes(dtype, alpha, device):
+    q, k, v, grad = inputs(1, 2, 2, 40, 40, 16, dtype=dtype, device=device, seed=2)
+    mask, keep, additive = causal_case(1, 40, 40, device, 0)
+    check(q, k, v, grad, mask, keep, additive, alpha)
+
+
+@pytest.mark.parametrize(("dim", "value_dim"), [(16, 16), (24, 24), (64, 64), (24, 40)])
+def test_head_dims(dim, value_dim, device):
+    q, k, v, grad = inputs(1, 2, 1, 20, 24, dim, value_dim, device=device, seed=3)
+    mask, keep, additive = causal_case(1, 20, 24, device, 4)
+    check(q, k, v, grad, mask, keep, additive, 1.5)
+
+
+@pytest.mark.parametrize(("lq", "lk", "diagonal"), [(1, 20, 19), (1, 1, 0), (20, 1, None)])
+def test_single_query_or_key(lq, lk, diagonal, device):
+    q, k, v, grad = inputs(2, 2, 1, lq, lk, 16, device=device, seed=4)
+    if diagonal is None:
+        mask, keep, additive = AttentionMask(), None, None
+    else:
+        mask, keep, additive = causal_case(2, lq, lk, device, diagonal)
+    check(q, k, v, grad, mask, keep, additive, 1.5)
+
+
+def test_sparsemax_weights_are_exact(device):
+    """With v = I the output is the weights: float64 sparsemax to rounding, exact zeros off the support."""
+    q, k, _, grad = inputs(1, 2, 2, 24, 16, 16, dtype=torch.float64, device=device, seed=5)
+    v = torch.eye(16, dtype=torch.float64, device=device).expand(1, 2, 16, 16)
+    out, _ = entmax_attention_forward(q, k, v, AttentionMask(), SCALE, 2.0, None)
+    expected = entmax.sparsemax(SCALE * q.cpu() @ k.cpu().transpose(-1, -2), -1)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-14, rtol=0)
+    assert torch.equal(out.cpu() == 0, expected == 0)
+    assert (expected == 0).float().mean() > 0.5  # sparse enough that whole tiles are skipped
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.5])
+def test_rows_without_allowed_keys_give_zeros(alpha, device):
+    """Key length 0 in batch 1 and a dense row with no key: zero output, zero and finite gradients."""
+    q, k, v, grad = inputs(2, 2, 2, 24, 24, 16, device=device, seed=6)
+    mask, keep, _ = padding_case(2, 24, 24, device, lengths=(24, 0))
+    dense = torch.ones(1, 1, 24, 24, dtype=torch.bool)
+    dense[..., 3, :] = False
+    mask = mask._replace(dense=dense.to(device))
+    out, _, (dq, dk, dv), d_alpha = run_kernels(q, k, v, grad, mask, alpha)
+    for t in (out, dq, dk, dv, d_alpha):
+        assert torch.isfinite(t).all()
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+    for t in (dq[1], dk[1], dv[1], dq[:, :, 3]):
+        assert torch.equal(t, torch.zeros_like(t))
+    check(q, k, v, grad, mask, keep & dense, None, alpha)
+
+
+def test_nan_scores_give_nan_rows(device):
+    q, k, v, grad = inputs(1, 2, 2, 24, 24, 16, device=device, seed=7)
+    q[0, 1, 5, 0] = math.nan
+    out, _, (dq, _, _), d_alpha = run_kernels(q, k, v, grad, AttentionMask(), 1.5)
+    assert out[0, 1, 5].isnan().all() and dq[0, 1, 5].isnan().all() and d_alpha[1].isnan()
+    rest = torch.ones(out.shape[:3], dtype=torch.bool)
+    rest[0, 1, 5] = False
+    assert torch.isfinite(out[rest]).all() and torch.isfinite(dq[rest]).all() and torch.isfinite(d_alpha[0])
+
+
+def test_backward_is_deterministic(device):
+    q, k, v, grad = inputs(1, 4, 2, 40, 40, 16, device=device, seed=8)
+    mask, _, _ = causal_case(1, 40, 40, device, 0)
+    out, stats = entmax_attention_forward(q, k, v, mask, SCALE, 1.5, None)
+    first = entmax_attention_backward(q, k, v, out, grad, stats, mask, SCALE, 1.5, None, True)
+    second = entmax_attention_backward(q, k, v, out, grad, stats, mask, SCALE, 1.5, None, True)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_no_score_sized_allocation(monkeypatch, device):
+    """Every buffer the kernels allocate is O(L): none has both an Lq and an Lk axis."""
+    shapes = []
+    poisoned = launch.empty
+
+    def recording(shape, dtype, dev):
+        shapes.append(tuple(shape))
+        return poisoned(shape, dtype, dev)
+
+    monkeypatch.setattr(launch, "empty", recording)
+    q, k, v, grad = inputs(1, 2, 2, 40, 24, 16, device=device, seed=9)
+    run_kernels(q, k, v, grad, AttentionMask(), 1.5)
+    assert shapes and all(not (40 in shape and 24 in shape) for shape in shapes)
+
+
+def test_without_alpha_gradient_returns_none(device):
+    q, k, v, grad = inputs(1, 2, 2, 16, 16, 16, device=device)
+    *_, d_alpha = run_kernels(q, k, v, grad, AttentionMask(), 2.0, alpha_grad=False)
+    assert d_alpha is None
+
+
+@pytest.mark.parametrize("alpha", [0.5, 2.5, math.nan])
+def test_alpha_outside_the_supported_range_raises(alpha, device):
+    q, k, v, _ = inputs(1, 1, 1, 4, 4, 16, device=device)
+    with pytest.raises(ValueError, match="alpha"):
+        entmax_attention_forward(q, k, v, AttentionMask(), SCALE, alpha, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alpha", [2.0, 1.5, 1.3])
+@pytest.mark.parametrize("dim", [80, 128])
+@pytest.mark.parametrize("case", ["causal", "sliding-window", "combined"])
+def test_larger_problems(case, dim, alpha, device):
+    lq, lk = 130, 130
+    q, k, v, grad = inputs(2, 4, 2, lq, lk, dim, device=device, seed=10)
+    if case == "causal":
+        mask, keep, additive = causal_case(2, lq, lk, device, 0)
+    elif case == "sliding-window":
+        mask, keep, additive = window_case(2, lq, lk, device)
+    else:
+        mask, keep, additive = padding_case(2, lq, lk, device, lengths=(130, 77), causal=True)
+        dense = torch.rand(1, 4, lq, lk, generator=torch.Generator().manual_seed(11)) > 0.2
+        mask, keep = mask._replace(dense=dense.to(device)), keep & dense
+    check(q, k, v, grad, mask, keep, additive, alpha)
