@@ -11,8 +11,10 @@ from attnorm.kernels.backends import get_backend, set_backend, use_backend
 from attnorm.masks import StructuredMask, causal_mask, document_mask, key_padding_mask, sliding_window_mask
 from attnorm.normalizers import (
     Entmax,
+    L2NormAttention,
     Normalized,
     Normalizer,
+    OutputNormalizer,
     ReLUNormalized,
     ScalableSoftmax,
     SelfAdjustedSoftmax,
@@ -21,6 +23,7 @@ from attnorm.normalizers import (
     Softmax1,
     SoftplusNormalized,
     Sparsemax,
+    TaylorSoftmax,
     TopKSoftmax,
 )
 from attnorm.normalizers.registry import available, make
@@ -32,8 +35,10 @@ register_when_imported()  # the "attnorm" attention implementation of transforme
 
 __all__ = [
     "Entmax",
+    "L2NormAttention",
     "Normalized",
     "Normalizer",
+    "OutputNormalizer",
     "ReLUNormalized",
     "ScalableSoftmax",
     "SelfAdjustedSoftmax",
@@ -43,6 +48,7 @@ __all__ = [
     "SoftplusNormalized",
     "Sparsemax",
     "StructuredMask",
+    "TaylorSoftmax",
     "TopKSoftmax",
     "__version__",
     "attention",

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from attnorm.masks import StructuredMask
 from attnorm.normalizers import normalized as _normalized_module
+from attnorm.normalizers import taylor as _taylor_module
 from attnorm.normalizers.base import normalize
 from attnorm.validation import check_alpha, check_bool, check_finite, check_k, check_temperature
 
@@ -35,6 +36,7 @@ __all__ = [
     "softmax1",
     "softplus_normalized",
     "sparsemax",
+    "taylor_softmax",
     "topk_softmax",
 ]
 
@@ -283,3 +285,24 @@ def sigmoid_attention(x: Tensor, dim: int = -1, *, bias: float | None = None, ma
         Weights like ``x``.
     """
     return _normalized_module.SigmoidAttention(bias, dim)(x, mask)
+
+
+def taylor_softmax(x: Tensor, n: int = 2, dim: int = -1, *, mask: Mask = None) -> Tensor:
+    """Taylor-softmax (Mongaras & Larson, arXiv 2507.23632): ``a_i = T_n(x_i) / sum_j T_n(x_j)``.
+
+    ``T_n(x) = sum_{m <= n} x^m / m!`` for even ``n`` (positive everywhere).  Scores are used
+    as given (``T_n`` is not shift-invariant); masked and -inf positions are excluded.
+
+    Args:
+        x: scores.
+        n: the even Taylor order.
+        dim: axis to normalise over.
+        mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
+
+    Returns:
+        Weights like ``x``; rows with an allowed position sum to 1.
+
+    Raises:
+        ValueError: odd or negative ``n``.
+    """
+    return _taylor_module.TaylorSoftmax(n, dim=dim)(x, mask)

@@ -252,6 +252,9 @@ FAMILIES = {
     "relu2": (lambda: attnorm.make("relu2"), lambda x: x.clamp_min(0) ** 2, lambda x: 2 * x.clamp_min(0),
               0.5, 4.0, 0.0),
     "softplus": (lambda: attnorm.make("softplus"), _softplus, torch.sigmoid, -40.0, 1.0, None),
+    "taylor2": (lambda: attnorm.make("taylor"), lambda x: 1 + x + x * x / 2, lambda x: 1 + x, 0.0, 1.0, None),
+    "taylor4": (lambda: attnorm.make("taylor:n=4"), lambda x: 1 + x + x**2 / 2 + x**3 / 6 + x**4 / 24,
+                lambda x: 1 + x + x**2 / 2 + x**3 / 6, 0.0, 1.0, None),
     "normalized_x2+1": (lambda: attnorm.Normalized(lambda x: x * x + 1), lambda x: x * x + 1, lambda x: 2 * x,
                         1.0, 1.0, None),
 }

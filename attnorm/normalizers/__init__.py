@@ -11,11 +11,15 @@ from attnorm.normalizers.self_adjusted import SelfAdjustedSoftmax
 from attnorm.normalizers.entmax import Entmax, Sparsemax
 from attnorm.normalizers.topk import TopKSoftmax
 from attnorm.normalizers.normalized import Normalized, ReLUNormalized, SigmoidAttention, Softmax1, SoftplusNormalized
+from attnorm.normalizers.taylor import TaylorSoftmax
+from attnorm.normalizers.output import L2NormAttention, OutputNormalizer
 
 __all__ = [
     "Entmax",
+    "L2NormAttention",
     "Normalized",
     "Normalizer",
+    "OutputNormalizer",
     "ReLUNormalized",
     "ScalableSoftmax",
     "SelfAdjustedSoftmax",
@@ -24,5 +28,6 @@ __all__ = [
     "Softmax1",
     "SoftplusNormalized",
     "Sparsemax",
+    "TaylorSoftmax",
     "TopKSoftmax",
 ]

@@ -238,6 +238,20 @@ CASES = [
         shift_invariant=False,
     ),
     Case(
+        "taylor2",
+        lambda **kw: attnorm.make("taylor", **kw),
+        lambda x, **kw: F.taylor_softmax(x, **kw),
+        taylor_reference,
+        shift_invariant=False,
+    ),
+    Case(
+        "taylor4",
+        lambda **kw: attnorm.make("taylor:n=4", **kw),
+        lambda x, **kw: F.taylor_softmax(x, 4, **kw),
+        lambda x: taylor_reference(x, 4),
+        shift_invariant=False,
+    ),
+    Case(
         "normalized_x2+1",
         lambda **kw: attnorm.Normalized(square_plus_one, **kw),
         lambda x, **kw: F.normalized(x, square_plus_one, **kw),
