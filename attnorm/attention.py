@@ -21,15 +21,16 @@ a query row with no allowed key gives a zero output row, never NaN).
 
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnorm.masks import StructuredMask, causal_mask
 from attnorm.normalizers import Normalizer, Softmax
 from attnorm.normalizers.registry import make
 from attnorm.routes import fused
-from attnorm.routes.blocked import block_rows, blocked_attention
+from attnorm.routes.blocked import block_rows, blocked_attention, materialised_attention
 from attnorm.routes.sdpa import logit_multiplier, scaled_sdpa
 
 __all__ = ["attention"]
@@ -45,6 +46,8 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention whose weights come from ``normalizer``.
 
@@ -66,13 +69,20 @@ def attention(
         scale: score scale; ``1 / sqrt(D)`` when None.
         dropout_p: dropout on the weights (pass 0 at evaluation, as with SDPA).
         return_weights: also return the weights ``(..., Hq, Lq, Lk)`` (materialises them).
+        softcap: when given, scaled scores become ``softcap * tanh(scores / softcap)`` before the
+            additive mask and the normalizer (Gemma 2's attention logit soft-capping).
+        sinks: attention sinks ``(Hq,)``: a virtual key per query head with score ``sinks[h]``
+            (after ``scale``) and a zero value, which takes part in the normalizer but not in
+            the output (gpt-oss's ``s_aux``; a sink of 0 with softmax is softmax_1).  Not counted
+            in Scalable-Softmax's ``n``.
 
     Returns:
         ``out`` of shape ``(..., Hq, Lq, Dv)``, or ``(out, weights)``.
 
     Raises:
         ValueError: mismatched shapes, a normalizer not normalising over keys, a tensor
-            mask together with ``is_causal``, ``dropout_p`` outside [0, 1).
+            mask together with ``is_causal``, ``dropout_p`` outside [0, 1), ``softcap`` <= 0,
+            ``sinks`` not of shape ``(Hq,)``.
         TypeError: non-tensor inputs, a mask of the wrong type.
     """
     normalizer = _as_normalizer(normalizer)
@@ -81,6 +91,8 @@ def attention(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     mask, additive = _split_mask(attn_mask, is_causal)
+    softcap, sinks = _check_modifiers(softcap, sinks, q)
+    modified = softcap is not None or sinks is not None
     own_route = getattr(normalizer, "attend", None)
     if own_route is not None:
         # A normalizer with its own route (an output normalizer, a linear-time form) goes first.
@@ -89,29 +101,31 @@ def attention(
         if result is not NotImplemented:
             return result
     if not return_weights:
-        multiplier = logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
+        multiplier = None if modified else logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
         if multiplier is not None:
             return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
-        if fused.supports(normalizer, q, k, v, dropout_p):
+        if not modified and fused.supports(normalizer, q, k, v, dropout_p):
             return fused.attention(normalizer, q, k, v, mask, additive, scale)
         rows = block_rows(q, k, v)
         if rows < q.shape[-2] and not torch.compiler.is_compiling():
-            return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows)
-    return _materialised(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, return_weights)
-
-
-def _materialised(normalizer, q, k, v, mask, additive, scale: float, dropout_p: float, groups: int,
-                  return_weights: bool):
-    """The whole ``(..., Hq, Lq, Lk)`` weights, normalised by the row kernels, times ``v``."""
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
-    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)  # (..., Hq, Lq, Lk)
-    if additive is not None:
-        scores = scores + additive
-    weights = normalizer(scores, mask)
-    attended = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-    out = torch.matmul(attended, v)  # (..., Hq, Lq, Dv)
+            return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows, softcap,
+                                     sinks)
+    out, weights = materialised_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, softcap, sinks)
     return (out, weights) if return_weights else out
+
+
+def _check_modifiers(softcap, sinks, q: Tensor) -> tuple[float | None, Tensor | None]:
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
+            raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+        softcap = float(softcap)
+    if sinks is not None:
+        heads = q.shape[-3] if q.ndim >= 3 else 1
+        if not isinstance(sinks, Tensor) or not sinks.dtype.is_floating_point or sinks.shape != (heads,):
+            shape = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks must be a floating tensor of shape (Hq,) = ({heads},), got {shape}")
+        sinks = sinks.to(q.device)
+    return softcap, sinks
 
 
 def _as_normalizer(normalizer: Normalizer | str | None) -> Normalizer:

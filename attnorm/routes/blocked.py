@@ -15,20 +15,36 @@ peak memory stays within a small multiple of the inputs whatever ``Lq x Lk`` is.
 With grouped-query attention the query heads of a group are stacked on the row axis
 (``(B, Hkv, groups * rows, D)``), so keys and values are never repeated.
 
-The backward is not differentiable again (no double backward through this route).
+The same block function with one block of every row is the **materialised** route
+(:func:`materialised_attention`), which also returns the weights and, being plain
+autograd, supports double backward; the blocked backward is not differentiable again.
+
+Both routes take the two score modifiers that rule out SDPA and the fused kernels:
+
+* ``softcap``: ``cap tanh(x / cap)`` on the scaled scores, before the additive mask
+  and the normalizer (Gemma 2);
+* ``sinks``: a virtual key per query head whose score is ``sinks[h]`` (after the scale,
+  like gpt-oss's ``s_aux``) and whose value is zero.  It takes part in the normalizer
+  like a key (scaled by ``1/T`` or the Scalable-Softmax multiplier, able to take a top-k
+  slot, inside Self-Adjusted's min and max) but is not one of the ``n`` allowed keys
+  Scalable-Softmax counts; its weight is dropped.  Top-k with a fractional ``k``
+  counts it among the ``n`` keys it takes a fraction of.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from attnorm.kernels.rules import ssmax_multiplier
 from attnorm.masks import StructuredMask
 from attnorm.routes.common import structured_rows
 
-__all__ = ["BLOCKS_PER_INPUTS", "MIN_BLOCK_BYTES", "block_rows", "blocked_attention"]
+__all__ = ["BLOCKS_PER_INPUTS", "MIN_BLOCK_BYTES", "block_rows", "blocked_attention", "materialised_attention"]
 
 MIN_BLOCK_BYTES = 1 << 22
 BLOCKS_PER_INPUTS = 8
@@ -42,10 +58,19 @@ def block_rows(q: Tensor, k: Tensor, v: Tensor) -> int:
 
 
 def blocked_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float,
-                      dropout_p: float, groups: int, rows: int) -> Tensor:
+                      dropout_p: float, groups: int, rows: int, softcap: float | None = None,
+                      sinks: Tensor | None = None) -> Tensor:
     """``normalizer(scale q k^T + additive, mask) v`` a block of ``rows`` query rows at a time."""
     params = tuple(parameter for parameter in normalizer.parameters() if parameter.requires_grad)
-    return _BlockedAttention.apply(normalizer, mask, scale, dropout_p, groups, rows, q, k, v, additive, *params)
+    setup = (normalizer, mask, scale, softcap, dropout_p, groups, rows)
+    return _BlockedAttention.apply(setup, q, k, v, additive, sinks, *params)
+
+
+def materialised_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float,
+                           dropout_p: float, groups: int, softcap: float | None = None,
+                           sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(out, weights)`` with the whole ``(..., Hq, Lq, Lk)`` weights (plain autograd)."""
+    return _block(normalizer, q, q, k, v, mask, additive, sinks, scale, softcap, dropout_p, groups, 0, q.shape[-2])
 
 
 def _rows(x: Tensor | None, start: int, stop: int) -> Tensor | None:
@@ -54,8 +79,9 @@ def _rows(x: Tensor | None, start: int, stop: int) -> Tensor | None:
 
 
 def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, additive_rows: Tensor | None,
-           scale: float, dropout_p: float, groups: int, start: int, stop: int) -> Tensor:
-    """The output rows ``start:stop`` of the attention, from the query rows ``q_rows = q[..., start:stop, :]``."""
+           sinks: Tensor | None, scale: float, softcap: float | None, dropout_p: float, groups: int,
+           start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """Output rows ``start:stop`` and their weights, from the query rows ``q_rows = q[..., start:stop, :]``."""
     if groups > 1:
         # (B, Hkv * g, rows, D) -> (B, Hkv, g * rows, D): one product with each key head, no repeated keys.
         lead, rows = q_rows.shape[:-3], stop - start
@@ -64,20 +90,45 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, ad
     else:
         scores = torch.matmul(q_rows, k.transpose(-2, -1))  # (..., Hq, rows, Lk)
     scores = scores * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if additive_rows is not None:
         scores = scores + additive_rows
     if isinstance(mask, StructuredMask):
         mask = structured_rows(mask, q, start, stop, k.shape[-2])
     else:
         mask = _rows(mask, start, stop)
-    weights = normalizer(scores, mask)
-    if dropout_p > 0:
-        weights = F.dropout(weights, dropout_p)
+    weights = normalizer(scores, mask) if sinks is None else _with_sinks(normalizer, scores, mask, sinks)
+    attended = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     if groups > 1:
         lead, rows = weights.shape[:-3], stop - start
-        stacked = weights.reshape(*lead, v.shape[-3], groups * rows, v.shape[-2])
-        return torch.matmul(stacked, v).reshape(*lead, q.shape[-3], rows, v.shape[-1])
-    return torch.matmul(weights, v)
+        stacked = attended.reshape(*lead, v.shape[-3], groups * rows, v.shape[-2])
+        return torch.matmul(stacked, v).reshape(*lead, q.shape[-3], rows, v.shape[-1]), weights
+    return torch.matmul(attended, v), weights
+
+
+def _with_sinks(normalizer, scores: Tensor, mask: Tensor | None, sinks: Tensor) -> Tensor:
+    """Weights of the real keys when each row also holds its head's sink (a last, always allowed key)."""
+    sink = sinks.to(scores.dtype).reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)  # (..., Hq, rows, 1)
+    extended = torch.cat([scores, sink], dim=-1)
+    keep = None
+    if mask is not None:
+        keep = torch.cat([mask.expand(scores.shape), mask.new_ones(sink.shape)], dim=-1)
+    kernel = getattr(normalizer, "kernel", None)
+    if kernel not in ("softmax", "scalable_softmax"):
+        return normalizer(extended, keep)[..., :-1]
+    # The multiplier scales the sink too, but Scalable-Softmax's n counts the real keys only.
+    params = normalizer.kernel_params()
+    if kernel == "softmax":
+        multiplier = 1 / params["temperature"]
+    else:
+        allowed = scores != -math.inf if mask is None else mask & (scores != -math.inf)
+        multiplier = ssmax_multiplier(allowed.sum(-1, keepdim=True).to(sink.dtype), params["s"], params["bias"])
+    compute = extended.float() if extended.dtype in (torch.float16, torch.bfloat16) else extended
+    masked = compute.isneginf() if keep is None else compute.isneginf() | ~keep
+    logits = (compute * multiplier).masked_fill(masked, -math.inf)
+    weights = torch.where(masked.all(-1, keepdim=True), 0.0, torch.softmax(logits, dim=-1))
+    return weights[..., :-1].to(scores.dtype)
 
 
 def _rng_state(device: torch.device) -> Tensor:
@@ -93,33 +144,36 @@ def _set_rng_state(state: Tensor, device: torch.device) -> None:
 
 class _BlockedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, normalizer, mask, scale, dropout_p, groups, rows, q, k, v, additive, *params):
-        ctx.setup = (normalizer, mask, scale, dropout_p, groups, rows)
+    def forward(ctx, setup, q, k, v, additive, sinks, *params):
+        normalizer, mask, scale, softcap, dropout_p, groups, rows = ctx.setup = setup
         ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
-        ctx.save_for_backward(q, k, v, additive)
+        ctx.save_for_backward(q, k, v, additive, sinks)
         lq = q.shape[-2]
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         for start in range(0, lq, rows):
             stop = min(start + rows, lq)
             out[..., start:stop, :] = _block(normalizer, q, q[..., start:stop, :], k, v, mask,
-                                             _rows(additive, start, stop), scale, dropout_p, groups, start, stop)
+                                             _rows(additive, start, stop), sinks, scale, softcap, dropout_p, groups,
+                                             start, stop)[0]
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        normalizer, mask, scale, dropout_p, groups, rows = ctx.setup
-        q, k, v, additive = ctx.saved_tensors
+        normalizer, mask, scale, softcap, dropout_p, groups, rows = ctx.setup
+        q, k, v, additive, sinks = ctx.saved_tensors
         params = tuple(parameter for parameter in normalizer.parameters() if parameter.requires_grad)
-        k = k.detach().requires_grad_(ctx.needs_input_grad[7])
-        v = v.detach().requires_grad_(ctx.needs_input_grad[8])
-        wants_additive = additive is not None and ctx.needs_input_grad[9]
-        if not (ctx.needs_input_grad[6] or k.requires_grad or v.requires_grad or wants_additive or params):
-            return (None,) * (10 + len(params))
-        dq = torch.zeros_like(q) if ctx.needs_input_grad[6] else None
-        dk = dv = dadditive = None
+        k = k.detach().requires_grad_(ctx.needs_input_grad[2])
+        v = v.detach().requires_grad_(ctx.needs_input_grad[3])
+        if sinks is not None:
+            sinks = sinks.detach().requires_grad_(ctx.needs_input_grad[5])
+        wants_additive = additive is not None and ctx.needs_input_grad[4]
+        dq = torch.zeros_like(q) if ctx.needs_input_grad[1] else None
+        dk = dv = dadditive = dsinks = None
         dparams = [None] * len(params)
-        inputs = [t for t in (k, v) if t.requires_grad] + list(params)
+        inputs = [t for t in (k, v, sinks) if t is not None and t.requires_grad] + list(params)
+        if not (inputs or dq is not None or wants_additive):
+            return (None,) * (6 + len(params))
         lq = q.shape[-2]
         with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0):
             if ctx.rng is not None:
@@ -131,8 +185,8 @@ class _BlockedAttention(torch.autograd.Function):
                     additive_rows = _rows(additive, start, stop)
                     if wants_additive:
                         additive_rows = additive_rows.detach().requires_grad_()
-                    out = _block(normalizer, q, q_rows, k, v, mask, additive_rows, scale, dropout_p, groups,
-                                 start, stop)
+                    out = _block(normalizer, q, q_rows, k, v, mask, additive_rows, sinks, scale, softcap, dropout_p,
+                                 groups, start, stop)[0]
                     wanted = inputs + ([q_rows] if dq is not None else []) + ([additive_rows] if wants_additive else [])
                     grads = list(torch.autograd.grad(out, wanted, grad_out[..., start:stop, :], allow_unused=True))
                 if wants_additive:
@@ -150,8 +204,10 @@ class _BlockedAttention(torch.autograd.Function):
                     dk = _add(dk, grads.pop(0))
                 if v.requires_grad:
                     dv = _add(dv, grads.pop(0))
+                if sinks is not None and sinks.requires_grad:
+                    dsinks = _add(dsinks, grads.pop(0))
                 dparams = [_add(total, grad) for total, grad in zip(dparams, grads, strict=True)]
-        return (None, None, None, None, None, None, dq, dk, dv, dadditive, *dparams)
+        return (None, dq, dk, dv, dadditive, dsinks, *dparams)
 
 
 def _add(total: Tensor | None, grad: Tensor | None) -> Tensor | None:
