@@ -104,7 +104,7 @@ def attention(
         multiplier = None if modified else logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
         if multiplier is not None:
             return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
-        if not modified and fused.supports(normalizer, q, k, v, dropout_p):
+        if not modified and fused.supports(normalizer, q, k, v, dropout_p, additive):
             return fused.attention(normalizer, q, k, v, mask, additive, scale)
         rows = block_rows(q, k, v)
         if rows < q.shape[-2] and not torch.compiler.is_compiling():

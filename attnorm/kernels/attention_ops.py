@@ -1,0 +1,182 @@
+"""The fused attention operators: ``torch.ops.attnorm.*_attention_{fwd,bwd}`` and their autograd.
+
+Each fused family (``kernels/triton/attention_*.py``) is one forward and one backward
+op in the ``attnorm`` namespace, so ``torch.compile`` and ``torch.export`` see them
+(fake kernels give the shapes).  Their CPU and CUDA kernels are the Triton kernels:
+on CPU tensors they run under ``TRITON_INTERPRET=1`` (how the tests check them) and
+otherwise raise a clear error; :mod:`attnorm.routes.fused` only takes this route on
+CUDA or with ``backend="triton"``.
+
+=================================== ========================================== ==============
+op                                  outputs                                    per-row stats
+=================================== ========================================== ==============
+``entmax_attention_fwd``            out, stats                                 ``(m, tau, N)``
+``entmax_attention_bwd``            dq, dk, dv, d alpha per head ``(Hq,)``
+``self_adjusted_attention_fwd``     out, stats                                 7 numbers
+``self_adjusted_attention_bwd``     dq, dk, dv
+=================================== ========================================== ==============
+
+Masks travel as the four fields of :class:`~attnorm.kernels.rules.AttentionMask`.
+The autograd Functions save ``q``, ``k``, ``v``, ``out`` and the per-row stats: nothing
+of size ``Lq x Lk``.  Their backward is not differentiable again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from attnorm.kernels import backends
+from attnorm.kernels.rules import AttentionMask, accumulation_dtype
+
+__all__ = ["entmax_attention", "self_adjusted_attention"]
+
+_LIBRARY = torch.library.Library("attnorm", "FRAGMENT")
+_MASK = "Tensor? key_start, Tensor? key_stop, Tensor? dense, Tensor? additive"
+_QKV = "Tensor q, Tensor k, Tensor v"
+_BWD = "Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor stats"
+
+
+@functools.cache
+def _module(name: str) -> ModuleType:
+    import importlib
+
+    return importlib.import_module(f"attnorm.kernels.triton.{name}")
+
+
+def _define(name: str, schema: str, kernel: Callable, fake: Callable) -> None:
+    def device_kernel(*args):
+        backends.resolve("triton", args[0].device)  # a clear error when Triton cannot run these tensors
+        return kernel(*args)
+
+    _LIBRARY.define(name + schema)
+    _LIBRARY.impl(name, device_kernel, "CPU")
+    _LIBRARY.impl(name, device_kernel, "CUDA")
+    torch.library.register_fake(f"attnorm::{name}", fake, lib=_LIBRARY)
+
+
+def _fake_forward(stats: int) -> Callable:
+    def fake(q, k, v, *rest):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        return out, q.new_empty(*q.shape[:-1], stats, dtype=accumulation_dtype(q.dtype))
+
+    return fake
+
+
+def _grads_like(q, k, v):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# ---- entmax / sparsemax ---------------------------------------------------------------------------
+
+_define(
+    "entmax_attention_fwd",
+    f"({_QKV}, {_MASK}, float scale, float alpha, Tensor? alpha_heads) -> (Tensor, Tensor)",
+    lambda q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads: _module(
+        "attention_entmax"
+    ).entmax_attention_forward(q, k, v, AttentionMask(start, stop, dense, additive), scale, alpha, alpha_heads),
+    _fake_forward(3),
+)
+
+
+def _entmax_bwd(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, alpha, alpha_heads, alpha_grad):
+    dq, dk, dv, d_alpha = _module("attention_entmax").entmax_attention_backward(
+        q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive), scale, alpha, alpha_heads,
+        alpha_grad,
+    )
+    return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if d_alpha is None else d_alpha
+
+
+_define(
+    "entmax_attention_bwd",
+    f"({_BWD}, {_MASK}, float scale, float alpha, Tensor? alpha_heads, bool alpha_grad) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    _entmax_bwd,
+    lambda q, k, v, out, grad_out, stats, *mask_scale_alpha: (
+        *_grads_like(q, k, v),
+        q.new_empty(q.shape[1] if mask_scale_alpha[-1] else 0, dtype=torch.float32),
+    ),
+)
+
+
+class _EntmaxAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads):
+        return torch.ops.attnorm.entmax_attention_fwd(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, start, stop, dense, additive, ctx.scale, ctx.alpha, alpha_heads = inputs
+        ctx.save_for_backward(q, k, v, start, stop, dense, additive, alpha_heads, *output)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, _grad_stats):
+        q, k, v, start, stop, dense, additive, alpha_heads, out, stats = ctx.saved_tensors
+        alpha_grad = alpha_heads is not None and ctx.needs_input_grad[9]
+        dq, dk, dv, d_alpha = torch.ops.attnorm.entmax_attention_bwd(
+            q, k, v, out, grad_out.contiguous(), stats, start, stop, dense, additive, ctx.scale, ctx.alpha,
+            alpha_heads, alpha_grad,
+        )
+        return dq, dk, dv, None, None, None, None, None, None, d_alpha.to(alpha_heads.dtype) if alpha_grad else None
+
+
+def entmax_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float,
+                     alpha_heads: Tensor | None = None) -> Tensor:
+    """Fused alpha-entmax attention (``alpha`` in [1, 2], or per query head ``alpha_heads (Hq,)``)."""
+    return _EntmaxAttention.apply(q, k, v, *mask, scale, alpha, alpha_heads)[0]
+
+
+# ---- Self-Adjusted Softmax ------------------------------------------------------------------------
+
+_define(
+    "self_adjusted_attention_fwd",
+    f"({_QKV}, {_MASK}, float scale, bool normalized) -> (Tensor, Tensor)",
+    lambda q, k, v, start, stop, dense, additive, scale, normalized: _module(
+        "attention_self_adjusted"
+    ).self_adjusted_attention_forward(q, k, v, AttentionMask(start, stop, dense, additive), scale, normalized),
+    _fake_forward(7),
+)
+_define(
+    "self_adjusted_attention_bwd",
+    f"({_BWD}, {_MASK}, float scale, bool normalized) -> (Tensor, Tensor, Tensor)",
+    lambda q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, normalized: _module(
+        "attention_self_adjusted"
+    ).self_adjusted_attention_backward(
+        q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive), scale, normalized
+    ),
+    lambda q, k, v, *rest: _grads_like(q, k, v),
+)
+
+
+class _SelfAdjustedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, start, stop, dense, additive, scale, normalized):
+        return torch.ops.attnorm.self_adjusted_attention_fwd(q, k, v, start, stop, dense, additive, scale, normalized)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, start, stop, dense, additive, ctx.scale, ctx.normalized = inputs
+        ctx.save_for_backward(q, k, v, start, stop, dense, additive, *output)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, _grad_stats):
+        q, k, v, start, stop, dense, additive, out, stats = ctx.saved_tensors
+        dq, dk, dv = torch.ops.attnorm.self_adjusted_attention_bwd(
+            q, k, v, out, grad_out.contiguous(), stats, start, stop, dense, additive, ctx.scale, ctx.normalized
+        )
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def self_adjusted_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float,
+                            normalized: bool) -> Tensor:
+    """Fused Self-Adjusted Softmax attention (both variants)."""
+    return _SelfAdjustedAttention.apply(q, k, v, *mask, scale, normalized)[0]

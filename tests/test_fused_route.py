@@ -1,0 +1,132 @@
+"""attention() on the fused route: the torch.library ops, their autograd and the route's choice.
+
+The kernels themselves are checked in depth in tests/kernels/test_attention_*.py; here
+``backend="triton"`` forces the fused route (the interpreter on CPU) and the results
+go through attention()'s own argument handling, compared with float64 formulas.
+"""
+
+from __future__ import annotations
+
+import math
+
+import entmax
+import pytest
+import torch
+
+import attnorm
+from attnorm.routes import fused
+
+pytest.importorskip("triton")
+
+B, H, HKV, LQ, LK, D = 2, 4, 2, 9, 13, 16
+
+
+def inputs(device, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, LQ, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, HKV, LK, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, HKV, LK, D, generator=gen, dtype=torch.float64)
+    return (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
+
+
+def reference(normalize, q, k, v, allowed):
+    """normalize(scale q k^T over allowed keys) v in float64, zero rows where nothing is allowed."""
+    q, k, v = q.double(), k.double().repeat_interleave(H // HKV, 1), v.double().repeat_interleave(H // HKV, 1)
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~allowed, -math.inf)
+    empty = ~allowed.any(-1, keepdim=True)
+    weights = normalize(torch.where(empty, 0.0, scores))
+    return torch.where(empty, 0.0, weights) @ v
+
+
+def self_adjusted(x):
+    finite = torch.isfinite(x)
+    safe = torch.where(finite, x, 0.0)
+    low = torch.where(finite, safe, math.inf).amin(-1, keepdim=True).clamp_max(0)
+    high = torch.where(finite, safe, -math.inf).amax(-1, keepdim=True).clamp_min(0)
+    return torch.where(finite, (safe - low) / (high - low), 0.0) * torch.softmax(x, -1)
+
+
+CASES = {
+    "sparsemax": (lambda: attnorm.Sparsemax(backend="triton"), lambda x: entmax.sparsemax(x, -1)),
+    "entmax15": (lambda: attnorm.Entmax(1.5, backend="triton"), lambda x: entmax.entmax15(x, -1)),
+    "sa_softmax": (lambda: attnorm.SelfAdjustedSoftmax(backend="triton"), self_adjusted),
+}
+MASKS = {
+    "causal_bottom_right": lambda: attnorm.causal_mask(LK - LQ),
+    "window&padding": lambda: attnorm.sliding_window_mask(5, LK - LQ) & attnorm.key_padding_mask(torch.tensor([13, 6])),
+    "bool": lambda: torch.rand(B, 1, LQ, LK, generator=torch.Generator().manual_seed(3)) > 0.4,
+}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_route_matches_float64_formulas(case, mask, device):
+    build, normalize = CASES[case]
+    q, k, v = inputs(device)
+    attn_mask = MASKS[mask]()
+    attn_mask = attn_mask.to(device) if isinstance(attn_mask, torch.Tensor) else attn_mask
+    assert fused.supports(build(), q, k, v, 0.0, None)
+    out = attnorm.attention(q, k, v, build(), attn_mask=attn_mask)
+    if isinstance(attn_mask, torch.Tensor):
+        allowed = attn_mask.cpu()
+    else:
+        allowed = attn_mask.materialize(torch.Size([B, H, LQ, LK]))
+    qd, kd, vd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    expected = reference(normalize, qd, kd, vd, allowed.expand(B, H, LQ, LK))
+    torch.testing.assert_close(out.detach().cpu().double(), expected.detach(), rtol=2e-4, atol=2e-4)
+    cotangent = torch.randn(expected.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), cotangent.to(device=device, dtype=out.dtype))
+    wanted = torch.autograd.grad(expected, (qd, kd, vd), cotangent)
+    for name, actual, reference_grad in zip("qkv", got, wanted, strict=True):
+        torch.testing.assert_close(actual.cpu().double(), reference_grad, rtol=5e-4, atol=5e-4, msg=name)
+
+
+def test_learnable_alpha_gets_its_gradient(device):
+    q, k, v = inputs(device, torch.float64)
+    normalizer = attnorm.Entmax(1.4, learnable=True, num_heads=H, backend="triton").to(device).double()
+    out = attnorm.attention(q, k, v, normalizer, is_causal=True)
+    (got,) = torch.autograd.grad(out.sum(), normalizer.alpha_logit)
+    blocked = attnorm.Entmax(1.4, learnable=True, num_heads=H, backend="reference").to(device).double()
+    expected_out = attnorm.attention(q, k, v, blocked, is_causal=True, return_weights=True)[0]
+    (expected,) = torch.autograd.grad(expected_out.sum(), blocked.alpha_logit)
+    torch.testing.assert_close(out, expected_out, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-9)
+
+
+def test_fully_masked_rows_give_zero_outputs_and_gradients(device):
+    q, k, v = inputs(device)
+    mask = torch.ones(B, 1, LQ, LK, dtype=torch.bool, device=device)
+    mask[:, :, 3] = False
+    out = attnorm.attention(q, k, v, attnorm.Sparsemax(backend="triton"), attn_mask=mask)
+    assert (out[:, :, 3] == 0).all() and torch.isfinite(out).all()
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert (dq[:, :, 3] == 0).all() and torch.isfinite(dq).all()
+
+
+def test_route_choice():
+    q, k, v = (t.detach() for t in inputs("cpu"))
+    assert not fused.supports(attnorm.Sparsemax(), q, k, v, 0.0, None)  # CPU, auto: blocked or materialised
+    assert not fused.supports(attnorm.Sparsemax(backend="triton"), q, k, v, 0.1, None)  # dropout: not fused
+    assert not fused.supports(attnorm.Entmax(3.0, backend="triton"), q, k, v, 0.0, None)  # alpha > 2
+    assert not fused.supports(attnorm.Softmax(backend="triton"), q, k, v, 0.0, None)  # SDPA's
+    assert fused.supports(attnorm.Entmax(1.2, backend="triton"), q, k, v, 0.0, None)
+
+
+def test_ops_pass_opcheck(device):
+    q, k, v = (t.detach() for t in inputs(device))
+    start, stop = attnorm.causal_mask(LK - LQ).key_range(B, LQ, LK, device)
+    args = (q, k, v, start, stop, None, None, D**-0.5)
+    torch.library.opcheck(torch.ops.attnorm.entmax_attention_fwd, (*args, 1.5, None),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.attnorm.self_adjusted_attention_fwd, (*args, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fused_route_compiles_without_graph_breaks(device):
+    q, k, v = (t.detach() for t in inputs(device))
+    normalizer = attnorm.Sparsemax(backend="triton")
+    run = lambda q, k, v: attnorm.attention(q, k, v, normalizer, is_causal=True)
+    explanation = torch._dynamo.explain(run)(q, k, v)
+    assert explanation.graph_break_count == 0
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), run(q, k, v))
