@@ -28,8 +28,10 @@ Forward, per query block (``1 + I + 1`` passes over K, one over V):
    no V and skips its ``p v`` product.
 
 The forward keeps per row ``(m, tau, N)``: 12 bytes (24 for float64), the ``stats``
-tensor ``(B, Hq, Lq, 3)``.  Typical ``I``: 3-6 for 1.5-entmax, 2-5 for sparsemax
-(the output is exact for sparsemax, accurate to a few ulps otherwise).
+tensor ``(B, Hq, Lq, 3)``.  ``I`` counts the pass that confirms convergence; measured
+with random q, k (head dim 64, Lk = 512, blocks of 64, scale 1 to 3 / sqrt(64)) it is
+4-7 for alpha in {1.1, 1.25, 1.5, 2}.  The output is exact for sparsemax (to the
+rounding of the scores), accurate to a few ulps otherwise.
 
 Backward, with ``g_ij = p_ij^(2 - alpha)`` on the support and ``dP = dO v^T``
 (the closed-form entmax Jacobian): ``dS = g (dP - delta)``,
@@ -112,20 +114,20 @@ def _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks,
 
 
 @triton.jit
-def _unnormalised(scores, row_max, tau, multiplier, power, softmax):
-    """Gaps ``u = z - tau`` and unnormalised weights ``[u]_+^p`` (``exp(u)`` for softmax heads)."""
-    u = (scores - row_max[:, None]) * multiplier - tau[:, None]
+def _mass(u, power, softmax):
+    """Unnormalised weights ``[u]_+^p`` of gaps ``u = z - tau`` (``exp(u)`` for softmax heads)."""
     if softmax:
         mass = tl.exp(u)
     else:
         mass = _power(u, power)
-    return u, mass
+    return mass
 
 
 @triton.jit
 def _weights(scores, row_max, tau, norm, multiplier, power, softmax):
     """Gaps, unnormalised and final weights of a tile (NaN at allowed keys of a NaN row, whose ``N`` is NaN)."""
-    u, mass = _unnormalised(scores, row_max, tau, multiplier, power, softmax)
+    u = (scores - row_max[:, None]) * multiplier - tau[:, None]
+    mass = _mass(u, power, softmax)
     p = tl.where(scores != float("-inf"), mass / norm[:, None], 0.0)
     return u, mass, p
 
@@ -194,12 +196,14 @@ def _newton_sums(q_tile, k_base, k_sn, offs_m, first, hi, rows, masks, row_max, 
     for start in range(first, hi, BLOCK_N):
         scores, _ = _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
                                  BLOCK_N, ACC)
-        u, block_mass = _unnormalised(scores, row_max, tau, multiplier, power, softmax)
+        z = (scores - row_max[:, None]) * multiplier
+        u = z - tau[:, None]
+        block_mass = _mass(u, power, softmax)
         on = u > 0
         mass += tl.sum(block_mass, 1)
         slope += tl.sum(tl.where(on, block_mass / tl.where(on, u, 1.0), 0.0), 1)
         support += tl.sum(on.to(tl.int32), 1)
-        support_z += tl.sum(tl.where(on, u + tau[:, None], 0.0), 1)
+        support_z += tl.sum(tl.where(on, z, 0.0), 1)
     return mass, slope, support, support_z
 
 
