@@ -95,7 +95,7 @@ def masked_scores(q, k, mask: AttentionMask, scale):
     """Float64 scores ``(B, Hq, Lq, Lk)`` and the allowed keys, key/value heads repeated over their group."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, 1)
-    x = scale * q @ k.transpose(-1, -2)
+    x = scale * (q @ k.transpose(-1, -2))
     if mask.additive is not None:
         x = x + mask.additive.to(x)
     allowed = x != -math.inf

@@ -1,0 +1,464 @@
+"""Fused exact top-k attention: softmax of ``x / temperature`` over each row's ``k`` largest allowed scores.
+
+``x = scale q k^T + additive``; row ``i`` keeps ``min(k, n)`` of its ``n`` allowed keys
+(``max(1, ceil(k n - 1e-9))`` for a fraction ``0 < k < 1``, as
+:func:`attnorm.kernels.rules.topk_row_count`); **ties at the k-th score: the lowest key
+index wins**; ``out_i = sum_j p_ij v_j``.  A row holding +inf keeps (at most all of) its
++inf keys, uniformly weighted; a row with no allowed key gives zeros; a NaN row NaN.
+No ``(Lq, Lk)`` matrix is stored: score tiles are recomputed by
+:func:`.attention_blocks.score_tile` on the same aligned ``(BLOCK_M, BLOCK_N)`` tiles in
+every kernel, so every pass sees bit-identical scores.
+
+**Selection: a radix select on the scores' bits, per query block.**  Each score maps to
+an unsigned integer ordered like it (the float's bits, magnitude bits flipped for
+negatives, sign bit flipped; NaN largest, masked keys 0).  The k-th largest key ``t``
+is built :data:`RADIX_BITS` bits at a time, most significant first: a pass over the
+query block's key blocks counts, for each row and each of the ``2^RADIX_BITS``
+candidates ``prefix | d << shift``, the keys ``>= candidate``, and keeps the largest
+``d`` still reaching ``k``.  4 bits per pass: 8 passes for float32 scores (16 for
+float64), each comparing a ``(BLOCK_M, BLOCK_N, 16)`` tile (more bits would square the
+registers for few passes saved; 1 bit per pass, a bisection, needs 32).  The first
+pass also counts each row's allowed, +inf and NaN keys; when every row of the query
+block keeps all its keys the other passes are skipped.  The last pass leaves ``c``,
+the number of keys above ``t``, so ``k - c`` keys tied at ``t`` are kept: the first
+ones in key order (a running prefix count of ties across key blocks).
+
+**Forward passes over K and V per query block:** ``32 / RADIX_BITS`` over K (scores
+only) plus one over K and V (online softmax over the kept keys, the product with V
+skipped in key blocks where no row keeps a key).  **Backward** (FlashAttention-2 style,
+no atomics): ``delta = rowsum(dO * out)`` (a pre-pass over out, no K/V); the kept set
+is rebuilt from the stats (``x > t``, or ``x = t`` at a key index ``<= j_last``); the
+dk/dv kernel (one program per key block and key/value head, looping over the GQA
+group's query heads and their query blocks that reach it) and the dq kernel (one per
+query block, looping over its key blocks) compute ``ds = p (dP - delta) / temperature``.
+One pass over K and V per query block for dq, one over q and dO per key block for dk, dv.
+
+Bytes per query row beyond q, k, v, out and their gradients: :data:`STATS` stats of
+4 bytes (8 for float64) written by the forward, read by the backward with one per-row
+``delta``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from attnorm.kernels.rules import AttentionMask
+from attnorm.kernels.triton import launch
+from attnorm.kernels.triton.attention_blocks import key_block_bounds, mask_arguments
+from attnorm.kernels.triton.attention_self_adjusted import (
+    Problem,
+    dot_operands,
+    key_tile,
+    load_rows,
+    problem,
+    row_dot,
+    scores,
+)
+from attnorm.kernels.triton.topk import _keep_count, _key_value, _order_keys
+
+__all__ = ["RADIX_BITS", "STATS", "topk_attention_backward", "topk_attention_forward"]
+
+RADIX_BITS = 4
+"""Bits of the k-th key settled per selection pass (a divisor of 32)."""
+
+STATS = 5
+"""Per-row stats: ``(max, log_sum, threshold, last_tie, state)``.
+
+``p = exp(x / temperature - max - log_sum)`` on the kept keys, which are those with
+``x > threshold`` and those with ``x = threshold`` at key index ``<= last_tie`` (-1:
+none; threshold -inf when every allowed key is kept); ``state`` 1 for a finite row, 2
+for a row holding +inf (its kept +inf keys read as 0, uniform), 0 for a row with no
+kept key or a NaN."""
+
+_STATS_WIDTH = tl.constexpr(STATS)
+
+
+@triton.jit
+def _sortable(x, allowed, KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr):
+    """Unsigned keys ordered like ``x`` (NaN largest); 0 where not allowed."""
+    key_min: tl.constexpr = -(1 << (KEY_BITS - 1))
+    return (_order_keys(x, allowed, KEY, KEY_BITS) ^ key_min).to(UKEY, bitcast=True)
+
+
+@triton.jit
+def _candidate_counts(
+    q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, batch, head,
+    masking, prefix, shift,
+    HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, FIRST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+    KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr,
+):
+    """One selection pass: per row, the keys ``>= prefix | d << shift`` for each digit ``d``, ``(BLOCK_M, 2^RADIX)``.
+
+    The ``FIRST`` pass also returns each row's allowed, +inf and NaN key counts and its
+    largest finite score (zeros and -inf otherwise).
+    """
+    digits = tl.arange(0, 1 << RADIX).to(UKEY)
+    candidates = prefix[:, None] | (digits[None, :] << shift.to(UKEY))
+    counts = tl.zeros((BLOCK_M, 1 << RADIX), tl.int32)
+    allowed_count = tl.zeros((BLOCK_M,), tl.int32)
+    posinf_count = tl.zeros((BLOCK_M,), tl.int32)
+    nan_count = tl.zeros((BLOCK_M,), tl.int32)
+    top = tl.full((BLOCK_M,), float("-inf"), ACC)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                   batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+        allowed = x != float("-inf")
+        keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
+        counts += tl.sum((keys[:, :, None] >= candidates[:, None, :]).to(tl.int32), 1)
+        if FIRST:
+            allowed_count += tl.sum(allowed.to(tl.int32), 1)
+            posinf_count += tl.sum((x == float("inf")).to(tl.int32), 1)
+            nan_count += tl.sum((x != x).to(tl.int32), 1)
+            top = tl.maximum(top, tl.max(tl.where(allowed & (x < float("inf")) & (x == x), x, float("-inf")), 1))
+    return counts, allowed_count, posinf_count, nan_count, top
+
+
+@triton.jit
+def _settle_digit(counts, prefix, above, keep, shift, UKEY: tl.constexpr, RADIX: tl.constexpr):
+    """Settle one digit: the largest whose candidate keeps ``keep`` keys at or above it.
+
+    ``above`` becomes the count at the next candidate when there is one: at the end, the keys above the k-th.
+    """
+    digits = tl.arange(0, 1 << RADIX)
+    digit = tl.sum((counts >= keep[:, None]).to(tl.int32), 1) - 1
+    next_count = tl.sum(tl.where(digits[None, :] == digit[:, None] + 1, counts, 0), 1)
+    above = tl.where(digit < (1 << RADIX) - 1, next_count, above)
+    return prefix | (digit.to(UKEY) << shift.to(UKEY)), above
+
+
+@triton.jit
+def _kept(x, allowed, threshold_key, offs_n, last_tie, KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr):
+    keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
+    ties = (keys == threshold_key[:, None]) & (offs_n[None, :] <= last_tie[:, None])
+    return allowed & ((keys > threshold_key[:, None]) | ties)
+
+
+@triton.jit
+def _logits(x, state, inv_temperature):
+    """``x / temperature``, with a +inf row's +inf keys read as 0 (their softmax is uniform) and others 0."""
+    finite = (x > float("-inf")) & (x < float("inf"))
+    return tl.where((state == 2)[:, None] | ~finite, 0.0, x * inv_temperature)
+
+
+@triton.jit
+def _topk_forward_kernel(
+    Q, K, V, OUT, STATS_PTR, K_PARAM,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    heads, group, lq, lk, head_dim, value_dim, scale, inv_temperature,
+    key_start, key_stop, range_stride,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, IS_FRACTION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
+    KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr,
+):
+    """One query block: radix select of each row's k-th score, then a flash pass over the kept keys."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    batch, head = bh // heads, bh % heads
+    masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    k_base = K + batch * sk_b + (head // group) * sk_h
+    v_base = V + batch * sv_b + (head // group) * sv_h
+    row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
+    lo = lo // BLOCK_N * BLOCK_N  # aligned tiles: the backward recomputes the very same ones
+
+    # Selection, most significant digit first; the first pass also counts the allowed keys.
+    prefix = tl.zeros((BLOCK_M,), UKEY)
+    above = tl.zeros((BLOCK_M,), tl.int32)
+    shift = tl.full((), KEY_BITS - RADIX, tl.int32)
+    counts, allowed_count, posinf_count, nan_count, _ = _candidate_counts(
+        q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, batch, head,
+        masking, prefix, shift, HAS_DENSE, HAS_ADDITIVE, True, BLOCK_M, BLOCK_N, ACC, KEY, UKEY, KEY_BITS, RADIX,
+    )
+    keep = _keep_count(allowed_count, tl.load(K_PARAM), IS_FRACTION)
+    posinf_row = posinf_count > 0
+    keep = tl.where(posinf_row, tl.minimum(keep, posinf_count), keep)
+    prefix, above = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
+    every = keep >= allowed_count
+    passes = tl.where(tl.min(every.to(tl.int32), 0) > 0, 1, KEY_BITS // RADIX)
+    for level in range(1, passes):
+        shift = KEY_BITS - RADIX * (level + 1)
+        counts, _, _, _, _ = _candidate_counts(
+            q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, batch,
+            head, masking, prefix, shift, HAS_DENSE, HAS_ADDITIVE, False, BLOCK_M, BLOCK_N, ACC, KEY, UKEY,
+            KEY_BITS, RADIX,
+        )
+        prefix, above = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
+    # Rows keeping every allowed key: threshold below all of them (key 0), no ties.
+    threshold_key = tl.where(every, 0, prefix).to(UKEY)
+    tie_slots = tl.where(every, 0, keep - above)
+
+    state = tl.where(nan_count > 0, 0, tl.where(keep > 0, tl.where(posinf_row, 2, 1), 0))
+    top = tl.full((BLOCK_M,), float("-inf"), ACC)
+    total = tl.zeros((BLOCK_M,), ACC)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
+    ties_before = tl.zeros((BLOCK_M,), tl.int32)
+    last_tie = tl.full((BLOCK_M,), -1, tl.int32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                   batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+        allowed = x != float("-inf")
+        keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
+        ties = allowed & (keys == threshold_key[:, None])
+        kept_ties = ties & (ties_before[:, None] + tl.cumsum(ties.to(tl.int32), 1) <= tie_slots[:, None])
+        kept = (allowed & (keys > threshold_key[:, None])) | kept_ties
+        last_tie = tl.maximum(last_tie, tl.max(tl.where(kept_ties, offs_n[None, :], -1), 1))
+        ties_before += tl.sum(ties.to(tl.int32), 1)
+        kept = kept & (state > 0)[:, None]
+        if tl.max(tl.sum(kept.to(tl.int32), 1), 0) > 0:
+            z = _logits(x, state, inv_temperature)
+            new_top = tl.maximum(top, tl.max(tl.where(kept, z, float("-inf")), 1))
+            rescale = tl.where(top > float("-inf"), tl.exp(top - new_top), 0.0)
+            p = tl.where(kept, tl.exp(z - tl.where(new_top > float("-inf"), new_top, 0.0)[:, None]), 0.0)
+            top = new_top
+            total = total * rescale + tl.sum(p, 1)
+            v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, out_dtype=ACC)
+
+    live = state > 0
+    out = tl.where(live[:, None], acc / tl.where(live, total, 1.0)[:, None], 0.0)
+    out = tl.where((nan_count > 0)[:, None], float("nan"), out)
+    rows = bh * lq + offs_m
+    tl.store(OUT + rows[:, None] * value_dim + offs_dv[None, :], out.to(OUT.dtype.element_ty),
+             mask=(offs_m < lq)[:, None] & (offs_dv < value_dim)[None, :])
+    signed = threshold_key.to(KEY, bitcast=True) ^ (-(1 << (KEY_BITS - 1)))
+    threshold = tl.where(every, float("-inf"), _key_value(signed, ACC, KEY_BITS))
+    ptrs = STATS_PTR + rows * _STATS_WIDTH
+    live_rows = offs_m < lq
+    tl.store(ptrs, tl.where(live, top, 0.0), mask=live_rows)
+    tl.store(ptrs + 1, tl.where(live, tl.log(tl.where(live, total, 1.0)), 0.0), mask=live_rows)
+    tl.store(ptrs + 2, tl.where(live, threshold, 0.0), mask=live_rows)
+    tl.store(ptrs + 3, last_tie.to(ACC), mask=live_rows)
+    tl.store(ptrs + 4, state.to(ACC), mask=live_rows)
+
+
+@triton.jit
+def _load_stats(STATS_PTR, rows, offs_m, lq, ACC: tl.constexpr, KEY: tl.constexpr, UKEY: tl.constexpr,
+                KEY_BITS: tl.constexpr):
+    """``(shift, threshold key, last kept tie, state)`` per row; the shift is ``max + log_sum``."""
+    ptrs = STATS_PTR + rows * _STATS_WIDTH
+    live = offs_m < lq
+    top = tl.load(ptrs, mask=live, other=0.0).to(ACC)
+    log_sum = tl.load(ptrs + 1, mask=live, other=0.0).to(ACC)
+    threshold = tl.load(ptrs + 2, mask=live, other=0.0).to(ACC)
+    last_tie = tl.load(ptrs + 3, mask=live, other=-1.0).to(tl.int32)
+    state = tl.load(ptrs + 4, mask=live, other=0.0).to(tl.int32)
+    threshold_key = _sortable(threshold, threshold == threshold, KEY, UKEY, KEY_BITS)
+    return top, log_sum, threshold_key, last_tie, state
+
+
+@triton.jit
+def _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
+                   KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr):
+    """The forward's weights ``p`` on a tile, from the row stats (0 off the kept keys and in state-0 rows)."""
+    allowed = x != float("-inf")
+    kept = _kept(x, allowed, threshold_key, offs_n, last_tie, KEY, UKEY, KEY_BITS) & (state > 0)[:, None]
+    z = _logits(x, state, inv_temperature)
+    return tl.where(kept, tl.exp((z - top[:, None]) - log_sum[:, None]), 0.0)
+
+
+@triton.jit
+def _topk_dq_kernel(
+    Q, K, V, DO, DELTA, STATS_PTR, DQ,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
+    heads, group, lq, lk, head_dim, value_dim, scale, inv_temperature,
+    key_start, key_stop, range_stride,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
+    KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr,
+):
+    """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    batch, head = bh // heads, bh % heads
+    masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    do_tile = load_rows(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+    k_base = K + batch * sk_b + (head // group) * sk_h
+    v_base = V + batch * sv_b + (head // group) * sv_h
+    rows = bh * lq + offs_m
+    top, log_sum, threshold_key, last_tie, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC, KEY, UKEY, KEY_BITS)
+    delta = tl.load(DELTA + rows, mask=offs_m < lq, other=0.0)
+    row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
+    lo = lo // BLOCK_N * BLOCK_N
+    dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                   batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+        p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
+                           KEY, UKEY, KEY_BITS)
+        if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
+            v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+            g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
+            ds = tl.where((state == 1)[:, None] & (p > 0), p * (g - delta[:, None]) * inv_temperature, 0.0)
+            k_tile = key_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
+            dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC)
+    tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
+
+
+@triton.jit
+def _topk_dkdv_kernel(
+    Q, K, V, DO, DELTA, STATS_PTR, DK, DV,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
+    heads, group, lq, lk, head_dim, value_dim, scale, inv_temperature,
+    key_start, key_stop, range_stride,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
+    KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr,
+):
+    """One key block of one key/value head: ``dv = sum p^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    kv_heads = heads // group
+    batch, kv_head = bh // kv_heads, bh % kv_heads
+    masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
+    start = block * BLOCK_N
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_base = K + batch * sk_b + kv_head * sk_h
+    v_tile = key_tile(V + batch * sv_b + kv_head * sv_h, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
+    for member in range(group):
+        head = kv_head * group + member
+        for query_block in range(tl.cdiv(lq, BLOCK_M)):
+            offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
+                                                           HAS_RANGE)
+            if (start < hi) & (start + BLOCK_N > lo):
+                q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+                rows = (batch * heads + head) * lq + offs_m
+                top, log_sum, threshold_key, last_tie, state = _load_stats(
+                    STATS_PTR, rows, offs_m, lq, ACC, KEY, UKEY, KEY_BITS
+                )
+                x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
+                           scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
+                                   KEY, UKEY, KEY_BITS)
+                if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
+                    do_tile = load_rows(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+                    delta = tl.load(DELTA + rows, mask=offs_m < lq, other=0.0)
+                    dv += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, out_dtype=ACC)
+                    g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
+                    ds = tl.where((state == 1)[:, None] & (p > 0), p * (g - delta[:, None]) * inv_temperature, 0.0)
+                    dk += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, out_dtype=ACC)
+    key_rows = bh * lk + offs_n
+    tl.store(DK + key_rows[:, None] * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=(offs_n < lk)[:, None] & (offs_d < head_dim)[None, :])
+    tl.store(DV + key_rows[:, None] * value_dim + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+             mask=(offs_n < lk)[:, None] & (offs_dv < value_dim)[None, :])
+
+
+# ---- host functions ------------------------------------------------------------------------
+
+
+def _check(k_keep: float, is_fraction: bool, temperature: float) -> None:
+    if is_fraction and not 0 < k_keep < 1:
+        raise ValueError(f"k_keep must be in (0, 1) when is_fraction, got {k_keep}")
+    if not is_fraction and (k_keep < 1 or k_keep != int(k_keep)):
+        raise ValueError(f"k_keep must be an integer >= 1, got {k_keep}")
+    if not temperature > 0 or math.isinf(temperature):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+
+
+def _arguments(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float,
+               temperature: float) -> tuple[tuple, dict]:
+    """Strides of q, k, v; sizes, scale and ``1 / temperature``; the mask's keywords and the key constants."""
+    wide = q.dtype == torch.float64
+    strides = (*q.stride(), *k.stride(), *v.stride())
+    sizes = (shape.heads, shape.group, shape.lq, shape.lk, shape.head_dim, shape.value_dim, float(scale),
+             1.0 / float(temperature))
+    constants = dict(**mask_arguments(mask, shape.score_shape, q.device), **shape.constants,
+                     KEY=tl.int64 if wide else tl.int32, UKEY=tl.uint64 if wide else tl.uint32,
+                     KEY_BITS=64 if wide else 32)
+    return strides, sizes, constants
+
+
+def topk_attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, k_keep: float, is_fraction: bool,
+    temperature: float,
+) -> tuple[Tensor, Tensor]:
+    """Exact top-k attention: ``out = softmax(x / temperature over the kept keys) v``, ``x = scale q k^T + additive``.
+
+    ``32 / RADIX_BITS`` passes over K (``64 / RADIX_BITS`` for float64) select each row's
+    k-th score, one pass over K and V accumulates the output (module docstring).
+
+    Args:
+        q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, Dv)``; ``Hq % Hkv == 0``.
+        mask: which keys each query row may attend.
+        scale: the score scale.
+        k_keep: keys kept per row, ``min(k_keep, n)``; with ``is_fraction`` (``0 < k_keep < 1``)
+            ``max(1, ceil(k_keep n - 1e-9))`` of the ``n`` allowed keys.  Ties at the k-th
+            score: the lowest key index wins.
+        is_fraction: read ``k_keep`` as a fraction.
+        temperature: softmax temperature, ``> 0``.
+
+    Returns:
+        ``(out, stats)``: ``(B, Hq, Lq, Dv)`` in q's dtype; ``(B, Hq, Lq, 5)`` in the
+        accumulation dtype, laid out as :data:`STATS` says.
+
+    Raises:
+        ValueError: bad shapes, ``k_keep`` or ``temperature``.
+    """
+    _check(k_keep, is_fraction, temperature)
+    shape = problem(q, k, v)
+    out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
+    stats = shape.row_tensor(STATS, like=q)
+    if stats.numel() == 0:
+        return out, stats
+    k_param = torch.full((1,), float(k_keep), dtype=torch.float64, device=q.device)
+    q, k, v = dot_operands(q, k, v)
+    strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature)
+    _topk_forward_kernel[(triton.cdiv(shape.lq, shape.block), shape.batch * shape.heads)](
+        q, k, v, out, stats, k_param, *strides, *sizes, IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, **constants,
+    )
+    return out, stats
+
+
+def topk_attention_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
+    scale: float, k_keep: float, is_fraction: bool, temperature: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`topk_attention_forward` by recomputation with the forward's threshold and tie cut.
+
+    ``ds = p (dP - delta) / temperature`` on the kept keys (``delta = rowsum(dO * out)``);
+    rows in state 0 or 2 get no score gradient (+inf rows still pass their weights to dv).
+    ``k_keep`` and ``is_fraction`` are not needed (the stats hold the kept set).
+
+    Returns:
+        ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``.
+    """
+    _check(k_keep, is_fraction, temperature)
+    shape = problem(q, k, v)
+    dq = launch.empty(tuple(q.shape), q.dtype, q.device)
+    dk = launch.empty(tuple(k.shape), k.dtype, k.device)
+    dv = launch.empty(tuple(v.shape), v.dtype, v.device)
+    delta = row_dot(shape, out, grad_out)
+    q, k, v, grad_out = dot_operands(q, k, v, grad_out)
+    strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature)
+    arguments = (*strides, *grad_out.stride(), *sizes)
+    if dq.numel():
+        _topk_dq_kernel[(triton.cdiv(shape.lq, shape.block), shape.batch * shape.heads)](
+            q, k, v, grad_out, delta, stats, dq, *arguments, **constants,
+        )
+    if dk.numel() or dv.numel():
+        _topk_dkdv_kernel[(triton.cdiv(shape.lk, shape.block), shape.batch * shape.kv_heads)](
+            q, k, v, grad_out, delta, stats, dk, dv, *arguments, **constants,
+        )
+    return dq, dk, dv

@@ -1,0 +1,214 @@
+"""Fused exact top-k attention against a float64 attention materialised from the definition.
+
+The reference builds the ``(Lq, Lk)`` scores in float64, ranks each row's allowed scores
+with a stable descending sort (so among scores tied at the k-th value the lowest key
+index wins), keeps ``min(k, n)`` of them (``max(1, ceil(k n - 1e-9))`` for a fraction),
+takes the softmax of ``x / temperature`` over them and multiplies by ``v``; gradients
+come from ``torch.autograd``.  Integer-valued q and k give exact ties at the k-th score.
+Outputs are poisoned with NaN before the kernels run.  Masks and inputs are those of
+``test_attention_self_adjusted``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnorm
+from attnorm.kernels.rules import AttentionMask
+from tests.kernels.test_attention_self_adjusted import (  # noqa: F401 (poisoned_outputs: an autouse fixture)
+    MASKS,
+    SQUARE,
+    TOLERANCES,
+    make_qkv,
+    masked_scores,
+    poisoned_outputs,
+)
+
+pytest.importorskip("triton")
+
+from attnorm.kernels.triton import attention_topk as fused  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+F64 = torch.float64
+SCALE = 0.35
+
+
+def kept_keys(x, allowed, k_keep, is_fraction):
+    """Bool like ``x``: each row's ``min(k, n)`` largest allowed scores, ties to the lowest index."""
+    n = allowed.sum(-1, keepdim=True)
+    if is_fraction:
+        count = torch.ceil(n.to(F64) * k_keep - 1e-9).long().clamp_min(1)
+    else:
+        count = torch.full_like(n, int(k_keep))
+    count = torch.minimum(count, n)
+    ranked = torch.where(allowed, x.detach(), -math.inf)
+    rank = ranked.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    return allowed & (rank < count)
+
+
+def reference(q, k, v, mask, scale, k_keep, is_fraction, temperature):
+    """``softmax(x / temperature over the kept keys) v`` materialised in float64, differentiable in q, k, v."""
+    x, allowed = masked_scores(q, k, mask, scale)
+    kept = kept_keys(x, allowed, k_keep, is_fraction)
+    logits = torch.where(kept, x / temperature, -math.inf)
+    weights = torch.softmax(torch.where(kept.any(-1, keepdim=True), logits, 0.0), -1)
+    weights = torch.where(kept, weights, 0.0)
+    return weights @ v.repeat_interleave(q.shape[1] // k.shape[1], 1)
+
+
+def run_fused(q, k, v, mask, scale, k_keep, is_fraction, temperature, grad_out):
+    out, stats = fused.topk_attention_forward(q, k, v, mask, scale, k_keep, is_fraction, temperature)
+    grads = fused.topk_attention_backward(q, k, v, out, grad_out, stats, mask, scale, k_keep, is_fraction,
+                                          temperature)
+    return out, stats, grads
+
+
+def check(q, k, v, mask, k_keep, is_fraction=False, temperature=1.0, scale=SCALE, seed=1):
+    """Fused outputs and gradients equal the float64 reference's within the dtype's tolerance."""
+    grad_out = torch.randn(*q.shape[:3], v.shape[-1], generator=torch.Generator().manual_seed(seed), dtype=F64)
+    out, stats, grads = run_fused(q, k, v, mask, scale, k_keep, is_fraction, temperature, grad_out.to(q))
+    leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
+    expected = reference(*leaves, mask, scale, k_keep, is_fraction, temperature)
+    expected.backward(grad_out.to(expected.device))
+    tol = TOLERANCES[q.dtype]
+    assert out.dtype == q.dtype and stats.shape == (*q.shape[:3], fused.STATS)
+    torch.testing.assert_close(out.to(F64), expected.detach(), **tol)
+    for grad, leaf in zip(grads, leaves, strict=True):
+        assert grad.shape == leaf.shape and grad.dtype == q.dtype
+        torch.testing.assert_close(grad.to(F64), leaf.grad, **tol)
+    return out, grads
+
+
+@pytest.mark.parametrize("kind", list(MASKS))
+def test_every_mask_kind_matches_reference(kind, device):
+    lq = 18 if kind in SQUARE else 13
+    q, k, v = make_qkv(2, 2, 1, lq, 18, 16, 16, torch.float32, device)
+    check(q, k, v, MASKS[kind](2, lq, 18, device), 3)
+
+
+@pytest.mark.parametrize("kind", ["causal", "padding", "dense"])
+def test_fraction_of_allowed_keys(kind, device):
+    q, k, v = make_qkv(2, 2, 2, 18, 18, 16, 16, torch.float32, device)
+    check(q, k, v, MASKS[kind](2, 18, 18, device), 0.3, is_fraction=True, temperature=0.6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(("k_keep", "is_fraction"), [(1, False), (4, False), (7, False), (0.45, True)])
+def test_ties_at_the_kth_score_keep_the_lowest_index(k_keep, is_fraction, dtype, device):
+    """Integer q, k: scores tie often, across key blocks too; the kept set is the stable sort's."""
+    q, k, v = make_qkv(1, 2, 1, 16, 40, 16, 16, dtype, device, integer=True)
+    x, allowed = masked_scores(q.to(F64), k.to(F64), AttentionMask(), SCALE)
+    kept = kept_keys(x, allowed, k_keep, is_fraction)
+    kth = torch.where(kept, x, math.inf).amin(-1, keepdim=True)
+    assert ((x == kth) & ~kept).any()  # some rows leave tied keys out
+    check(q, k, v, AttentionMask(), k_keep, is_fraction)
+
+
+@pytest.mark.parametrize("radix_bits", [2, 8])
+def test_digit_width(radix_bits, monkeypatch, device):
+    monkeypatch.setattr(fused, "RADIX_BITS", radix_bits)
+    q, k, v = make_qkv(1, 1, 1, 16, 24, 16, 16, torch.float32, device, integer=True)
+    check(q, k, v, MASKS["causal"](1, 16, 24, device), 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_dtypes(dtype, device):
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 16, 16, dtype, device)
+    check(q, k, v, MASKS["causal"](1, 20, 20, device), 4, temperature=0.8)
+
+
+@pytest.mark.parametrize(("head_dim", "value_dim"), [(20, 16), (32, 24)])
+def test_head_dims_padded_to_powers_of_two(head_dim, value_dim, device):
+    q, k, v = make_qkv(1, 2, 1, 17, 21, head_dim, value_dim, torch.float32, device)
+    check(q, k, v, MASKS["bottom-right"](1, 17, 21, device), 5)
+
+
+def test_gqa_and_strided_inputs(device):
+    q, k, v = make_qkv(2, 4, 2, 12, 19, 16, 16, torch.float32, device)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    check(q, k, v, MASKS["window"](2, 12, 19, device), 2)
+
+
+def test_k_beyond_the_allowed_keys_is_softmax_attention(device):
+    q, k, v = make_qkv(1, 2, 1, 16, 20, 16, 16, torch.float32, device)
+    mask = MASKS["causal"](1, 16, 20, device)
+    out, _ = fused.topk_attention_forward(q, k, v, mask, SCALE, 1000, False, 1.0)
+    x, allowed = masked_scores(q.to(F64), k.to(F64), mask, SCALE)
+    expected = torch.softmax(torch.where(allowed, x, -math.inf), -1) @ v.to(F64).repeat_interleave(2, 1)
+    torch.testing.assert_close(out.to(F64), expected, **TOLERANCES[torch.float32])
+    check(q, k, v, mask, 1000)
+
+
+def test_fully_masked_rows_give_zeros(device):
+    q, k, v = make_qkv(2, 2, 2, 9, 16, 16, 16, torch.float32, device)
+    lengths = attnorm.key_padding_mask(torch.tensor([16, 0])).key_range(2, 9, 16, device)
+    dense = torch.ones(1, 1, 9, 16, dtype=torch.bool)
+    dense[..., 4, :] = False
+    out, (dq, dk, dv) = check(q, k, v, AttentionMask(*lengths, dense.to(device)), 3)
+    assert (out[1] == 0).all() and (out[0, :, 4] == 0).all()
+    assert (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
+
+
+def test_posinf_rows_keep_their_first_infinite_keys(device):
+    """Three +inf scores (additive) and k = 2: uniform over the first two, no score gradient."""
+    q, k, v = make_qkv(1, 1, 1, 3, 20, 16, 16, torch.float64, device)
+    additive = torch.zeros(3, 20, dtype=F64)
+    additive[1, [4, 11, 17]] = math.inf
+    mask = AttentionMask(additive=additive.to(device))
+    grad_out = torch.randn(1, 1, 3, 16, dtype=F64, device=device)
+    out, _, (dq, dk, dv) = run_fused(q, k, v, mask, SCALE, 2, False, 1.0, grad_out)
+    torch.testing.assert_close(out[0, 0, 1], v[0, 0, [4, 11]].mean(0))
+    assert (dq[0, 0, 1] == 0).all() and dk.isfinite().all()
+    finite_rows = [0, 2]
+    expected_dv = torch.zeros(20, 16, dtype=F64)
+    expected_dv[[4, 11]] = grad_out[0, 0, 1] / 2
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    rest = reference(leaves[0][:, :, finite_rows], leaves[1], leaves[2], AttentionMask(), SCALE, 2, False, 1.0)
+    rest.backward(grad_out[:, :, finite_rows])
+    torch.testing.assert_close(dv[0, 0], expected_dv + leaves[2].grad[0, 0])
+    torch.testing.assert_close(dk, leaves[1].grad)
+
+
+def test_decoding_equals_last_row_of_full_causal(device):
+    q, k, v = make_qkv(1, 2, 1, 40, 40, 16, 16, torch.float32, device)
+    full, _ = fused.topk_attention_forward(q, k, v, MASKS["causal"](1, 40, 40, device), SCALE, 6, False, 1.0)
+    last = q[:, :, -1:]
+    one, _ = fused.topk_attention_forward(last, k, v, MASKS["bottom-right"](1, 1, 40, device), SCALE, 6, False, 1.0)
+    torch.testing.assert_close(one, full[:, :, -1:], atol=1e-6, rtol=1e-5)
+    check(last, k, v, AttentionMask(), 0.1, is_fraction=True)
+
+
+def test_deterministic(device):
+    q, k, v = make_qkv(1, 2, 1, 20, 20, 16, 16, torch.float32, device, integer=True)
+    mask = MASKS["causal"](1, 20, 20, device)
+    grad_out = torch.randn(1, 2, 20, 16, generator=torch.Generator().manual_seed(2)).to(device)
+    first = run_fused(q, k, v, mask, SCALE, 3, False, 1.0, grad_out)
+    second = run_fused(q, k, v, mask, SCALE, 3, False, 1.0, grad_out)
+    for a, b in zip([first[0], first[1], *first[2]], [second[0], second[1], *second[2]], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("k_keep", "is_fraction", "temperature", "message"),
+    [(0, False, 1.0, "k_keep"), (2.5, False, 1.0, "k_keep"), (1.0, True, 1.0, "k_keep"),
+     (2, False, 0.0, "temperature")],
+)
+def test_rejects_bad_parameters(k_keep, is_fraction, temperature, message, device):
+    q, k, v = make_qkv(1, 1, 1, 2, 4, 16, 16, torch.float32, device)
+    with pytest.raises(ValueError, match=message):
+        fused.topk_attention_forward(q, k, v, AttentionMask(), SCALE, k_keep, is_fraction, temperature)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("kind", list(MASKS))
+def test_larger_grid(kind, head_dim, dtype, device):
+    lq = 70 if kind in SQUARE else 50
+    q, k, v = make_qkv(2, 4, 2, lq, 70, head_dim, head_dim, dtype, device)
+    check(q, k, v, MASKS[kind](2, lq, 70, device), 9)
+    check(q, k, v, MASKS[kind](2, lq, 70, device), 0.06, is_fraction=True, temperature=0.7)
