@@ -48,8 +48,10 @@ so the gradients are deterministic (bitwise equal from run to run):
   query blocks (and the group's query heads, GQA) whose key range reaches it: one
   pass over Q and dO per key block.
 
-Tiles with no positive weight skip the V load and every product after the scores in
-all three.  Key blocks outside a query block's key range
+So the backward makes two passes over K and V per query block and one over Q and
+dO per key block (FlashAttention-2 makes one of each: its ``delta`` is ``rowsum(dO o)``,
+entmax's weighs ``dP`` by ``g``, not ``p``).  Tiles with no positive weight skip the V
+(or dO) load and every product after the scores in all three.  Key blocks outside a query block's key range
 (:func:`~attnorm.kernels.triton.attention_blocks.key_block_bounds`: causal, sliding
 window, key padding, documents) are never visited.
 
@@ -88,10 +90,8 @@ CUDA_BLOCK = 64
 INTERPRETER_BLOCK = 16
 """Query and key block size under ``TRITON_INTERPRET=1`` (small: the interpreter runs tiles in numpy)."""
 
-MAX_STEPS = {torch.float64: 100}
-"""Cap on Newton passes per query block (float64; every other dtype: :data:`MAX_STEPS_DEFAULT`)."""
-
-MAX_STEPS_DEFAULT = 50
+MAX_STEPS = 50
+"""Cap on Newton passes per query block (twice as many for float64)."""
 
 STATS = 3
 """Per-row statistics kept by the forward: row max ``m``, threshold ``tau``, normaliser ``N``."""
@@ -604,7 +604,7 @@ def entmax_attention_forward(
     out = launch.empty((batch, heads, lq, v.shape[3]), q.dtype, q.device)
     stats = launch.empty((batch, heads, lq, STATS), problem.acc_dtype, q.device)
     problem.launch(_entmax_attention_forward_kernel, problem.query_grid, problem.q, problem.k, problem.v, out, stats,
-                   max_steps=MAX_STEPS.get(q.dtype, MAX_STEPS_DEFAULT))
+                   max_steps=2 * MAX_STEPS if q.dtype == torch.float64 else MAX_STEPS)
     return out, stats
 
 
