@@ -288,6 +288,21 @@ def test_rows_without_allowed_keys_give_zeros(alpha, device):
     check(q, k, v, grad, mask, keep & dense, None, alpha)
 
 
+def test_key_blocks_outside_every_interval_are_never_read(device):
+    """Batch 1 may attend only keys < 12: its key blocks from 16 on hold NaN, which must not leak."""
+    q, k, v, grad = inputs(2, 2, 1, 24, 48, 16, device=device, seed=13)
+    k[1, :, 16:] = math.nan
+    v[1, :, 16:] = math.nan
+    mask, keep, _ = padding_case(2, 24, 48, device, lengths=(48, 12))
+    out, _, (dq, dk, dv), d_alpha = run_kernels(q, k, v, grad, mask, 1.5)
+    for t in (out, dq, dk[:, :, :16], dv[:, :, :16], d_alpha):
+        assert torch.isfinite(t).all()
+    assert torch.equal(dk[1, :, 16:], torch.zeros_like(dk[1, :, 16:]))
+    assert torch.equal(dv[1, :, 16:], torch.zeros_like(dv[1, :, 16:]))
+    expected_out, _, _ = run_reference(q, k.nan_to_num(), v.nan_to_num(), grad, keep, None, 1.5)
+    assert_close(out, expected_out, q.dtype)
+
+
 def test_nan_scores_give_nan_rows(device):
     q, k, v, grad = inputs(1, 2, 2, 24, 24, 16, device=device, seed=7)
     q[0, 1, 5, 0] = math.nan
