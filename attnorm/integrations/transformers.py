@@ -61,7 +61,7 @@ NORMALIZER_ATTR = "attnorm_normalizer"
 _STATE_ATTR = "_attnorm_layer"
 _SPEC_ATTR = "_attnorm_spec"  # on a normalizer built from config.attnorm: the spec that initialises it
 _MISSING_OK = rf"\.{NORMALIZER_ATTR}\."  # keys a checkpoint without attnorm parameters lacks
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+_UNSUPPORTED_KWARGS = ("position_bias",)
 
 Recorder = Callable[[int, Tensor, Tensor, Tensor, Tensor], None]
 NormalizerSpec = Normalizer | str | Callable[[int], Normalizer]
@@ -99,6 +99,8 @@ def attnorm_attention_forward(
         dropout: dropout on the weights (transformers passes 0 in eval mode).
         scaling: score scale (None = ``1 / sqrt(D)``).
         is_causal: overrides ``module.is_causal`` when the mask is None.
+        **kwargs: ``softcap`` (Gemma 2's logit soft-capping) and ``s_aux`` / ``sinks`` (gpt-oss's
+            per-head attention sinks) are passed to :func:`attnorm.attention`.
 
     Returns:
         ``(out, weights)``: ``out`` is ``(B, Lq, H, Dv)``; ``weights`` is ``(B, H, Lq, Lk)``
@@ -106,7 +108,7 @@ def attnorm_attention_forward(
 
     Raises:
         RuntimeError: the layer has no attnorm normalizer (no ``config.attnorm``, no ``patch()``).
-        NotImplementedError: for logit soft-capping, attention sinks or position biases.
+        NotImplementedError: for position biases (T5-style).
     """
     state: _LayerState | None = getattr(module, _STATE_ATTR, None)
     if state is None:
@@ -119,6 +121,8 @@ def attnorm_attention_forward(
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attnorm attention does not support {name!r} (layer {type(module).__name__})")
     normalizer = getattr(module, NORMALIZER_ATTR, None)
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: one sink logit per query head
+    extra = {"softcap": kwargs.get("softcap"), "sinks": None if sinks is None else sinks.reshape(-1)}
     if attention_mask is None:
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         # A single query (decoding) attends every cached key, as in transformers' sdpa path.
@@ -127,12 +131,12 @@ def attnorm_attention_forward(
         mask_args = {"attn_mask": attention_mask}
     weights = None
     if state.recorder is None:
-        out = attention(query, key, value, normalizer, scale=scaling, dropout_p=dropout, **mask_args)
+        out = attention(query, key, value, normalizer, scale=scaling, dropout_p=dropout, **mask_args, **extra)
     else:
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         out, weights = attention(
-            query, key, value, normalizer, scale=scaling, dropout_p=dropout, return_weights=True, **mask_args
+            query, key, value, normalizer, scale=scaling, dropout_p=dropout, return_weights=True, **mask_args, **extra
         )
         state.recorder(state.layer_idx, query, key, value, weights)
     return out.transpose(1, 2).contiguous(), weights

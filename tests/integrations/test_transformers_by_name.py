@@ -7,6 +7,7 @@ registered beside it that calls the ``entmax`` package's ``entmax15`` in float64
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import subprocess
@@ -250,3 +251,46 @@ def test_smollm2_by_name_equals_eager_and_round_trips(tmp_path):
     with torch.no_grad():
         again = loaded.eval()(ids, attention_mask=mask, position_ids=positions).logits
     torch.testing.assert_close(again, tuned, rtol=0, atol=0)
+
+
+def _gemma2():
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, attn_logit_softcapping=2.0, sliding_window=4, query_pre_attn_scalar=8,
+        pad_token_id=0,
+    )
+    return config, transformers.Gemma2ForCausalLM
+
+
+def _gpt_oss():
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
+        pad_token_id=0,
+    )
+    return config, transformers.GptOssForCausalLM
+
+
+@pytest.mark.parametrize("make_config", [_gemma2, _gpt_oss], ids=["gemma2_softcap", "gpt_oss_sinks"])
+def test_softcap_and_sinks_equal_eager(make_config):
+    config, model_class = make_config()
+    torch.manual_seed(0)
+    eager = model_class._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, parameter in eager.named_parameters():
+            if name.endswith("sinks"):
+                parameter.normal_(0.0, 2.0)
+    config = copy.deepcopy(config)  # the eager model keeps its own
+    config.attnorm = {"normalizer": "softmax"}
+    ours = model_class._from_config(config, attn_implementation="attnorm").eval()
+    ours.load_state_dict(eager.state_dict())
+    ids, mask, positions = padded_batch("left", (9, 6))
+    keep = mask.bool()
+    with torch.no_grad():
+        expected = eager(ids, attention_mask=mask, position_ids=positions).logits
+        got = ours(ids, attention_mask=mask, position_ids=positions).logits
+        torch.testing.assert_close(got[keep], expected[keep], rtol=1e-5, atol=1e-5)
+        ours.config.attnorm = {"normalizer": "sparsemax"}
+        ours.set_attn_implementation("attnorm")
+        sparse = ours(ids, attention_mask=mask, position_ids=positions).logits
+    assert torch.isfinite(sparse).all() and (sparse - expected)[keep].abs().max() > 1e-4
