@@ -12,9 +12,9 @@ a query row with no allowed key gives a zero output row, never NaN).
    Scalable-Softmax): one ``scaled_dot_product_attention`` call;
 3. **fused** Triton kernels (:mod:`attnorm.routes.fused`) for the normalizers that have
    them, on CUDA (or with ``backend="triton"``);
-4. **materialised**: the whole ``(Lq x Lk)`` weights, when ``return_weights=True``, when
-   they fit the blocked route's budget anyway (few query rows, as in decoding: the
-   scores are rows for the row kernels), and under ``torch.compile``;
+4. **materialised**: the whole ``(Lq x Lk)`` weights, when ``return_weights=True``, for
+   decoding (at most :data:`DECODING_ROWS` query rows: the scores are rows for the row
+   kernels), when they fit the blocked route's budget anyway, and under ``torch.compile``;
 5. **blocked** (:mod:`attnorm.routes.blocked`) otherwise: blocks of query rows,
    recomputed in the backward, so memory stays bounded at any length.
 """
@@ -33,7 +33,12 @@ from attnorm.routes import fused
 from attnorm.routes.blocked import block_rows, blocked_attention, materialised_attention
 from attnorm.routes.sdpa import logit_multiplier, scaled_sdpa
 
-__all__ = ["attention"]
+__all__ = ["DECODING_ROWS", "attention"]
+
+DECODING_ROWS = 16
+"""Up to this many query rows (generation against a KV cache) the scores are normalised as
+rows by the row kernels: a flash kernel's query block would be mostly empty, while the
+``(Lq, Lk)`` scores of so few rows are no bigger than a key block."""
 
 def attention(
     q: Tensor,
@@ -104,7 +109,8 @@ def attention(
         multiplier = None if modified else logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
         if multiplier is not None:
             return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
-        if not modified and fused.supports(normalizer, q, k, v, dropout_p, additive):
+        decoding = q.shape[-2] <= DECODING_ROWS
+        if not modified and not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive):
             return fused.attention(normalizer, q, k, v, mask, additive, scale)
         rows = block_rows(q, k, v)
         if rows < q.shape[-2] and not torch.compiler.is_compiling():

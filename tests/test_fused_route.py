@@ -7,6 +7,7 @@ go through attention()'s own argument handling, compared with float64 formulas.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import entmax
@@ -19,6 +20,17 @@ from attnorm.routes import fused
 pytest.importorskip("triton")
 
 B, H, HKV, LQ, LK, D = 2, 4, 2, 9, 13, 16
+attention_module = importlib.import_module("attnorm.attention")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the fused route's calls; tiny shapes are not treated as decoding."""
+    calls = []
+    original = fused.attention
+    monkeypatch.setattr(attention_module, "DECODING_ROWS", 0)
+    monkeypatch.setattr(fused, "attention", lambda *args: calls.append(1) or original(*args))
+    return calls
 
 
 def inputs(device, dtype=torch.float32, seed=0):
@@ -60,13 +72,14 @@ MASKS = {
 
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_route_matches_float64_formulas(case, mask, device):
+def test_fused_route_matches_float64_formulas(case, mask, device, fused_calls):
     build, normalize = CASES[case]
     q, k, v = inputs(device)
     attn_mask = MASKS[mask]()
     attn_mask = attn_mask.to(device) if isinstance(attn_mask, torch.Tensor) else attn_mask
     assert fused.supports(build(), q, k, v, 0.0, None)
     out = attnorm.attention(q, k, v, build(), attn_mask=attn_mask)
+    assert fused_calls
     if isinstance(attn_mask, torch.Tensor):
         allowed = attn_mask.cpu()
     else:
@@ -81,10 +94,11 @@ def test_fused_route_matches_float64_formulas(case, mask, device):
         torch.testing.assert_close(actual.cpu().double(), reference_grad, rtol=5e-4, atol=5e-4, msg=name)
 
 
-def test_learnable_alpha_gets_its_gradient(device):
+def test_learnable_alpha_gets_its_gradient(device, fused_calls):
     q, k, v = inputs(device, torch.float64)
     normalizer = attnorm.Entmax(1.4, learnable=True, num_heads=H, backend="triton").to(device).double()
     out = attnorm.attention(q, k, v, normalizer, is_causal=True)
+    assert fused_calls
     (got,) = torch.autograd.grad(out.sum(), normalizer.alpha_logit)
     blocked = attnorm.Entmax(1.4, learnable=True, num_heads=H, backend="reference").to(device).double()
     expected_out = attnorm.attention(q, k, v, blocked, is_causal=True, return_weights=True)[0]
@@ -93,11 +107,12 @@ def test_learnable_alpha_gets_its_gradient(device):
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-9)
 
 
-def test_fully_masked_rows_give_zero_outputs_and_gradients(device):
+def test_fully_masked_rows_give_zero_outputs_and_gradients(device, fused_calls):
     q, k, v = inputs(device)
     mask = torch.ones(B, 1, LQ, LK, dtype=torch.bool, device=device)
     mask[:, :, 3] = False
     out = attnorm.attention(q, k, v, attnorm.Sparsemax(backend="triton"), attn_mask=mask)
+    assert fused_calls
     assert (out[:, :, 3] == 0).all() and torch.isfinite(out).all()
     (dq,) = torch.autograd.grad(out.sum(), q)
     assert (dq[:, :, 3] == 0).all() and torch.isfinite(dq).all()
@@ -122,7 +137,7 @@ def test_ops_pass_opcheck(device):
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_fused_route_compiles_without_graph_breaks(device):
+def test_fused_route_compiles_without_graph_breaks(device, fused_calls):
     q, k, v = (t.detach() for t in inputs(device))
     normalizer = attnorm.Sparsemax(backend="triton")
     run = lambda q, k, v: attnorm.attention(q, k, v, normalizer, is_causal=True)
@@ -130,3 +145,12 @@ def test_fused_route_compiles_without_graph_breaks(device):
     assert explanation.graph_break_count == 0
     compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), run(q, k, v))
+    assert fused_calls
+
+
+def test_decoding_shapes_take_the_row_kernels_and_match_the_last_rows_of_a_full_run(device):
+    q, k, v = (t.detach() for t in inputs(device))
+    normalizer = attnorm.Sparsemax(backend="triton")
+    full = attnorm.attention(q[:, :, :1].expand(B, H, LK, D).contiguous(), k, v, normalizer, is_causal=True)
+    last = attnorm.attention(q[:, :, :1], k, v, normalizer, attn_mask=attnorm.causal_mask(LK - 1))
+    torch.testing.assert_close(last, full[:, :, -1:], rtol=1e-5, atol=1e-5)
