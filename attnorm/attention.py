@@ -107,9 +107,11 @@ def attention(
             return result
     if not return_weights:
         multiplier = None if modified else logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
-        if multiplier is not None:
-            return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
         decoding = q.shape[-2] <= DECODING_ROWS
+        if multiplier is not None:
+            if not decoding and fused.supports_scaled_softmax(normalizer, mask, q, k, v, dropout_p):
+                return fused.scaled_softmax(q, k, v, multiplier, mask, scale)
+            return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
         if not modified and not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive):
             return fused.attention(normalizer, q, k, v, mask, additive, scale)
         rows = block_rows(q, k, v)

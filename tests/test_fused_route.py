@@ -154,3 +154,42 @@ def test_decoding_shapes_take_the_row_kernels_and_match_the_last_rows_of_a_full_
     full = attnorm.attention(q[:, :, :1].expand(B, H, LK, D).contiguous(), k, v, normalizer, is_causal=True)
     last = attnorm.attention(q[:, :, :1], k, v, normalizer, attn_mask=attnorm.causal_mask(LK - 1))
     torch.testing.assert_close(last, full[:, :, -1:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["window&padding", "documents&causal"])
+def test_logit_scalings_under_structured_masks_take_the_fused_softmax(mask, device, monkeypatch):
+    """ssmax (learnable per head: gradients of s and bias) and softmax/T on the alpha = 1 kernel, no dense mask."""
+    calls = []
+    original = fused.scaled_softmax
+    monkeypatch.setattr(fused, "scaled_softmax", lambda *args: calls.append(1) or original(*args))
+    monkeypatch.setattr(attention_module, "DECODING_ROWS", 0)
+    lq = lk = LK
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, h, lq, D, generator=gen, dtype=torch.float64) for h in (H, HKV, HKV))
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    attn_mask = {
+        "window&padding": attnorm.sliding_window_mask(5) & attnorm.key_padding_mask(torch.tensor([13, 6])),
+        "documents&causal": attnorm.document_mask(torch.tensor([0, 4, 5, 11])) & attnorm.causal_mask(),
+    }[mask]
+    allowed = attn_mask.materialize(torch.Size([B, H, lq, lk])).expand(B, H, lq, lk)
+    normalizer = attnorm.ScalableSoftmax(s=0.4, bias=0.3, learnable=True, num_heads=H, backend="triton")
+    normalizer = normalizer.double().to(device)
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=attn_mask)
+    assert calls
+    params = (q, k, v, normalizer.s, normalizer.bias)
+    got = torch.autograd.grad(out.sum(), params)
+
+    s, bias = (p.detach().clone().requires_grad_() for p in (normalizer.s, normalizer.bias))
+    kr, vr = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
+    multiplier = s * torch.log(allowed.sum(-1, keepdim=True).clamp_min(1).double().to(device)) + bias
+    logits = (multiplier * (q @ kr.transpose(-2, -1)) / math.sqrt(D)).masked_fill(~allowed.to(device), -math.inf)
+    weights = torch.softmax(logits, -1).nan_to_num(0.0)
+    expected = weights @ vr
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-10)
+    wanted = torch.autograd.grad(expected.sum(), (q, k, v, s, bias))
+    for name, actual, reference_grad in zip(("q", "k", "v", "s", "bias"), got, wanted, strict=True):
+        torch.testing.assert_close(actual, reference_grad, rtol=1e-8, atol=1e-9, msg=name)
+    plain = attnorm.attention(q, k, v, attnorm.Softmax(temperature=0.5, backend="triton"), attn_mask=attn_mask)
+    logits = (2 * (q @ kr.transpose(-2, -1)) / math.sqrt(D)).masked_fill(~allowed.to(device), -1e300)
+    softmax = torch.softmax(logits, -1)
+    torch.testing.assert_close(plain, softmax * allowed.any(-1, keepdim=True).to(device) @ vr, rtol=1e-9, atol=1e-10)

@@ -8,6 +8,12 @@ Sparsemax, Entmax            ``attention_entmax``              alpha in [1, 2] a
 SelfAdjustedSoftmax          ``attention_self_adjusted``       both variants
 ============================ ================================= =======================================
 
+Softmax with temperature and Scalable-Softmax take the fused entmax kernel at alpha = 1
+(exact softmax, the multiplier folded into ``q`` as on the SDPA route) when their mask
+is structured but has no SDPA form (sliding window, documents, causal with key
+padding, other diagonals): SDPA would need a bool mask as big as the scores, the
+kernel reads the per-row key intervals and skips the blocks they exclude.
+
 Taken when the normalizer resolves to the ``triton`` backend for ``q``'s device
 (``"auto"`` on CUDA with triton installed, or ``backend="triton"``, which on CPU runs
 the interpreter) and the inputs are ``(B, H, L, D)``.  Not taken, so the blocked
@@ -21,9 +27,11 @@ from __future__ import annotations
 from torch import Tensor
 
 from attnorm.kernels import attention_ops, backends
+from attnorm.masks import StructuredMask
 from attnorm.routes.common import kernel_mask
+from attnorm.routes.sdpa import Multiplier, sdpa_mask_kind
 
-__all__ = ["attention", "supports"]
+__all__ = ["attention", "scaled_softmax", "supports", "supports_scaled_softmax"]
 
 _FAMILIES = ("sparsemax", "entmax", "self_adjusted_softmax")
 
@@ -33,12 +41,7 @@ def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, addi
     kernel = getattr(normalizer, "kernel", None)
     if kernel not in _FAMILIES or dropout_p > 0 or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return False
-    if additive is not None and additive.requires_grad:
-        return False
-    requested = normalizer.backend if normalizer.backend is not None else backends.get_backend()
-    if requested == "triton":
-        backends.resolve("triton", q.device)  # asked for by name: a clear error when it cannot run
-    elif not (requested == "auto" and q.device.type == "cuda" and backends.triton_installed()):
+    if additive is not None and additive.requires_grad or not _runs_triton(normalizer, q):
         return False
     if kernel == "entmax":
         alpha = normalizer.kernel_params()["alpha"]
@@ -59,3 +62,29 @@ def attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tenso
     if isinstance(alpha, Tensor):  # learnable: in (1, 2) by construction
         return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, 1.5, alpha.reshape(-1).expand(q.shape[1]))
     return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, float(alpha))
+
+
+def supports_scaled_softmax(normalizer, mask, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
+    """True when a logit scaling should run on the fused kernel rather than SDPA with a built mask."""
+    return (
+        isinstance(mask, StructuredMask) and dropout_p == 0 and q.ndim == k.ndim == v.ndim == 4
+        and sdpa_mask_kind(mask, q.shape[-2], k.shape[-2]) == "dense" and _runs_triton(normalizer, q)
+    )
+
+
+def scaled_softmax(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, scale: float) -> Tensor:
+    """``softmax(multiplier * scale q k^T) v`` under a structured mask, on the fused kernel at alpha = 1."""
+    if isinstance(multiplier, Tensor):
+        q = (q * multiplier).to(q.dtype)  # gradients of s and bias flow through the scaled queries
+    else:
+        scale *= multiplier
+    return attention_ops.entmax_attention(q, k, v, kernel_mask(mask, None, q, k.shape[-2]), scale, 1.0)
+
+
+def _runs_triton(normalizer, q: Tensor) -> bool:
+    """True when ``normalizer``'s backend resolves to Triton for ``q``'s device."""
+    requested = normalizer.backend if normalizer.backend is not None else backends.get_backend()
+    if requested == "triton":
+        backends.resolve("triton", q.device)  # asked for by name: a clear error when it cannot run
+        return True
+    return requested == "auto" and q.device.type == "cuda" and backends.triton_installed()

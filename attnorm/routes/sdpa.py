@@ -36,7 +36,7 @@ from attnorm.masks import StructuredMask
 from attnorm.normalizers import Normalizer
 from attnorm.routes.common import allowed_counts, interval, row_attends
 
-__all__ = ["logit_multiplier", "scaled_sdpa"]
+__all__ = ["logit_multiplier", "scaled_sdpa", "sdpa_mask_kind"]
 
 _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -85,19 +85,39 @@ def scaled_sdpa(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, a
     return out if attends is None else torch.where(attends, out, 0.0)
 
 
-def _sdpa_mask(mask, q: Tensor, lq: int, lk: int):
-    """(SDPA ``attn_mask``, ``is_causal``) for a bool or structured mask (table in the module docstring)."""
+def sdpa_mask_kind(mask, lq: int, lk: int) -> str:
+    """How SDPA takes the mask: ``"none"``, ``"is_causal"``, ``"lower_right"``, ``"padding"`` or ``"dense"``.
+
+    ``"dense"`` means a bool mask as big as the scores (a user's tensor, or one built
+    from a structured mask SDPA has no form for).
+    """
     if not isinstance(mask, StructuredMask):
-        return mask, False
+        return "none" if mask is None else "dense"
     diagonal = mask.causal_diagonal
     if mask.row_fields_only and mask.key_lengths is None:
         if diagonal is None or diagonal >= lk - 1:
-            return None, False
+            return "none"
         if diagonal == 0 and lq == lk:
-            return None, True
+            return "is_causal"
         if diagonal == lk - lq and lq < lk:
-            return causal_lower_right(lq, lk), False
-    if mask.row_fields_only and diagonal is None and q.ndim >= 3:
+            return "lower_right"
+    if mask.row_fields_only and diagonal is None:
+        return "padding"
+    return "dense"
+
+
+def _sdpa_mask(mask, q: Tensor, lq: int, lk: int):
+    """(SDPA ``attn_mask``, ``is_causal``) for a bool or structured mask (table in the module docstring)."""
+    kind = sdpa_mask_kind(mask, lq, lk)
+    if kind == "none":
+        return None, False
+    if kind == "is_causal":
+        return None, True
+    if kind == "lower_right":
+        return causal_lower_right(lq, lk), False
+    if not isinstance(mask, StructuredMask):
+        return mask, False
+    if kind == "padding":
         lengths = mask.key_lengths.to(q.device)
         allowed = torch.arange(lk, device=q.device) < lengths[:, None]  # (B, Lk)
         return allowed.reshape(allowed.shape[0], *([1] * (q.ndim - 2)), lk), False
