@@ -40,10 +40,6 @@ def _split(value: Param) -> tuple[float, Tensor | None]:
     return (1.0, value) if isinstance(value, Tensor) else (float(value), None)
 
 
-def _needs_grad(*tensors: Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _param_grad(per_row: Tensor, param: Tensor) -> Tensor:
     """Per-row gradients (``x.shape[:-1]``) reduced to the shape and dtype of the parameter."""
     return sum_to_shape(per_row.unsqueeze(-1), param.shape).to(param.dtype)
@@ -80,13 +76,20 @@ def _temperature_multiplier(multiplier: Tensor, temperature_rows: Tensor | None)
 
 
 class _RowFunction(Function):
-    """Base of the row Functions: vmap through the ops' rules, and ``forward``'s signature computed once."""
+    """Base of the row Functions: vmap through the ops' rules, and ``forward``'s signature computed once.
+
+    ``eager_apply`` is ``apply`` without what only transforms need: ``Function.apply`` binds
+    the arguments to ``forward``'s signature (ours takes ``*args``: nothing to bind) and
+    unwraps dead functorch wrappers on every call, about 5 us; :func:`_call` uses it
+    outside ``torch.compile`` and ``torch.func`` transforms, unwrapping itself.
+    """
 
     generate_vmap_rule = True
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         cls.forward.__signature__ = inspect.signature(cls.forward)  # inspect.signature reads it first
+        cls.eager_apply = super(Function, cls).apply  # the C apply that Function.apply ends in
 
 
 class _Softmax(_RowFunction):
@@ -214,9 +217,23 @@ class _SelfAdjustedSoftmax(_RowFunction):
 # ---- entry points -------------------------------------------------------------------------
 
 
-def _call(function: type[Function], op, args: tuple, *params: Tensor | None) -> Tensor:
-    """The weights from ``op(*args)``: through ``function`` when ``x`` (``args[0]``) or a parameter needs a gradient."""
-    return (function.apply(*args) if _needs_grad(args[0], *params) else op(*args))[0]
+def _call(function: type[_RowFunction], op, args: tuple, *params: int) -> Tensor:
+    """The weights from ``op(*args)``, through ``function`` when a differentiable input needs a gradient.
+
+    The differentiable inputs are the scores ``args[0]`` and the parameters at positions ``params``.
+    """
+    if torch.is_grad_enabled() and (args[0].requires_grad or any(
+            args[i] is not None and args[i].requires_grad for i in params)):
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return function.apply(*args)[0]
+        # Function.apply's first step outside transforms: unwrap tensors that escaped a
+        # finished torch.func call (dead wrappers); only differentiable inputs matter.
+        unwrap, args = torch._C._functorch.unwrap_if_dead, list(args)
+        for i in (0, *params):
+            if args[i] is not None:
+                args[i] = unwrap(args[i])
+        return function.eager_apply(*args)[0]
+    return op(*args)[0]
 
 
 def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None) -> Tensor:
@@ -225,7 +242,7 @@ def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None) -
     if implementation == "reference":
         return reference.softmax(x, mask, temperature)
     value, rows = _split(temperature)
-    return _call(_Softmax, ops.softmax_fwd, (x, *mask, value, rows, implementation), rows)
+    return _call(_Softmax, ops.softmax_fwd, (x, *mask, value, rows, implementation), 5)  # rows: args[5]
 
 
 def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: str | None) -> Tensor:
@@ -236,7 +253,7 @@ def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: s
     s_value, s_rows = _split(s)
     bias_value, bias_rows = _split(bias)
     args = (x, *mask, s_value, s_rows, bias_value, bias_rows, implementation)
-    return _call(_ScalableSoftmax, ops.scalable_softmax_fwd, args, s_rows, bias_rows)
+    return _call(_ScalableSoftmax, ops.scalable_softmax_fwd, args, 5, 7)  # s_rows, bias_rows
 
 
 def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, backend: str | None) -> Tensor:
@@ -247,7 +264,7 @@ def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, b
         return reference.topk_softmax(x, mask, float(k), is_fraction, temperature)
     value, rows = _split(temperature)
     args = (x, *mask, float(k), is_fraction, value, rows, implementation)
-    return _call(_TopKSoftmax, ops.topk_softmax_fwd, args, rows)
+    return _call(_TopKSoftmax, ops.topk_softmax_fwd, args, 7)  # rows: args[7]
 
 
 def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None) -> Tensor:
@@ -256,7 +273,7 @@ def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None) -> Tenso
     if implementation == "reference":
         return reference.entmax(x, mask, alpha)
     value, rows = _split(alpha)
-    return _call(_Entmax, ops.entmax_fwd, (x, *mask, value, rows, implementation), rows)
+    return _call(_Entmax, ops.entmax_fwd, (x, *mask, value, rows, implementation), 5)  # rows: args[5]
 
 
 def sparsemax(x: Tensor, mask: RowMask, backend: str | None) -> Tensor:

@@ -107,6 +107,8 @@ def resolve(backend: str | None, device: torch.device) -> str:
     """
     requested = _default_backend if backend is None else backend
     kind = device.type
+    if kind == "cpu" and (requested == "auto" or requested == "torch"):  # the common case first
+        return "native" if _native_ok() else "reference"
     if requested == "reference":
         return "reference"
     if requested == "triton":
@@ -127,9 +129,7 @@ def resolve(backend: str | None, device: torch.device) -> str:
             reason = build.build_info().get("reason")
             raise RuntimeError(f"backend='native' was requested but the native kernels are unavailable: {reason}")
         return "native"
-    # "auto" and the "torch" alias
-    if kind == "cpu":
-        return "native" if _native_ok() else "reference"
+    # "auto" and the "torch" alias on devices other than CPU
     if kind == "cuda" and requested == "auto" and triton_installed():
         return "triton"
     return "reference"

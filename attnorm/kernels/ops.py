@@ -92,11 +92,9 @@ def _kernels(backend: str) -> SimpleNamespace:
     return SimpleNamespace(**functions, upcast=module is native)
 
 
-def _upcast(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], torch.dtype | None]:
-    dtype = args[0].dtype  # the scores (forward) or saved output (backward) set the precision
-    if dtype not in _LOW_PRECISION:
-        return args, None
-    return tuple(a.float() if isinstance(a, Tensor) and a.dtype in _LOW_PRECISION else a for a in args), dtype
+def _upcast(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Half-precision tensors among ``args`` in float32."""
+    return tuple(a.float() if isinstance(a, Tensor) and a.dtype in _LOW_PRECISION else a for a in args)
 
 
 # Ops are defined with the low-level Library API: the dispatcher calls our kernels directly,
@@ -111,12 +109,11 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
 
     def device_kernel(*args):
         kernels = _kernels(args[-1])
-        if not kernels.upcast:
+        # The scores (forward) or saved output (backward) set the precision.
+        dtype = args[0].dtype
+        if not kernels.upcast or dtype not in _LOW_PRECISION:
             return body(kernels, *args)
-        args, dtype = _upcast(args)
-        out = body(kernels, *args)
-        if dtype is None:
-            return out
+        out = body(kernels, *_upcast(args))
         if isinstance(out, Tensor):
             return out.to(dtype)
         return (out[0].to(dtype), *out[1:])
@@ -220,6 +217,13 @@ def _param(value: float, rows: Tensor | None) -> float | Tensor:
     return value if rows is None else rows
 
 
+def _row_mask(mask: Tensor | None, diagonal: int | None, key_lengths: Tensor | None) -> RowMask:
+    # Building a NamedTuple costs more than the check (a sizeable share of a tiny call).
+    if mask is None and diagonal is None and key_lengths is None:
+        return rules.NO_MASK
+    return RowMask(mask, diagonal, key_lengths)
+
+
 # ---- softmax family: softmax with temperature, Scalable-Softmax, top-k --------------------
 
 _SOFTMAX_KINDS = ("x", "bcast", None, "lengths")
@@ -227,7 +231,7 @@ _SOFTMAX_KINDS = ("x", "bcast", None, "lengths")
 
 def _softmax_fwd(kernels, x, mask, diagonal, key_lengths, temperature, temperature_rows, backend):
     y, multiplier, _ = kernels.softmax_forward(
-        x, RowMask(mask, diagonal, key_lengths), 0, _param(temperature, temperature_rows), 0.0
+        x, _row_mask(mask, diagonal, key_lengths), 0, _param(temperature, temperature_rows), 0.0
     )
     return y, multiplier
 
@@ -243,7 +247,7 @@ softmax_fwd = _define(
 
 
 def _scalable_softmax_fwd(kernels, x, mask, diagonal, key_lengths, s, s_rows, bias, bias_rows, backend):
-    mask = RowMask(mask, diagonal, key_lengths)
+    mask = _row_mask(mask, diagonal, key_lengths)
     return kernels.softmax_forward(x, mask, 1, _param(s, s_rows), _param(bias, bias_rows))
 
 
@@ -260,7 +264,7 @@ scalable_softmax_fwd = _define(
 
 def _topk_softmax_fwd(kernels, x, mask, diagonal, key_lengths, k, is_fraction, temperature, temperature_rows,
                       backend):
-    mask = RowMask(mask, diagonal, key_lengths)
+    mask = _row_mask(mask, diagonal, key_lengths)
     return kernels.topk_forward(x, mask, k, is_fraction, _param(temperature, temperature_rows))
 
 
@@ -296,7 +300,7 @@ softmax_bwd = _define(
 
 
 def _entmax_fwd(kernels, x, mask, diagonal, key_lengths, alpha, alpha_rows, backend):
-    return kernels.entmax_forward(x, RowMask(mask, diagonal, key_lengths), _param(alpha, alpha_rows))
+    return kernels.entmax_forward(x, _row_mask(mask, diagonal, key_lengths), _param(alpha, alpha_rows))
 
 
 entmax_fwd = _define(
@@ -331,7 +335,7 @@ entmax_bwd = _define(
 
 
 def _self_adjusted_fwd(kernels, x, mask, diagonal, key_lengths, normalized, backend):
-    return kernels.self_adjusted_forward(x, RowMask(mask, diagonal, key_lengths), normalized)
+    return kernels.self_adjusted_forward(x, _row_mask(mask, diagonal, key_lengths), normalized)
 
 
 self_adjusted_softmax_fwd = _define(
@@ -345,7 +349,7 @@ self_adjusted_softmax_fwd = _define(
 
 
 def _self_adjusted_bwd(kernels, x, mask, diagonal, key_lengths, grad, stats, normalized, backend):
-    return kernels.self_adjusted_backward(x, RowMask(mask, diagonal, key_lengths), grad, stats, normalized)
+    return kernels.self_adjusted_backward(x, _row_mask(mask, diagonal, key_lengths), grad, stats, normalized)
 
 
 self_adjusted_softmax_bwd = _define(

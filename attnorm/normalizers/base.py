@@ -41,6 +41,8 @@ def _check_scores(scores: Any) -> None:
 
 
 def _normalize_dim(dim: int, ndim: int) -> int:
+    if type(dim) is int and -ndim <= dim < ndim:  # the common case, in one test (bool is not int here)
+        return dim % ndim
     if not isinstance(dim, int) or isinstance(dim, bool):
         raise TypeError(f"dim must be an int, got {dim!r}")
     size = max(ndim, 1)
@@ -81,10 +83,12 @@ def broadcast_param(name: str, value: Tensor, scores: Tensor, dim: int) -> Tenso
         ValueError: if ``value`` does not broadcast to ``scores`` or varies along ``dim``.
     """
     _check_broadcasts(name, value, scores)
-    value = value.reshape((1,) * (scores.ndim - value.ndim) + tuple(value.shape))
+    if value.ndim != scores.ndim:
+        value = value.reshape((1,) * (scores.ndim - value.ndim) + tuple(value.shape))
     if scores.ndim == 0:
         return value
-    value = value.movedim(dim, -1)
+    if dim != scores.ndim - 1:
+        value = value.movedim(dim, -1)
     if value.shape[-1] != 1:
         raise ValueError(f"{name} must be constant along dim={dim}, got shape {tuple(value.shape)}")
     return value
@@ -129,22 +133,37 @@ def normalize(
         Weights with the shape and dtype of ``scores``.
     """
     _check_scores(scores)
-    mask = _check_mask(mask, scores)
-    dim = _normalize_dim(dim, scores.ndim)
+    if mask is not None:
+        mask = _check_mask(mask, scores)
+    ndim = scores.ndim
+    dim = _normalize_dim(dim, ndim)
     if scores.numel() == 0:
         return scores.clone()  # nothing to normalise (e.g. no keys); row ops reduce over the last axis
-    squeeze = scores.ndim == 0
+    squeeze = ndim == 0
     x = scores.reshape(1) if squeeze else scores
     row_mask = _row_mask(mask, x, dim)
-    param_dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
-    row_params = {
-        name: broadcast_param(name, value, x, dim).to(param_dtype) if isinstance(value, Tensor) else value
-        for name, value in params.items()
-    }
-    last = dim == x.ndim - 1  # the common case: no moves
-    out = getattr(autograd, op)(x if last else x.movedim(dim, -1), row_mask, **row_params, backend=backend)
+    for value in params.values():
+        if isinstance(value, Tensor):
+            params = _row_params(params, x, dim)
+            break
+    last = squeeze or dim == ndim - 1  # the common case: no moves
+    out = getattr(autograd, op)(x if last else x.movedim(dim, -1), row_mask, **params, backend=backend)
     out = out if last else out.movedim(-1, dim)
     return out.reshape(()) if squeeze else out
+
+
+def _row_params(params: dict[str, Any], x: Tensor, dim: int) -> dict[str, Any]:
+    """``params`` with each tensor broadcast against ``x`` moved to normalise over ``dim=-1``, in the
+    precision the kernels compute in (float32 for half-precision scores)."""
+    dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    row_params = {}
+    for name, value in params.items():
+        if isinstance(value, Tensor):
+            value = broadcast_param(name, value, x, dim)
+            if value.dtype != dtype:  # .to() costs a dispatch even when it has nothing to do
+                value = value.to(dtype)
+        row_params[name] = value
+    return row_params
 
 
 class Checked:

@@ -67,19 +67,19 @@ BUILDS = ((*ARCH_FLAGS, *PARALLEL_FLAGS), ARCH_FLAGS, ())
 
 SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _i64, _int, _ptr, _double = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_double
-# The C entry points (one per row type, suffixed _f32 / _f64): rows, length, then the
-# per-row parameters as (double array, stride 0 or 1); the thread count last.
+# The C entry points (one per row type, suffixed _f32 / _f64): rows, length, then each
+# per-row parameter as (double for all rows, array per row in the row type | NULL); the thread count last.
 SIGNATURES = {
-    # x, y, rows, length, variant, first, stride, second, stride, multiplier, log_count | NULL, threads
-    "attnorm_softmax_forward": (_ptr, _ptr, _i64, _i64, _int, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _int),
-    # y, grad, x | NULL, grad_x, rows, length, multiplier, stride, param_grad, per_row | NULL, threads
-    "attnorm_softmax_backward": (_ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int, _ptr, _int),
-    # x, y, rows, length, k, is_fraction, temperature, stride, multiplier, threads
-    "attnorm_topk_forward": (_ptr, _ptr, _i64, _i64, _double, _int, _ptr, _i64, _ptr, _int),
-    # x, y, rows, length, alpha, stride, gate, threads
-    "attnorm_entmax_forward": (_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int),
-    # y, grad, grad_x, rows, length, gate, stride, alpha, stride, alpha_grad | NULL, threads
-    "attnorm_entmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _int),
+    # x, y, rows, length, variant, first, first_rows, second, second_rows, multiplier, log_count | NULL, threads
+    "attnorm_softmax_forward": (_ptr, _ptr, _i64, _i64, _int, _double, _ptr, _double, _ptr, _ptr, _ptr, _int),
+    # y, grad, x | NULL, grad_x, rows, length, multiplier, multiplier_rows, param_grad, per_row | NULL, threads
+    "attnorm_softmax_backward": (_ptr, _ptr, _ptr, _ptr, _i64, _i64, _double, _ptr, _int, _ptr, _int),
+    # x, y, rows, length, k, is_fraction, temperature, temperature_rows, multiplier, threads
+    "attnorm_topk_forward": (_ptr, _ptr, _i64, _i64, _double, _int, _double, _ptr, _ptr, _int),
+    # x, y, rows, length, alpha, alpha_rows, gate, threads
+    "attnorm_entmax_forward": (_ptr, _ptr, _i64, _i64, _double, _ptr, _ptr, _int),
+    # y, grad, grad_x, rows, length, gate, gate_rows, alpha, alpha_rows, alpha_grad | NULL, threads
+    "attnorm_entmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _double, _ptr, _double, _ptr, _ptr, _int),
     # x, y, rows, length, normalized, stats, threads
     "attnorm_self_adjusted_forward": (_ptr, _ptr, _i64, _i64, _int, _ptr, _int),
     # x, grad, grad_x, rows, length, normalized, stats, threads
@@ -169,8 +169,8 @@ def _probe(lib: ctypes.CDLL) -> bool:
     """A tiny known call: softmax of (0, log 3) is (1/4, 3/4)."""
     function = lib.attnorm_softmax_forward_f64
     x = (ctypes.c_double * 2)(0.0, math.log(3.0))
-    y, multiplier, one = (ctypes.c_double * 2)(), (ctypes.c_double * 1)(), (ctypes.c_double * 1)(1.0)
-    status = function(x, y, 1, 2, 0, one, 0, one, 0, multiplier, None, 1)
+    y, multiplier = (ctypes.c_double * 2)(), (ctypes.c_double * 1)()
+    status = function(x, y, 1, 2, 0, 1.0, None, 1.0, None, multiplier, None, 1)
     return status == 0 and abs(y[0] - 0.25) < 1e-12 and abs(y[1] - 0.75) < 1e-12 and multiplier[0] == 1.0
 
 

@@ -9,14 +9,12 @@ overflow).  Loading and building live in :mod:`attnorm.kernels.cpu.build`;
 
 Per-row parameters are python numbers or tensors ``(..., 1)`` broadcastable to ``x``
 (per-row inputs of the backward passes may also have the per-row shape
-``x.shape[:-1]``); per-row outputs have shape ``x.shape[:-1]`` and dtype
+``x.shape[:-1]``), handed to C in the rows' dtype; per-row outputs have shape ``x.shape[:-1]`` and dtype
 :func:`attnorm.kernels.rules.accumulation_dtype`.  The functions are plain (no
 autograd): :mod:`attnorm.kernels.ops` wraps them.
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import torch
 from torch import Tensor
@@ -36,7 +34,6 @@ __all__ = [
 
 _MAX_LENGTH = 2**31 - 1  # positions are int32 in C
 _SA_STATS = 5
-_ONE_DOUBLE = ctypes.c_double * 1
 
 
 def _new(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -51,7 +48,7 @@ def _check_rows(tensor: Tensor, name: str) -> None:
     """Raise unless ``tensor`` is a CPU float32/float64 strided tensor of rows of 1 to 2^31 - 1 positions."""
     if not isinstance(tensor, Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+    if not tensor.is_cpu or tensor.layout != torch.strided:
         raise ValueError(f"the native kernels take dense CPU tensors, got {name} on {tensor.device} ({tensor.layout})")
     if tensor.dtype not in build.SUFFIX:
         raise TypeError(f"the native kernels take float32 or float64 {name}, got {tensor.dtype}")
@@ -65,42 +62,54 @@ def _like(tensor: Tensor, reference: Tensor, name: str) -> Tensor:
     _check_rows(tensor, name)
     if tensor.shape != reference.shape:
         raise ValueError(f"{name} must have shape {tuple(reference.shape)}, got {tuple(tensor.shape)}")
-    return tensor.to(reference.dtype).contiguous()
+    if tensor.dtype != reference.dtype:  # .to() costs a dispatch even when it has nothing to do
+        tensor = tensor.to(reference.dtype)
+    return tensor.contiguous()
 
 
-def _per_row(value: float | Tensor, rows: torch.Size, name: str) -> tuple[Tensor | ctypes.Array, int]:
-    """A per-row parameter as a float64 array for C and its stride (0: one value for all rows).
+def _per_row(value: float | Tensor, rows: torch.Size, dtype: torch.dtype, name: str) -> tuple[float, Tensor | None]:
+    """A per-row parameter as C takes it: one number for all rows, or a contiguous ``dtype`` tensor, one value a row.
 
     ``value`` is a number, a column ``(..., 1)`` broadcastable to the scores, or a
     per-row tensor broadcastable to ``rows`` (the scores' shape without its last axis).
+    A tensor that already has one value per row in ``dtype`` goes as it is (no copy).
+    The tensor must stay referenced until the kernel returns.
     """
     if not isinstance(value, Tensor):
-        return _ONE_DOUBLE(float(value)), 0
-    if value.device.type != "cpu":
+        return float(value), None
+    if not value.is_cpu:
         raise ValueError(f"the native kernels take CPU tensors, got {name} on {value.device}")
-    column = value.ndim == len(rows) + 1 and value.shape[-1] == 1
+    shape = value.shape
+    column = len(shape) == len(rows) + 1 and shape[-1] == 1
+    if value.dtype == dtype and value.is_contiguous() and (shape == rows or column and shape[:-1] == rows):
+        return 0.0, value
+    per_row = _new(rows, dtype)
     try:
-        expanded = value.squeeze(-1).expand(rows) if column else value.expand(rows)
+        per_row.copy_((value.squeeze(-1) if column else value).detach())  # broadcasts and converts in one pass
     except RuntimeError as error:
-        raise ValueError(f"{name} of shape {tuple(value.shape)} does not broadcast to rows {tuple(rows)}") from error
-    return expanded.detach().to(torch.float64).contiguous(), 1
+        raise ValueError(f"{name} of shape {tuple(shape)} does not broadcast to rows {tuple(rows)}") from error
+    return 0.0, per_row
 
 
-def _launch(name: str, rows_tensor: Tensor, *arguments: object) -> None:
-    """Call kernel ``name`` for ``rows_tensor``'s dtype; tensors go as addresses, the thread count last."""
-    values = [value.data_ptr() if isinstance(value, Tensor) else value for value in arguments]
-    if build.kernel(name, rows_tensor.dtype)(*values, torch.get_num_threads()) != 0:
+def _address(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _launch(name: str, dtype: torch.dtype, *arguments: object) -> None:
+    """Call kernel ``name`` for rows of ``dtype`` (tensors already as addresses), the thread count last."""
+    if build.kernel(name, dtype)(*arguments, torch.get_num_threads()) != 0:
         raise MemoryError(f"attnorm native kernel {name} could not allocate its row buffers")
 
 
-def _scores(x: Tensor, mask: rules.RowMask) -> tuple[Tensor, int, int]:
-    """Checked, masked (-inf where forbidden) contiguous scores, their row count and row length."""
+def _scores(x: Tensor, mask: rules.RowMask) -> Tensor:
+    """Checked, masked (-inf where forbidden) contiguous scores."""
     _check_rows(x, "x")
+    if mask.tensor is None and mask.diagonal is None and mask.key_lengths is None:
+        return x.contiguous()
     scores = rules.masked_scores(x, mask)
     if scores.shape != x.shape:
         raise ValueError(f"the mask must broadcast to x's shape {tuple(x.shape)}, got scores of {tuple(scores.shape)}")
-    length = x.shape[-1]
-    return scores, scores.numel() // length, length
+    return scores
 
 
 def softmax_forward(
@@ -130,13 +139,16 @@ def softmax_forward(
     """
     if variant not in (0, 1):
         raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
-    scores, rows, length = _scores(x, mask)
-    row_shape = x.shape[:-1]
-    y = _new(x.shape, x.dtype)
-    multiplier = _new(row_shape, rules.accumulation_dtype(x.dtype))
+    scores = _scores(x, mask)
+    shape, dtype = x.shape, x.dtype
+    row_shape, length = shape[:-1], shape[-1]
+    first, first_rows = _per_row(first, row_shape, dtype, "first")
+    second, second_rows = _per_row(second, row_shape, dtype, "second")
+    y = _new(shape, dtype)
+    multiplier = _new(row_shape, rules.accumulation_dtype(dtype))
     log_count = _new(row_shape, multiplier.dtype) if variant == 1 else None
-    _launch("attnorm_softmax_forward", x, scores, y, rows, length, variant, *_per_row(first, row_shape, "first"),
-            *_per_row(second, row_shape, "second"), multiplier, log_count)
+    _launch("attnorm_softmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, variant,
+            first, _address(first_rows), second, _address(second_rows), multiplier.data_ptr(), _address(log_count))
     return y, multiplier, log_count
 
 
@@ -170,11 +182,13 @@ def softmax_backward(
     y = y.contiguous()
     grad = _like(grad, y, "grad")
     scores = _like(x, y, "x") if param_grad == 2 else None
-    rows, length = y.numel() // y.shape[-1], y.shape[-1]
-    dx = _new(y.shape, y.dtype)
-    per_row = _new(y.shape[:-1], rules.accumulation_dtype(y.dtype)) if param_grad else None
-    _launch("attnorm_softmax_backward", y, y, grad, scores, dx, rows, length,
-            *_per_row(multiplier, y.shape[:-1], "multiplier"), param_grad, per_row)
+    shape, dtype = y.shape, y.dtype
+    row_shape, length = shape[:-1], shape[-1]
+    multiplier, multiplier_rows = _per_row(multiplier, row_shape, dtype, "multiplier")
+    dx = _new(shape, dtype)
+    per_row = _new(row_shape, rules.accumulation_dtype(dtype)) if param_grad else None
+    _launch("attnorm_softmax_backward", dtype, y.data_ptr(), grad.data_ptr(), _address(scores), dx.data_ptr(),
+            y.numel() // length, length, multiplier, _address(multiplier_rows), param_grad, _address(per_row))
     return dx, per_row
 
 
@@ -197,12 +211,14 @@ def topk_forward(
     Returns:
         ``(y, multiplier)``, ``multiplier = 1 / temperature`` per row (0 in rows holding +inf).
     """
-    scores, rows, length = _scores(x, mask)
-    row_shape = x.shape[:-1]
-    y = _new(x.shape, x.dtype)
-    multiplier = _new(row_shape, rules.accumulation_dtype(x.dtype))
-    _launch("attnorm_topk_forward", x, scores, y, rows, length, float(k), int(bool(is_fraction)),
-            *_per_row(temperature, row_shape, "temperature"), multiplier)
+    scores = _scores(x, mask)
+    shape, dtype = x.shape, x.dtype
+    row_shape, length = shape[:-1], shape[-1]
+    temperature, temperature_rows = _per_row(temperature, row_shape, dtype, "temperature")
+    y = _new(shape, dtype)
+    multiplier = _new(row_shape, rules.accumulation_dtype(dtype))
+    _launch("attnorm_topk_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, float(k),
+            int(bool(is_fraction)), temperature, _address(temperature_rows), multiplier.data_ptr())
     return y, multiplier
 
 
@@ -228,11 +244,14 @@ def entmax_forward(x: Tensor, mask: rules.RowMask, alpha: float | Tensor) -> tup
     """
     if not isinstance(alpha, Tensor) and not alpha >= 1:
         raise ValueError(f"alpha must be >= 1, got {alpha}")
-    scores, rows, length = _scores(x, mask)
-    row_shape = x.shape[:-1]
-    y = _new(x.shape, x.dtype)
-    gate = _new(row_shape, rules.accumulation_dtype(x.dtype))
-    _launch("attnorm_entmax_forward", x, scores, y, rows, length, *_per_row(alpha, row_shape, "alpha"), gate)
+    scores = _scores(x, mask)
+    shape, dtype = x.shape, x.dtype
+    row_shape, length = shape[:-1], shape[-1]
+    alpha, alpha_rows = _per_row(alpha, row_shape, dtype, "alpha")
+    y = _new(shape, dtype)
+    gate = _new(row_shape, rules.accumulation_dtype(dtype))
+    _launch("attnorm_entmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, alpha,
+            _address(alpha_rows), gate.data_ptr())
     return y, gate
 
 
@@ -259,11 +278,14 @@ def entmax_backward(
     _check_rows(y, "y")
     y = y.contiguous()
     grad = _like(grad, y, "grad")
-    rows, length = y.numel() // y.shape[-1], y.shape[-1]
-    dx = _new(y.shape, y.dtype)
-    per_row = _new(y.shape[:-1], rules.accumulation_dtype(y.dtype)) if alpha_grad else None
-    _launch("attnorm_entmax_backward", y, y, grad, dx, rows, length, *_per_row(gate, y.shape[:-1], "gate"),
-            *_per_row(alpha, y.shape[:-1], "alpha"), per_row)
+    shape, dtype = y.shape, y.dtype
+    row_shape, length = shape[:-1], shape[-1]
+    gate, gate_rows = _per_row(gate, row_shape, dtype, "gate")
+    alpha, alpha_rows = _per_row(alpha, row_shape, dtype, "alpha")
+    dx = _new(shape, dtype)
+    per_row = _new(row_shape, rules.accumulation_dtype(dtype)) if alpha_grad else None
+    _launch("attnorm_entmax_backward", dtype, y.data_ptr(), grad.data_ptr(), dx.data_ptr(), y.numel() // length,
+            length, gate, _address(gate_rows), alpha, _address(alpha_rows), _address(per_row))
     return dx, per_row
 
 
@@ -286,10 +308,13 @@ def self_adjusted_forward(x: Tensor, mask: rules.RowMask, normalized: bool) -> t
         with softmax weights ``w = exp((x - c0) - c1)``; ``gate`` 0 in rows holding +inf or
         fully masked (NaN rows: NaN statistics, gate 1).
     """
-    scores, rows, length = _scores(x, mask)
-    y = _new(x.shape, x.dtype)
-    stats = _new((*x.shape[:-1], _SA_STATS), rules.accumulation_dtype(x.dtype))
-    _launch("attnorm_self_adjusted_forward", x, scores, y, rows, length, int(bool(normalized)), stats)
+    scores = _scores(x, mask)
+    shape, dtype = x.shape, x.dtype
+    length = shape[-1]
+    y = _new(shape, dtype)
+    stats = _new((*shape[:-1], _SA_STATS), rules.accumulation_dtype(dtype))
+    _launch("attnorm_self_adjusted_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length,
+            int(bool(normalized)), stats.data_ptr())
     return y, stats
 
 
@@ -311,13 +336,15 @@ def self_adjusted_backward(x: Tensor, mask: rules.RowMask, grad: Tensor, stats: 
     Returns:
         ``dx`` shaped like ``x``.
     """
-    scores, rows, length = _scores(x, mask)
+    scores = _scores(x, mask)
     grad = _like(grad, x, "grad")
     expected = (*x.shape[:-1], _SA_STATS)
     if not isinstance(stats, Tensor) or tuple(stats.shape) != expected or stats.device.type != "cpu":
         shape = tuple(stats.shape) if isinstance(stats, Tensor) else type(stats).__name__
         raise ValueError(f"stats must be a CPU tensor of shape {expected}, got {shape}")
     stats = stats.to(rules.accumulation_dtype(x.dtype)).contiguous()
+    length = x.shape[-1]
     dx = _new(x.shape, x.dtype)
-    _launch("attnorm_self_adjusted_backward", x, scores, grad, dx, rows, length, int(bool(normalized)), stats)
+    _launch("attnorm_self_adjusted_backward", x.dtype, scores.data_ptr(), grad.data_ptr(), dx.data_ptr(),
+            x.numel() // length, length, int(bool(normalized)), stats.data_ptr())
     return dx

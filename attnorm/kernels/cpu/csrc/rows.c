@@ -17,8 +17,10 @@
  *   - a NaN score makes the whole row NaN;
  *   - finite scores never overflow: scaled scores are shifted first, m (x - max x)
  *     for m >= 0 and m (x - min x) for m < 0.
- * Per-row parameters come as double arrays with a stride of 0 (one value for all
- * rows) or 1; per-row outputs are written in the row type (float rows: float).
+ * Per-row parameters come as a double for all rows and an array in the row type with
+ * one value per row that replaces it when not NULL; per-row outputs are written in the
+ * row type (float rows: float).  Work below PARALLEL_MIN elements runs on the calling thread:
+ * waking a thread team costs more than a few short rows.
  *
  * The element-wise exp/log below are plain C that gcc vectorises (glibc's are not
  * vectorised without -ffast-math, which would also break the inf/NaN rules).
@@ -272,6 +274,11 @@ static void entmax_anchored(double* v, int64_t count, double alpha, double start
     }
     for (int64_t j = 0; j < count; j++) v[j] /= total;
 }
+
+/* Parameter name for row r: name##_rows[r] when given, else the one value for all rows. */
+#define ROW_PARAM(name, r) (name##_rows ? name##_rows[r] : name)
+#define PARALLEL_MIN 4096
+#define PARALLEL(rows, length) ((rows) > 1 && (rows) * (length) >= PARALLEL_MIN)
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)

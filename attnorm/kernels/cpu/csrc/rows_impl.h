@@ -728,33 +728,33 @@ static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, double k_value,
 /* ---- entry points: rows split across threads ---------------------------------- */
 
 /* log_count: NULL for variant 0. */
-int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, const double* first,
-                                int64_t first_stride, const double* second, int64_t second_stride, REAL* multiplier,
+int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
+                                const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
                                 REAL* log_count, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
     for (int64_t r = 0; r < rows; r++) {
         REAL unused;
-        FN(softmax_row)(x + r * length, y + r * length, length, variant, first[r * first_stride],
-                        second[r * second_stride], multiplier + r, log_count ? log_count + r : &unused);
+        FN(softmax_row)(x + r * length, y + r * length, length, variant, ROW_PARAM(first, r),
+                        ROW_PARAM(second, r), multiplier + r, log_count ? log_count + r : &unused);
     }
     return 0;
 }
 
 /* x: NULL unless param_grad is 2; per_row: NULL when param_grad is 0. */
 int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, const REAL* x, REAL* gx, int64_t rows, int64_t length,
-                                 const double* multiplier, int64_t multiplier_stride, int param_grad, REAL* per_row,
+                                 double multiplier, const REAL* multiplier_rows, int param_grad, REAL* per_row,
                                  int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
     for (int64_t r = 0; r < rows; r++) {
         FN(softmax_grad_row)(y + r * length, g + r * length, x ? x + r * length : NULL, gx + r * length, length,
-                             (REAL)multiplier[r * multiplier_stride], param_grad, per_row ? per_row + r : NULL);
+                             (REAL)ROW_PARAM(multiplier, r), param_grad, per_row ? per_row + r : NULL);
     }
     return 0;
 }
 
 int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized,
                                       REAL* stats, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
     for (int64_t r = 0; r < rows; r++) {
         FN(self_adjusted_row)(x + r * length, y + r * length, length, normalized, stats + SA_STATS * r);
     }
@@ -763,7 +763,7 @@ int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int6
 
 int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
                                        int normalized, const REAL* stats, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
     for (int64_t r = 0; r < rows; r++) {
         FN(self_adjusted_grad_row)(x + r * length, g + r * length, gx + r * length, length, normalized,
                                    stats + SA_STATS * r);
@@ -771,10 +771,10 @@ int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, i
     return 0;
 }
 
-int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, const double* alpha,
-                               int64_t alpha_stride, REAL* gate, int threads) {
+int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double alpha,
+                               const REAL* alpha_rows, REAL* gate, int threads) {
     int failed = 0;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
     {
         REAL* t = malloc((length + PAD) * sizeof(REAL));
         int32_t* index = malloc(length * sizeof(int32_t));
@@ -782,7 +782,7 @@ int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t len
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (t && index && wide) {
-                FN(entmax_row)(x + r * length, y + r * length, length, alpha[r * alpha_stride], gate + r, t, index,
+                FN(entmax_row)(x + r * length, y + r * length, length, ROW_PARAM(alpha, r), gate + r, t, index,
                                wide);
             } else {
 #pragma omp atomic write
@@ -798,10 +798,10 @@ int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t len
 
 /* alpha_grad: NULL, or one value per row for d/d alpha of sum(g y). */
 int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t rows, int64_t length,
-                                const double* gate, int64_t gate_stride, const double* alpha, int64_t alpha_stride,
+                                double gate, const REAL* gate_rows, double alpha, const REAL* alpha_rows,
                                 REAL* alpha_grad, int threads) {
     int failed = 0;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
     {
         int32_t* index = malloc(length * sizeof(int32_t));
         REAL* slope = malloc((length + PAD) * sizeof(REAL));
@@ -809,7 +809,7 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
         for (int64_t r = 0; r < rows; r++) {
             if (index && slope) {
                 FN(entmax_grad_row)(y + r * length, g + r * length, gx + r * length, length,
-                                    (REAL)gate[r * gate_stride], alpha[r * alpha_stride], index, slope,
+                                    (REAL)ROW_PARAM(gate, r), ROW_PARAM(alpha, r), index, slope,
                                     alpha_grad ? alpha_grad + r : NULL);
             } else {
 #pragma omp atomic write
@@ -823,9 +823,9 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
 }
 
 int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
-                             const double* temperature, int64_t temperature_stride, REAL* multiplier, int threads) {
+                             double temperature, const REAL* temperature_rows, REAL* multiplier, int threads) {
     int failed = 0;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
     {
         REAL* work = malloc((length + MAX_TOPK_GROUPS) * sizeof(REAL));
         int32_t* index = malloc(length * sizeof(int32_t));
@@ -834,7 +834,7 @@ int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t lengt
         for (int64_t r = 0; r < rows; r++) {
             if (work && index && keys) {
                 FN(topk_row)(x + r * length, y + r * length, length, k, is_fraction,
-                             temperature[r * temperature_stride], multiplier + r, work, index, keys);
+                             ROW_PARAM(temperature, r), multiplier + r, work, index, keys);
             } else {
 #pragma omp atomic write
                 failed = 1;
