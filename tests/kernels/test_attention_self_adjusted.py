@@ -130,7 +130,8 @@ def run_fused(q, k, v, mask, scale, normalized, grad_out):
 
 def check(q, k, v, mask, normalized, scale=SCALE, seed=1):
     """Fused outputs and gradients equal the float64 reference's within the dtype's tolerance."""
-    grad_out = torch.randn(*q.shape[:3], v.shape[-1], generator=torch.Generator().manual_seed(seed), dtype=F64)
+    grad_out = torch.randn(*q.shape[:3], v.shape[-1], generator=torch.Generator().manual_seed(seed))
+    grad_out = grad_out.to(q.dtype).to(F64)  # the reference gets the rounded gradient the kernels get
     out, stats, grads = run_fused(q, k, v, mask, scale, normalized, grad_out.to(q))
     leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
     expected = reference(*leaves, mask, scale, normalized)
@@ -229,6 +230,14 @@ def test_decoding_equals_last_row_of_full_causal(normalized, device):
     check(last, k, v, AttentionMask(), normalized)
 
 
+def test_block_size_is_a_patchable_constant(monkeypatch, device):
+    """32-row blocks (one query block, two key blocks) give the same results as the default."""
+    monkeypatch.setattr(fused, "BLOCK_INTERPRETED", 32)
+    monkeypatch.setattr(fused, "BLOCK_CUDA", 32)
+    q, k, v = make_qkv(1, 2, 1, 20, 40, 16, 16, torch.float32, device)
+    check(q, k, v, MASKS["bottom-right"](1, 20, 40, device), True)
+
+
 def test_deterministic(device):
     q, k, v = make_qkv(1, 2, 1, 20, 20, 16, 16, torch.float32, device)
     mask = MASKS["causal"](1, 20, 20, device)
@@ -247,4 +256,4 @@ def test_larger_grid(kind, head_dim, dtype, device):
     lq = 70 if kind in SQUARE else 50
     q, k, v = make_qkv(2, 4, 2, lq, 70, head_dim, head_dim, dtype, device)
     for normalized in (True, False):
-        check(q, k, v, MASKS[kind](2, lq, 70, device), normalized)
+        check(q, k, v, MASKS[kind](2, lq, 70, device), normalized, scale=head_dim**-0.5)

@@ -29,6 +29,7 @@ from tests.kernels.test_attention_self_adjusted import (  # noqa: F401 (poisoned
 
 pytest.importorskip("triton")
 
+from attnorm.kernels.triton import attention_self_adjusted  # noqa: E402
 from attnorm.kernels.triton import attention_topk as fused  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -69,7 +70,8 @@ def run_fused(q, k, v, mask, scale, k_keep, is_fraction, temperature, grad_out):
 
 def check(q, k, v, mask, k_keep, is_fraction=False, temperature=1.0, scale=SCALE, seed=1):
     """Fused outputs and gradients equal the float64 reference's within the dtype's tolerance."""
-    grad_out = torch.randn(*q.shape[:3], v.shape[-1], generator=torch.Generator().manual_seed(seed), dtype=F64)
+    grad_out = torch.randn(*q.shape[:3], v.shape[-1], generator=torch.Generator().manual_seed(seed))
+    grad_out = grad_out.to(q.dtype).to(F64)  # the reference gets the rounded gradient the kernels get
     out, stats, grads = run_fused(q, k, v, mask, scale, k_keep, is_fraction, temperature, grad_out.to(q))
     leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
     expected = reference(*leaves, mask, scale, k_keep, is_fraction, temperature)
@@ -182,6 +184,13 @@ def test_decoding_equals_last_row_of_full_causal(device):
     check(last, k, v, AttentionMask(), 0.1, is_fraction=True)
 
 
+def test_block_size_is_a_patchable_constant(monkeypatch, device):
+    monkeypatch.setattr(attention_self_adjusted, "BLOCK_INTERPRETED", 32)
+    monkeypatch.setattr(attention_self_adjusted, "BLOCK_CUDA", 32)
+    q, k, v = make_qkv(1, 1, 1, 20, 40, 16, 16, torch.float32, device, integer=True)
+    check(q, k, v, MASKS["bottom-right"](1, 20, 40, device), 5)
+
+
 def test_deterministic(device):
     q, k, v = make_qkv(1, 1, 1, 17, 20, 16, 16, torch.float32, device, integer=True)
     mask = MASKS["bottom-right"](1, 17, 20, device)
@@ -210,5 +219,5 @@ def test_rejects_bad_parameters(k_keep, is_fraction, temperature, message, devic
 def test_larger_grid(kind, head_dim, dtype, device):
     lq = 70 if kind in SQUARE else 50
     q, k, v = make_qkv(2, 4, 2, lq, 70, head_dim, head_dim, dtype, device)
-    check(q, k, v, MASKS[kind](2, lq, 70, device), 9)
-    check(q, k, v, MASKS[kind](2, lq, 70, device), 0.06, is_fraction=True, temperature=0.7)
+    check(q, k, v, MASKS[kind](2, lq, 70, device), 9, scale=head_dim**-0.5)
+    check(q, k, v, MASKS[kind](2, lq, 70, device), 0.06, is_fraction=True, temperature=0.7, scale=head_dim**-0.5)

@@ -12,16 +12,16 @@ tiles, so every kernel sees bit-identical scores (the backward's ``x == low`` an
 **Forward, one pass over K and V.**  ``phi`` is affine in ``x`` once ``low`` is known, so
 ``sum_j phi_j e_j v_j`` (``e_j = exp(x_j - m)``) follows from two running sums rescaled
 online as the row max ``m`` grows: ``A = sum e (x - m) v`` and ``B = sum e v``; then
-``out = (A + m B) / l`` (plain) or ``(A + (m - low) B) / (l span)`` (normalized), both
-terms of the same sign, so nothing cancels.  The same pass tracks ``l = sum e``, the row
-min and how many keys attain the min and the max.  Rows holding +inf (the limit of the
+``out = (A + m B) / l`` (plain) or ``(A + (m - low) B) / (l span)`` (normalized); the
+weights of ``A`` lie in ``[-1/e, 0]``, so neither sum overflows, and ``(m - low) / span``
+is in ``[0, 1]``.  The same pass tracks ``l = sum e``, the row min and how many keys
+attain the min and the max.  Rows holding +inf (the limit of the
 finite case: uniform over their +inf keys, factor 1 normalized, +inf plain) take a
 second pass, only in query blocks that hold such a row.
 
 **Backward, by recomputation (FlashAttention-2 style, no atomics).**  With
-``g_j = dO_i . v_j``, ``P = sum_j g_j y_j = dO_i . out_i`` (a per-row pre-pass over
-``out``, no K/V) and ``Q = sum_j g_j w_j``, :func:`attnorm.kernels.reference.jacobians.self_adjusted_vjp`
-gives the score gradient
+``g_j = dO_i . v_j``, ``P = sum_j g_j y_j`` and ``Q = sum_j g_j w_j``,
+:func:`attnorm.kernels.reference.jacobians.self_adjusted_vjp` gives the score gradient
 
 * plain: ``ds_j = w_j (g_j (1 + x_j) - P)``;
 * normalized: ``ds_j = w_j (g_j phi_j - P) + (g_j w_j + [x_j = low] (P - Q) / n_low
@@ -29,17 +29,21 @@ gives the score gradient
   ``low < 0``) and ``high`` (when ``high > 0``), shared by the ``n_low`` (``n_high``) keys
   attaining them.
 
-The dq kernel (one program per query block, looping over its key blocks) accumulates
-``Q`` as it goes and the keys at ``low`` (one extra ``(BLOCK_M, D)`` product, only in
-key blocks holding a row's minimum), adds the ``low`` path at the end and writes ``Q``;
-the dk/dv kernel (one program per key block, looping over the query heads of its GQA
-group and their query blocks that reach it) then has every term.  Passes over K and V
-per query block: forward 1 (2 with +inf rows); backward 1 (dq) plus 1 over Q and dO per
-key block (dk, dv).
+Plain needs only ``P = dO_i . out_i``: a per-row pre-pass over ``out`` (no K/V), as
+FlashAttention's ``delta``.  Normalized divides by the span, where the terms cancel in
+rows with a tiny span (a row with one key: ``g w - P = 0``), so ``P`` and ``Q`` must come
+from the very ``g`` and ``w`` the kernels see, and each ``ds`` is summed in the
+accumulation dtype before it is rounded for ``tl.dot``: the dq kernel (one program per
+query block, looping over its key blocks) first sums ``P`` and ``Q`` over its key blocks
+and writes them, then accumulates ``dq``; the dk/dv kernel (one program per key block,
+looping over the query heads of its GQA group and their query blocks that reach it)
+reads them.  Passes per query block: forward 1 over K and V (2 in query blocks with
++inf rows); backward, dq 1 over K and V (2 normalized), and dk/dv 1 over q and dO per
+key block.
 
-Bytes per query row beyond q, k, v, out and their gradients: forward writes
-:data:`STATS` stats of 4 bytes (8 for float64); backward reads them and writes two
-per-row sums (``P`` and ``Q``).
+Bytes per query row beyond q, k, v, out and their gradients: the forward writes
+:data:`STATS` stats of 4 bytes (8 for float64); the backward reads them and writes
+and reads two per-row sums (``P``, ``Q``).
 
 Shared with :mod:`.attention_topk`: :func:`block_size`, :class:`Problem`, :func:`row_dot`
 and the device helpers :func:`load_rows`, :func:`scores` and :func:`key_tile`.
@@ -230,36 +234,38 @@ def _weights(x, c0, c1, state):
 
 
 @triton.jit
-def _score_grad(xs, w, used, g, low, high, low_count, high_count, state, total, low_term, NORMALIZED: tl.constexpr):
-    """``ds`` (without the factor ``scale``) for rows in state 1 and the keys attaining ``low``.
+def _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NORMALIZED: tl.constexpr):
+    """``ds`` (without the factor ``scale``) in rows in state 1, 0 elsewhere.
 
-    ``total`` is ``P = sum g y`` per row; ``low_term`` the path through ``low`` per key
-    attaining it (0 in the dq kernel, which adds it at the end).
+    ``total`` is ``P = sum g y`` per row, ``low_term`` and ``high_term`` the paths through
+    ``low`` and ``high`` per key attaining them (:func:`_span_terms`).  The terms over the
+    span cancel in rows with a tiny span: they are summed here, in the accumulation
+    dtype, before ``ds`` is rounded for ``tl.dot``.
     """
     if NORMALIZED:
         s, span = _span(low, high)
         phi = _factor(xs, low[:, None], s[:, None], span[:, None], True)
         ds = w * g * phi - w * total[:, None]  # g phi - P could overflow; each product cannot
         positive = span > 0
-        divisor = tl.where(positive, span, 1.0)
         at_low = used & (xs == low[:, None]) & (low < 0)[:, None]
         at_high = used & (xs == high[:, None]) & (high > 0)[:, None]
-        high_term = total * s / divisor / tl.maximum(high_count, 1.0)
-        through = g * w * (s / divisor)[:, None] + tl.where(at_low, low_term[:, None], 0.0)
+        through = g * w * (s / tl.where(positive, span, 1.0))[:, None] + tl.where(at_low, low_term[:, None], 0.0)
         through -= tl.where(at_high, high_term[:, None], 0.0)
         ds += tl.where(positive[:, None], through, 0.0)
     else:
-        at_low = used & False
         ds = tl.where(w > 0, w * (g * (1 + xs) - total[:, None]), 0.0)
-    return tl.where((state == 1)[:, None] & used, ds, 0.0), at_low
+    return tl.where((state == 1)[:, None] & used, ds, 0.0)
 
 
 @triton.jit
-def _low_term(total, weighted, low, high, low_count, state):
-    """The path through ``low`` per key attaining it: ``(P - Q) / (n_low span)``; 0 without a span or off state 1."""
+def _span_terms(total, weighted, low, high, low_count, high_count, state):
+    """Per row, the paths through ``low`` and ``high`` of a key attaining them.
+
+    ``(P - Q) / (n_low span)`` and ``P / (n_high span)``; 0 without a span or off state 1.
+    """
     s, span = _span(low, high)
-    term = tl.where(span > 0, (total - weighted) * s / tl.where(span > 0, span, 1.0), 0.0)
-    return tl.where(state == 1, term / tl.maximum(low_count, 1.0), 0.0)
+    per_span = tl.where((span > 0) & (state == 1), s / tl.where(span > 0, span, 1.0), 0.0)
+    return (total - weighted) * per_span / tl.maximum(low_count, 1.0), total * per_span / tl.maximum(high_count, 1.0)
 
 
 @triton.jit
@@ -358,7 +364,10 @@ def _self_adjusted_forward_kernel(
             offs_n = start + tl.arange(0, BLOCK_N)
             x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
                        scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
-            mass = tl.where(x == float("inf"), 1.0 if NORMALIZED else float("inf"), 0.0)
+            if NORMALIZED:
+                mass = tl.where(x == float("inf"), 1.0, 0.0)
+            else:
+                mass = tl.where(x == float("inf"), float("inf"), 0.0)
             v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
             limit += tl.dot(mass.to(v_tile.dtype), v_tile, out_dtype=ACC)
         out = tl.where(posinf_row[:, None], limit / tl.maximum(posinf_count, 1.0)[:, None], out)
@@ -392,7 +401,12 @@ def _self_adjusted_dq_kernel(
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
-    """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks; writes ``Q = sum_j g_j w_j`` per row."""
+    """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks.
+
+    Plain: ``P`` comes from the pre-pass.  Normalized: a first loop sums ``P = sum g y``
+    and ``Q = sum g w`` from the very ``g`` the dk/dv kernel sees (``P`` from the rounded
+    ``out`` would not cancel ``g w`` in rows with a tiny span) and writes them for it.
+    """
     block, bh = tl.program_id(0), tl.program_id(1)
     batch, head = bh // heads, bh % heads
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
@@ -405,14 +419,31 @@ def _self_adjusted_dq_kernel(
     v_base = V + batch * sv_b + (head // group) * sv_h
     rows = bh * lq + offs_m
     c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
-    total = tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0)
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     lo = lo // BLOCK_N * BLOCK_N
 
+    if NORMALIZED:
+        total = tl.zeros((BLOCK_M,), ACC)
+        weighted = tl.zeros((BLOCK_M,), ACC)
+        s, span = _span(low, high)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+            xs, w, used, _ = _weights(x, c0, c1, state)
+            w = tl.where((state == 1)[:, None], w, 0.0)
+            v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+            g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
+            total += tl.sum(g * w * _factor(xs, low[:, None], s[:, None], span[:, None], True), 1)
+            weighted += tl.sum(g * w, 1)
+        tl.store(TOTAL + rows, total, mask=offs_m < lq)
+        tl.store(WEIGHTED + rows, weighted, mask=offs_m < lq)
+        low_term, high_term = _span_terms(total, weighted, low, high, low_count, high_count, state)
+    else:
+        total = tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0)
+        low_term = tl.zeros((BLOCK_M,), ACC)
+        high_term = low_term
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
-    keys_at_low = tl.zeros((BLOCK_M, BLOCK_D), ACC)
-    weighted = tl.zeros((BLOCK_M,), ACC)
-    no_low = tl.zeros((BLOCK_M,), ACC)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
@@ -420,16 +451,9 @@ def _self_adjusted_dq_kernel(
         xs, w, used, _ = _weights(x, c0, c1, state)
         v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
-        ds, at_low = _score_grad(xs, w, used, g, low, high, low_count, high_count, state, total, no_low, NORMALIZED)
+        ds = _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NORMALIZED)
         k_tile = key_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
         dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC)
-        if NORMALIZED:
-            weighted += tl.sum(tl.where((state == 1)[:, None], g * w, 0.0), 1)
-            if tl.max(tl.sum(at_low.to(tl.int32), 1), 0) > 0:
-                keys_at_low += tl.dot(at_low.to(k_tile.dtype), k_tile, out_dtype=ACC)
-    if NORMALIZED:
-        dq += _low_term(total, weighted, low, high, low_count, state)[:, None] * keys_at_low
-        tl.store(WEIGHTED + rows, weighted, mask=offs_m < lq)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
 
@@ -476,14 +500,14 @@ def _self_adjusted_dkdv_kernel(
                     s, span = _span(low, high)
                     y = tl.where(posinf, w, _factor(xs, low[:, None], s[:, None], span[:, None], True) * w)
                     weighted = tl.load(WEIGHTED + rows, mask=offs_m < lq, other=0.0)
-                    low_term = _low_term(total, weighted, low, high, low_count, state)
+                    low_term, high_term = _span_terms(total, weighted, low, high, low_count, high_count, state)
                 else:
                     y = tl.where(posinf, tl.where(w > 0, float("inf"), 0.0), xs * w)
                     low_term = tl.zeros((BLOCK_M,), ACC)
+                    high_term = low_term
                 dv += tl.dot(tl.trans(y.to(do_tile.dtype)), do_tile, out_dtype=ACC)
                 g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
-                ds, _ = _score_grad(xs, w, used, g, low, high, low_count, high_count, state, total, low_term,
-                                    NORMALIZED)
+                ds = _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NORMALIZED)
                 dk += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, out_dtype=ACC)
     key_rows = bh * lk + offs_n
     tl.store(DK + key_rows[:, None] * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
@@ -541,19 +565,23 @@ def self_adjusted_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`self_adjusted_attention_forward` by recomputation (formulas in the module docstring).
 
-    A pre-pass ``P = rowsum(dO * out)`` (no K/V); the dq kernel (one pass over K and V per
-    query block; writes ``Q = sum g w`` per row); the dk/dv kernel (one pass over the
-    group's q and dO per key block).  Rows in state 0 or 2 (no key, NaN, +inf) get no score
-    gradient; +inf rows still pass their weights to ``dv``.
+    Plain: a pre-pass ``P = rowsum(dO * out)`` (no K/V), the dq kernel (one pass over K
+    and V per query block).  Normalized: the dq kernel sums ``P = sum g y`` and
+    ``Q = sum g w`` in a first pass over K and V, then accumulates dq in a second.  Then
+    the dk/dv kernel (one pass over the group's q and dO per key block).  Rows in state 0
+    or 2 (no key, NaN, +inf) get no score gradient; +inf rows still pass their weights to
+    ``dv``.
 
     Returns:
         ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``.
     """
     shape = problem(q, k, v)
+    stats = stats.contiguous()
     dq = launch.empty(tuple(q.shape), q.dtype, q.device)
     dk = launch.empty(tuple(k.shape), k.dtype, k.device)
     dv = launch.empty(tuple(v.shape), v.dtype, v.device)
-    total = row_dot(shape, out, grad_out)
+    # Plain: P = rowsum(dO * out) before the kernels; normalized: the dq kernel sums P itself.
+    total = shape.row_tensor(like=q) if normalized else row_dot(shape, out, grad_out)
     weighted = shape.row_tensor(like=q)
     q, k, v, grad_out = dot_operands(q, k, v, grad_out)
     strides, sizes, masking = _common(shape, q, k, v, mask, scale)

@@ -194,7 +194,7 @@ def _topk_forward_kernel(
         )
         prefix, above = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
     # Rows keeping every allowed key: threshold below all of them (key 0), no ties.
-    threshold_key = tl.where(every, 0, prefix).to(UKEY)
+    threshold_key = tl.where(every, tl.zeros_like(prefix), prefix)
     tie_slots = tl.where(every, 0, keep - above)
 
     state = tl.where(nan_count > 0, 0, tl.where(keep > 0, tl.where(posinf_row, 2, 1), 0))
@@ -446,6 +446,7 @@ def topk_attention_backward(
     """
     _check(k_keep, is_fraction, temperature)
     shape = problem(q, k, v)
+    stats = stats.contiguous()
     dq = launch.empty(tuple(q.shape), q.dtype, q.device)
     dk = launch.empty(tuple(k.shape), k.dtype, k.device)
     dv = launch.empty(tuple(v.shape), v.dtype, v.device)
