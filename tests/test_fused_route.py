@@ -62,7 +62,18 @@ CASES = {
     "sparsemax": (lambda: attnorm.Sparsemax(backend="triton"), lambda x: entmax.sparsemax(x, -1)),
     "entmax15": (lambda: attnorm.Entmax(1.5, backend="triton"), lambda x: entmax.entmax15(x, -1)),
     "sa_softmax": (lambda: attnorm.SelfAdjustedSoftmax(backend="triton"), self_adjusted),
+    "top3": (lambda: attnorm.TopKSoftmax(3, temperature=0.7, backend="triton"), lambda x: top_k(x, 3, 0.7)),
+    "top30%": (lambda: attnorm.TopKSoftmax(0.3, backend="triton"), lambda x: top_k(x, 0.3, 1.0)),
 }
+
+
+def top_k(x, keep, temperature):
+    """softmax(x / T) over the `keep` largest allowed scores (a fraction of the allowed count when < 1)."""
+    n = torch.isfinite(x).sum(-1, keepdim=True)
+    count = torch.ceil(n * keep - 1e-9).clamp_min(1) if keep < 1 else torch.full_like(n, keep)
+    rank = torch.argsort(torch.argsort(-x, dim=-1, stable=True), dim=-1)  # 0 for the largest
+    kept = (rank < torch.minimum(count, n)) & torch.isfinite(x)
+    return torch.softmax((x / temperature).masked_fill(~kept, -math.inf), -1).nan_to_num(0.0)
 MASKS = {
     "causal_bottom_right": lambda: attnorm.causal_mask(LK - LQ),
     "window&padding": lambda: attnorm.sliding_window_mask(5, LK - LQ) & attnorm.key_padding_mask(torch.tensor([13, 6])),
@@ -134,6 +145,8 @@ def test_ops_pass_opcheck(device):
     torch.library.opcheck(torch.ops.attnorm.entmax_attention_fwd, (*args, 1.5, None),
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.attnorm.self_adjusted_attention_fwd, (*args, True),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.attnorm.topk_attention_fwd, (*args, 3.0, False, 1.0),
                           test_utils=("test_schema", "test_faketensor"))
 
 

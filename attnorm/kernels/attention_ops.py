@@ -14,6 +14,8 @@ op                                  outputs                                    p
 ``entmax_attention_bwd``            dq, dk, dv, d alpha per head ``(Hq,)``
 ``self_adjusted_attention_fwd``     out, stats                                 7 numbers
 ``self_adjusted_attention_bwd``     dq, dk, dv
+``topk_attention_fwd``              out, stats                                 5 numbers
+``topk_attention_bwd``              dq, dk, dv
 =================================== ========================================== ==============
 
 Masks travel as the four fields of :class:`~attnorm.kernels.rules.AttentionMask`.
@@ -34,7 +36,7 @@ from torch.autograd.function import once_differentiable
 from attnorm.kernels import backends
 from attnorm.kernels.rules import AttentionMask, accumulation_dtype
 
-__all__ = ["entmax_attention", "self_adjusted_attention"]
+__all__ = ["entmax_attention", "self_adjusted_attention", "topk_attention"]
 
 _LIBRARY = torch.library.Library("attnorm", "FRAGMENT")
 _MASK = "Tensor? key_start, Tensor? key_stop, Tensor? dense, Tensor? additive"
@@ -180,3 +182,59 @@ def self_adjusted_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask
                             normalized: bool) -> Tensor:
     """Fused Self-Adjusted Softmax attention (both variants)."""
     return _SelfAdjustedAttention.apply(q, k, v, *mask, scale, normalized)[0]
+
+
+# ---- top-k ----------------------------------------------------------------------------------------
+
+_TOPK = "float k_keep, bool is_fraction, float temperature"
+_define(
+    "topk_attention_fwd",
+    f"({_QKV}, {_MASK}, float scale, {_TOPK}) -> (Tensor, Tensor)",
+    lambda q, k, v, start, stop, dense, additive, scale, k_keep, is_fraction, temperature: _module(
+        "attention_topk"
+    ).topk_attention_forward(
+        q, k, v, AttentionMask(start, stop, dense, additive), scale, k_keep, is_fraction, temperature
+    ),
+    _fake_forward(5),
+)
+_define(
+    "topk_attention_bwd",
+    f"({_BWD}, {_MASK}, float scale, {_TOPK}) -> (Tensor, Tensor, Tensor)",
+    lambda q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, k_keep, is_fraction, temperature: (
+        _module("attention_topk").topk_attention_backward(
+            q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive), scale, k_keep, is_fraction,
+            temperature,
+        )
+    ),
+    lambda q, k, v, *rest: _grads_like(q, k, v),
+)
+
+
+class _TopKAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, start, stop, dense, additive, scale, k_keep, is_fraction, temperature):
+        return torch.ops.attnorm.topk_attention_fwd(
+            q, k, v, start, stop, dense, additive, scale, k_keep, is_fraction, temperature
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, start, stop, dense, additive, *ctx.params = inputs
+        ctx.save_for_backward(q, k, v, start, stop, dense, additive, *output)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, _grad_stats):
+        q, k, v, start, stop, dense, additive, out, stats = ctx.saved_tensors
+        dq, dk, dv = torch.ops.attnorm.topk_attention_bwd(
+            q, k, v, out, grad_out.contiguous(), stats, start, stop, dense, additive, *ctx.params
+        )
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def topk_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, k_keep: float,
+                   temperature: float) -> Tensor:
+    """Fused exact top-k attention: ``k_keep`` keys per row (a fraction of the allowed keys when in (0, 1))."""
+    is_fraction = isinstance(k_keep, float) and 0 < k_keep < 1
+    return _TopKAttention.apply(q, k, v, *mask, scale, float(k_keep), is_fraction, float(temperature))[0]

@@ -6,6 +6,7 @@ normalizer                   kernel                            parameters taken
 Sparsemax, Entmax            ``attention_entmax``              alpha in [1, 2] as a number; learnable
                                                                alpha (per head or shared)
 SelfAdjustedSoftmax          ``attention_self_adjusted``       both variants
+TopKSoftmax                  ``attention_topk``                k (count or fraction), a number T
 ============================ ================================= =======================================
 
 Softmax with temperature and Scalable-Softmax take the fused entmax kernel at alpha = 1
@@ -33,7 +34,7 @@ from attnorm.routes.sdpa import Multiplier, sdpa_mask_kind
 
 __all__ = ["attention", "scaled_softmax", "supports", "supports_scaled_softmax"]
 
-_FAMILIES = ("sparsemax", "entmax", "self_adjusted_softmax")
+_FAMILIES = ("sparsemax", "entmax", "self_adjusted_softmax", "topk_softmax")
 
 
 def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, additive: Tensor | None) -> bool:
@@ -48,6 +49,8 @@ def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, addi
         if isinstance(alpha, Tensor):
             return normalizer.learnable and alpha.numel() in (1, q.shape[1])
         return 1 <= alpha <= 2
+    if kernel == "topk_softmax":
+        return not isinstance(normalizer.kernel_params()["temperature"], Tensor)
     return True
 
 
@@ -56,6 +59,9 @@ def attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tenso
     kernel_masks = kernel_mask(mask, additive, q, k.shape[-2])
     if normalizer.kernel == "self_adjusted_softmax":
         return attention_ops.self_adjusted_attention(q, k, v, kernel_masks, scale, normalizer.normalized)
+    if normalizer.kernel == "topk_softmax":
+        params = normalizer.kernel_params()
+        return attention_ops.topk_attention(q, k, v, kernel_masks, scale, params["k"], params["temperature"])
     if normalizer.kernel == "sparsemax":
         return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, 2.0)
     alpha = normalizer.kernel_params()["alpha"]
