@@ -14,9 +14,11 @@ as ``(heads, 1, keys)``.  Timings are interleaved: every round times one block o
 calls of each implementation in a shuffled order, so a busy machine slows all alike;
 a sample is the mean call time of one block, the reported time is the median sample
 (p20-p80 beside it), and the ratio to the bare op is the median over rounds of the
-ratio within a round.  On CUDA the device is synchronised before and after each
-timed block.  The first call (which may build or compile kernels) is not timed with
-the rest; its time is reported apart.
+ratio within a round.  On CUDA the device is synchronised before and after each timed
+block.  ``--clock cpu`` (CPU only) times with the thread's CPU clock instead of the
+wall clock: on a machine shared with other work a block that is descheduled for a time
+slice (4 ms) would otherwise swamp a 15 µs call.  The first call (which may build or
+compile kernels) is not timed with the rest; its time is reported apart.
 
 Usage::
 
@@ -24,6 +26,7 @@ Usage::
     python benchmarks/bench_overhead.py --device cuda
     python benchmarks/bench_overhead.py --backend reference  # a named attnorm backend
     python benchmarks/bench_overhead.py --check              # exit 1 when a module misses the goal
+    python benchmarks/bench_overhead.py --clock cpu          # a busy machine: time on-CPU only
 
 Writes ``bench_overhead_<device>.csv`` and ``.md`` into ``--out`` (default ``benchmarks/results/``).
 """
@@ -47,8 +50,9 @@ GOAL = 1.5  # each module's per-call time / the bare custom op's
 BARE = "bench::bare"
 INPUTS = ("no grad", "requires grad")
 COLUMNS = ("normalizer", "input", "device", "dtype", "shape", "backend", "median_us", "p20_us", "p80_us",
-           "ratio_vs_bare", "goal", "meets_goal", "first_call_ms", "samples", "calls_per_sample", "error",
+           "ratio_vs_bare", "goal", "meets_goal", "first_call_ms", "samples", "calls_per_sample", "clock", "error",
            "versions")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 @torch.library.custom_op(BARE, mutates_args=())
@@ -128,27 +132,28 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def block_seconds(fn: Callable, count: int, device: str) -> float:
+def block_seconds(fn: Callable, count: int, device: str, clock: Callable[[], float]) -> float:
     """Mean seconds per call over ``count`` back-to-back calls."""
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(count):
         fn()
     synchronize(device)
-    return (time.perf_counter() - start) / count
+    return (clock() - start) / count
 
 
-def measure(functions: dict, device: str, rounds: int, calls_per_sample: int) -> dict[tuple, list[float]]:
+def measure(functions: dict, device: str, rounds: int, calls_per_sample: int,
+            clock: Callable[[], float]) -> dict[tuple, list[float]]:
     """Interleaved samples: per round, one block of each call, in a shuffled order."""
     for fn in functions.values():
-        block_seconds(fn, calls_per_sample, device)  # warm-up
+        block_seconds(fn, calls_per_sample, device, clock)  # warm-up
     samples = {key: [] for key in functions}
     order = list(functions)
     shuffle = random.Random(0).shuffle
     for _ in range(rounds):
         shuffle(order)
         for key in order:
-            samples[key].append(block_seconds(functions[key], calls_per_sample, device))
+            samples[key].append(block_seconds(functions[key], calls_per_sample, device, clock))
     return samples
 
 
@@ -206,9 +211,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=60, help="interleaved rounds (samples per implementation)")
     parser.add_argument("--calls", type=int, default=100, help="calls per timed block (one sample)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--clock", default="wall", choices=tuple(CLOCKS),
+                        help="wall: elapsed time; cpu: this thread's CPU time (CPU only; for a busy machine)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a module misses the goal or fails")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
+    if args.clock == "cpu" and args.device != "cpu":
+        parser.error("--clock cpu times CPU work only; use the wall clock with --device cuda")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -216,21 +225,23 @@ def main() -> int:
     backend_name = args.backend or f"default ({attnorm.get_backend()})"
     print(f"scores {ROWS}x{LENGTH} {args.dtype} on {args.device}; attnorm backend {backend_name}; forward only")
     print(f"versions: {stamp}; attnorm from {Path(attnorm.__file__).parent}")
-    print(f"{args.rounds} interleaved rounds x {args.calls} calls per sample; ratio to {BARE} within each round")
+    print(f"{args.rounds} interleaved rounds x {args.calls} calls per sample, {args.clock} clock; "
+          f"ratio to {BARE} within each round")
 
     functions, errors = calls(args.backend, args.device, dtype)
     first = first_calls(functions, errors, args.device)
-    samples = measure(functions, args.device, args.rounds, args.calls)
+    samples = measure(functions, args.device, args.rounds, args.calls, CLOCKS[args.clock])
     names = [BARE, "torch.softmax", *modules(args.backend)]
     common = {"device": args.device, "dtype": args.dtype, "shape": f"{ROWS}x{LENGTH}", "backend": backend_name,
-              "calls_per_sample": args.calls, "versions": stamp}
+              "calls_per_sample": args.calls, "clock": args.clock, "versions": stamp}
     rows = result_rows(samples, first, errors, names, common)
 
     stem = args.out / f"bench_overhead_{args.device}"
     write_csv(stem.with_suffix(".csv"), rows, COLUMNS)
     markdown = table(rows)
     note = (f"Eager forward on {ROWS}x{LENGTH} {args.dtype} scores, {args.device}, attnorm backend {backend_name}: "
-            f"median µs per call (p20-p80) over {args.rounds} interleaved samples of {args.calls} calls, and the "
+            f"median µs per call (p20-p80, {args.clock} clock) over {args.rounds} interleaved samples of "
+            f"{args.calls} calls, and the "
             f"median within-round ratio to `{BARE}` (a bare `torch.library.custom_op` around `torch.softmax`, "
             f"with fake kernel and autograd).  Goal: every module <= {GOAL}x.  Versions: {stamp.replace(';', ', ')}.")
     failures = [f"{row['normalizer']} ({row['input']}): {row['error']}" for row in rows if "error" in row]

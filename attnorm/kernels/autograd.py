@@ -130,7 +130,8 @@ class _ScalableSoftmax(_RowFunction):
         x, (ctx.s, s_rows, ctx.bias, bias_rows, ctx.backend) = inputs[0], inputs[4:]
         y, multiplier, log_count = output
         ctx.mark_non_differentiable(multiplier, log_count)
-        wants_params = any(t is not None and t.requires_grad for t in (s_rows, bias_rows))
+        wants_params = ((s_rows is not None and s_rows.requires_grad)
+                        or (bias_rows is not None and bias_rows.requires_grad))
         ctx.save_for_backward(y, multiplier, log_count, x if wants_params else None, s_rows, bias_rows)
 
     @staticmethod
@@ -217,13 +218,23 @@ class _SelfAdjustedSoftmax(_RowFunction):
 # ---- entry points -------------------------------------------------------------------------
 
 
+def _needs_grad(args: tuple, params: tuple[int, ...]) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if args[0].requires_grad:
+        return True
+    for i in params:  # a loop, not any(generator): this runs on every call
+        if args[i] is not None and args[i].requires_grad:
+            return True
+    return False
+
+
 def _call(function: type[_RowFunction], op, args: tuple, *params: int) -> Tensor:
     """The weights from ``op(*args)``, through ``function`` when a differentiable input needs a gradient.
 
     The differentiable inputs are the scores ``args[0]`` and the parameters at positions ``params``.
     """
-    if torch.is_grad_enabled() and (args[0].requires_grad or any(
-            args[i] is not None and args[i].requires_grad for i in params)):
+    if _needs_grad(args, params):
         if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             return function.apply(*args)[0]
         # Function.apply's first step outside transforms: unwrap tensors that escaped a
@@ -236,9 +247,14 @@ def _call(function: type[_RowFunction], op, args: tuple, *params: int) -> Tensor
     return op(*args)[0]
 
 
+def _implementation(backend: str | None, x: Tensor) -> str:
+    # x.is_cpu is cheaper than x.device.type (which builds a device object and a string).
+    return backends.resolve(backend, "cpu" if x.is_cpu else x.device)
+
+
 def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None) -> Tensor:
     """``softmax(x / T)`` over the allowed positions of each row."""
-    implementation = backends.resolve(backend, x.device)
+    implementation = _implementation(backend, x)
     if implementation == "reference":
         return reference.softmax(x, mask, temperature)
     value, rows = _split(temperature)
@@ -247,7 +263,7 @@ def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None) -
 
 def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: str | None) -> Tensor:
     """``softmax((s log n + bias) x)``, ``n`` the allowed positions of each row."""
-    implementation = backends.resolve(backend, x.device)
+    implementation = _implementation(backend, x)
     if implementation == "reference":
         return reference.scalable_softmax(x, mask, s, bias)
     s_value, s_rows = _split(s)
@@ -258,7 +274,7 @@ def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: s
 
 def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, backend: str | None) -> Tensor:
     """Softmax of ``x / T`` over the ``k`` largest allowed scores (ties: lowest index), 0 elsewhere."""
-    implementation = backends.resolve(backend, x.device)
+    implementation = _implementation(backend, x)
     is_fraction = isinstance(k, float)
     if implementation == "reference":
         return reference.topk_softmax(x, mask, float(k), is_fraction, temperature)
@@ -269,7 +285,7 @@ def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, b
 
 def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None) -> Tensor:
     """alpha-entmax (alpha >= 1; 1 is softmax, 2 sparsemax)."""
-    implementation = backends.resolve(backend, x.device)
+    implementation = _implementation(backend, x)
     if implementation == "reference":
         return reference.entmax(x, mask, alpha)
     value, rows = _split(alpha)
@@ -278,7 +294,7 @@ def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None) -> Tenso
 
 def sparsemax(x: Tensor, mask: RowMask, backend: str | None) -> Tensor:
     """Sparsemax, i.e. 2-entmax."""
-    implementation = backends.resolve(backend, x.device)
+    implementation = _implementation(backend, x)
     if implementation == "reference":
         return reference.sparsemax(x, mask)
     return _call(_Entmax, ops.entmax_fwd, (x, *mask, 2.0, None, implementation))
@@ -286,7 +302,7 @@ def sparsemax(x: Tensor, mask: RowMask, backend: str | None) -> Tensor:
 
 def self_adjusted_softmax(x: Tensor, mask: RowMask, normalized: bool, backend: str | None) -> Tensor:
     """``phi(x) softmax(x)`` (Self-Adjusted Softmax)."""
-    implementation = backends.resolve(backend, x.device)
+    implementation = _implementation(backend, x)
     if implementation == "reference":
         return reference.self_adjusted_softmax(x, mask, normalized)
     return _call(_SelfAdjustedSoftmax, ops.self_adjusted_softmax_fwd, (x, *mask, normalized, implementation))

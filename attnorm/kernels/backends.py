@@ -98,15 +98,15 @@ def _native_ok() -> bool:
     return native_available() if torch.compiler.is_compiling() else build.usable()
 
 
-def resolve(backend: str | None, device: torch.device) -> str:
-    """The implementation (``"reference"``, ``"native"`` or ``"triton"``) that runs on ``device``.
+def resolve(backend: str | None, device: torch.device | str) -> str:
+    """The implementation (``"reference"``, ``"native"`` or ``"triton"``) that runs on ``device`` (or device type).
 
     Raises:
         ValueError: a backend asked for by name that does not run on ``device``.
         RuntimeError: a backend asked for by name that cannot load here.
     """
     requested = _default_backend if backend is None else backend
-    kind = device.type
+    kind = device if isinstance(device, str) else device.type
     if kind == "cpu" and (requested == "auto" or requested == "torch"):  # the common case first
         return "native" if _native_ok() else "reference"
     if requested == "reference":

@@ -65,15 +65,22 @@ def _check_mask(mask: Any, scores: Tensor) -> Tensor | StructuredMask | None:
 
 
 def _check_broadcasts(name: str, value: Tensor, scores: Tensor) -> None:
-    # Plain shape arithmetic: torch.broadcast_shapes costs tens of microseconds per call.
-    shape, target = value.shape, scores.shape
-    fits = len(shape) <= len(target) and all(
-        size in (1, wanted) for size, wanted in zip(reversed(shape), reversed(target), strict=False)
-    )
-    if not fits:
+    if not _broadcasts(value.shape, scores.shape):
         raise ValueError(
             f"{name} of shape {tuple(value.shape)} does not broadcast to scores of shape {tuple(scores.shape)}"
         )
+
+
+def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
+    # Plain shape arithmetic in a loop: torch.broadcast_shapes costs tens of microseconds
+    # per call, all(generator) or a zip over a slice of the target more than this.
+    offset = len(target) - len(shape)
+    if offset < 0:
+        return False
+    for axis, size in enumerate(shape):
+        if size != 1 and size != target[offset + axis]:
+            return False
+    return True
 
 
 def broadcast_param(name: str, value: Tensor, scores: Tensor, dim: int) -> Tensor:

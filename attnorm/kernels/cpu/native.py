@@ -10,8 +10,9 @@ overflow).  Loading and building live in :mod:`attnorm.kernels.cpu.build`;
 Per-row parameters are python numbers or tensors ``(..., 1)`` broadcastable to ``x``
 (per-row inputs of the backward passes may also have the per-row shape
 ``x.shape[:-1]``), handed to C in the rows' dtype; per-row outputs have shape ``x.shape[:-1]`` and dtype
-:func:`attnorm.kernels.rules.accumulation_dtype`.  The functions are plain (no
-autograd): :mod:`attnorm.kernels.ops` wraps them.
+:func:`attnorm.kernels.rules.accumulation_dtype`, which for the float32 and float64 rows
+C takes is the rows' own dtype.  The functions are plain (no autograd):
+:mod:`attnorm.kernels.ops` wraps them.
 """
 
 from __future__ import annotations
@@ -145,8 +146,8 @@ def softmax_forward(
     first, first_rows = _per_row(first, row_shape, dtype, "first")
     second, second_rows = _per_row(second, row_shape, dtype, "second")
     y = _new(shape, dtype)
-    multiplier = _new(row_shape, rules.accumulation_dtype(dtype))
-    log_count = _new(row_shape, multiplier.dtype) if variant == 1 else None
+    multiplier = _new(row_shape, dtype)
+    log_count = _new(row_shape, dtype) if variant == 1 else None
     _launch("attnorm_softmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, variant,
             first, _address(first_rows), second, _address(second_rows), multiplier.data_ptr(), _address(log_count))
     return y, multiplier, log_count
@@ -186,7 +187,7 @@ def softmax_backward(
     row_shape, length = shape[:-1], shape[-1]
     multiplier, multiplier_rows = _per_row(multiplier, row_shape, dtype, "multiplier")
     dx = _new(shape, dtype)
-    per_row = _new(row_shape, rules.accumulation_dtype(dtype)) if param_grad else None
+    per_row = _new(row_shape, dtype) if param_grad else None
     _launch("attnorm_softmax_backward", dtype, y.data_ptr(), grad.data_ptr(), _address(scores), dx.data_ptr(),
             y.numel() // length, length, multiplier, _address(multiplier_rows), param_grad, _address(per_row))
     return dx, per_row
@@ -216,7 +217,7 @@ def topk_forward(
     row_shape, length = shape[:-1], shape[-1]
     temperature, temperature_rows = _per_row(temperature, row_shape, dtype, "temperature")
     y = _new(shape, dtype)
-    multiplier = _new(row_shape, rules.accumulation_dtype(dtype))
+    multiplier = _new(row_shape, dtype)
     _launch("attnorm_topk_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, float(k),
             int(bool(is_fraction)), temperature, _address(temperature_rows), multiplier.data_ptr())
     return y, multiplier
@@ -249,7 +250,7 @@ def entmax_forward(x: Tensor, mask: rules.RowMask, alpha: float | Tensor) -> tup
     row_shape, length = shape[:-1], shape[-1]
     alpha, alpha_rows = _per_row(alpha, row_shape, dtype, "alpha")
     y = _new(shape, dtype)
-    gate = _new(row_shape, rules.accumulation_dtype(dtype))
+    gate = _new(row_shape, dtype)
     _launch("attnorm_entmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, alpha,
             _address(alpha_rows), gate.data_ptr())
     return y, gate
@@ -283,7 +284,7 @@ def entmax_backward(
     gate, gate_rows = _per_row(gate, row_shape, dtype, "gate")
     alpha, alpha_rows = _per_row(alpha, row_shape, dtype, "alpha")
     dx = _new(shape, dtype)
-    per_row = _new(row_shape, rules.accumulation_dtype(dtype)) if alpha_grad else None
+    per_row = _new(row_shape, dtype) if alpha_grad else None
     _launch("attnorm_entmax_backward", dtype, y.data_ptr(), grad.data_ptr(), dx.data_ptr(), y.numel() // length,
             length, gate, _address(gate_rows), alpha, _address(alpha_rows), _address(per_row))
     return dx, per_row
@@ -312,7 +313,7 @@ def self_adjusted_forward(x: Tensor, mask: rules.RowMask, normalized: bool) -> t
     shape, dtype = x.shape, x.dtype
     length = shape[-1]
     y = _new(shape, dtype)
-    stats = _new((*shape[:-1], _SA_STATS), rules.accumulation_dtype(dtype))
+    stats = _new((*shape[:-1], _SA_STATS), dtype)
     _launch("attnorm_self_adjusted_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length,
             int(bool(normalized)), stats.data_ptr())
     return y, stats
@@ -342,7 +343,9 @@ def self_adjusted_backward(x: Tensor, mask: rules.RowMask, grad: Tensor, stats: 
     if not isinstance(stats, Tensor) or tuple(stats.shape) != expected or stats.device.type != "cpu":
         shape = tuple(stats.shape) if isinstance(stats, Tensor) else type(stats).__name__
         raise ValueError(f"stats must be a CPU tensor of shape {expected}, got {shape}")
-    stats = stats.to(rules.accumulation_dtype(x.dtype)).contiguous()
+    if stats.dtype != x.dtype:  # the accumulation dtype
+        stats = stats.to(x.dtype)
+    stats = stats.contiguous()
     length = x.shape[-1]
     dx = _new(x.shape, x.dtype)
     _launch("attnorm_self_adjusted_backward", x.dtype, scores.data_ptr(), grad.data_ptr(), dx.data_ptr(),
