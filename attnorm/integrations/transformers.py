@@ -17,10 +17,18 @@ How it plugs in: transformers (>= 4.54) looks the attention function up by
 the attention masks with the function registered under the same name in
 ``masking_utils.AttentionMaskInterface``.  attnorm registers both (``import attnorm``
 does it when transformers is imported, see :mod:`attnorm.integrations`): the attention
-function below and transformers' own ``sdpa_mask``, which gives a bool mask (True = may
-attend) or None when the plain causal / bidirectional pattern can be passed as
-``is_causal`` instead.  Causal, padding, packed-sequence and KV-cache masks therefore
-reach the normalizer, so Scalable-Softmax's ``n`` counts the keys a query may attend.
+function below and :func:`~attnorm.integrations.transformers_masks.attnorm_mask`, which is
+transformers' own ``sdpa_mask`` (a bool mask, True = may attend, or None when the plain
+causal / bidirectional pattern can be passed as ``is_causal`` instead) except for packed
+sequences.  Causal, padding, packed-sequence and KV-cache masks therefore reach the
+normalizer, so Scalable-Softmax's ``n`` counts the keys a query may attend.
+
+Packed sequences (several documents in one row, ``position_ids`` restarting at 0, as
+``DataCollatorWithFlattening`` produces; batch of one, no ``attention_mask``,
+``use_cache=False``): transformers detects them from ``position_ids``, and the mask
+function returns ``document_mask(cu_seqlens) & causal_mask()`` instead of a dense
+``(1, 1, L, L)`` mask, so the kernels skip cross-document blocks and ``n`` is counted per
+document (see :mod:`attnorm.integrations.transformers_masks`).
 
 Each self-attention layer holds its normalizer as the submodule ``attnorm_normalizer``,
 so learnable parameters are ordinary parameters of the model (``named_parameters()``,
@@ -50,6 +58,7 @@ from torch import Tensor, nn
 
 from attnorm.attention import attention
 from attnorm.integrations.transformers_config import CONFIG_ATTR, config_entry, layer_specs, spec_of
+from attnorm.integrations.transformers_masks import attnorm_mask
 from attnorm.normalizers import Normalizer
 from attnorm.normalizers.registry import make
 
@@ -95,7 +104,8 @@ def attnorm_attention_forward(
         key: ``(B, Hkv, Lk, D)``; ``Hkv`` may divide ``H`` (grouped-query attention).
         value: ``(B, Hkv, Lk, Dv)``.
         attention_mask: bool ``(B, 1, Lq, Lk)`` (True = may attend), an additive float
-            mask, or None for the layer's plain causal / bidirectional pattern.
+            mask, a :class:`~attnorm.StructuredMask` (packed sequences: a document mask),
+            or None for the layer's plain causal / bidirectional pattern.
         dropout: dropout on the weights (transformers passes 0 in eval mode).
         scaling: score scale (None = ``1 / sqrt(D)``).
         is_causal: overrides ``module.is_causal`` when the mask is None.
@@ -147,7 +157,7 @@ def _register() -> None:
     """Register the attention and mask functions under ``"attnorm"`` and hook model construction (once)."""
     try:
         from transformers import AttentionInterface, PreTrainedModel
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: F401  (attnorm_mask calls it)
 
         PreTrainedModel.set_attn_implementation  # noqa: B018  (public since the same releases)
     except (ImportError, AttributeError) as error:
@@ -162,7 +172,7 @@ def _register() -> None:
             f"masking_utils.AttentionMaskInterface, PreTrainedModel.set_attn_implementation); found {found}"
         ) from error
     AttentionInterface.register(ATTN_IMPLEMENTATION, attnorm_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, attnorm_mask)
     _hook(PreTrainedModel)
 
 
