@@ -7,7 +7,8 @@ import torch
 
 import attnorm
 
-SHORT_NAMES = ["softmax", "ssmax", "sa_softmax", "sparsemax", "entmax", "topk"]
+SHORT_NAMES = ["softmax", "ssmax", "sa_softmax", "sparsemax", "entmax", "topk", "relu", "relu2", "softplus", "sigmoid",
+               "softmax1", "taylor", "l2norm"]
 ALIASES = {
     "scalable_softmax": attnorm.ScalableSoftmax,
     "scalable-softmax": attnorm.ScalableSoftmax,
@@ -17,6 +18,9 @@ ALIASES = {
     "entmax15": attnorm.Entmax,
     "topk_softmax": attnorm.TopKSoftmax,
     "top-k": attnorm.TopKSoftmax,
+    "softmax_1": attnorm.Softmax1,
+    "taylor_softmax": attnorm.TaylorSoftmax,
+    "l2_norm": attnorm.L2NormAttention,
 }
 
 
@@ -82,8 +86,12 @@ def test_made_modules_compute_the_same_as_their_classes():
 
 def test_every_available_name_builds_a_working_normalizer():
     x = torch.randn(2, 5)
+    q = torch.randn(1, 2, 5, 4)
     for name in attnorm.available():
         module = attnorm.make(name, k=2) if "top" in name else attnorm.make(name)
+        if isinstance(module, attnorm.OutputNormalizer):  # normalises attention outputs, not scores
+            assert attnorm.attention(q, q, q, module).shape == q.shape
+            continue
         assert isinstance(module, attnorm.Normalizer)
         assert module(x).shape == x.shape
 
