@@ -244,7 +244,9 @@ def _call(function: type[_RowFunction], op, args: tuple, *params: int) -> Tensor
             if args[i] is not None:
                 args[i] = unwrap(args[i])
         return function.eager_apply(*args)[0]
-    return op(*args)[0]
+    if torch.compiler.is_compiling():
+        return op(*args)[0]
+    return op._op(*args)[0]  # what OpOverload.__call__ does, one Python frame less
 
 
 def _implementation(backend: str | None, x: Tensor) -> str:
