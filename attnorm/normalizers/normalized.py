@@ -68,7 +68,11 @@ def apply_rows(row_function: RowFunction, scores: Tensor, mask: Tensor | Structu
 
 
 class RowFunctionNormalizer(Normalizer):
-    """A normalizer whose rows are computed by :meth:`row_function` in pure torch (no kernel op)."""
+    """A normalizer whose rows are computed by :meth:`row_function` in pure torch (no kernel op).
+
+    ``backend`` is accepted like every normalizer's, for one interface; these rows are the
+    same few torch operations on every backend.
+    """
 
     def row_function(self) -> RowFunction:
         raise NotImplementedError
@@ -101,9 +105,9 @@ class Normalized(RowFunctionNormalizer):
 
     def __init__(
         self, f: Callable[[Tensor], Tensor], derivative: Callable[[Tensor], Tensor] | None = None, dim: int = -1,
-        name: str | None = None,
+        name: str | None = None, backend: str | None = None,
     ) -> None:
-        super().__init__(dim)
+        super().__init__(dim, backend)
         if not callable(f):
             raise TypeError(f"f must be a callable F(x) -> tensor, got {type(f).__name__}")
         if derivative is not None and not callable(derivative):
@@ -153,8 +157,8 @@ class ReLUNormalized(_LogRatio):
     sparse = True
     power = Checked(_check_power)
 
-    def __init__(self, power: float = 1.0, dim: int = -1) -> None:
-        super().__init__(dim)
+    def __init__(self, power: float = 1.0, dim: int = -1, backend: str | None = None) -> None:
+        super().__init__(dim, backend)
         self.power = power
 
     def log_f(self, x: Tensor) -> Tensor:
@@ -204,8 +208,8 @@ class SigmoidAttention(RowFunctionNormalizer):
 
     sums_to_one = False
 
-    def __init__(self, bias: float | None = None, dim: int = -1) -> None:
-        super().__init__(dim)
+    def __init__(self, bias: float | None = None, dim: int = -1, backend: str | None = None) -> None:
+        super().__init__(dim, backend)
         self.bias = None if bias is None else float(V.check_finite("bias", bias))
 
     def row_function(self) -> RowFunction:

@@ -72,8 +72,9 @@ class TaylorSoftmax(_LogRatio):
     n = Checked(_check_order)
     chunk = Checked(_check_chunk)
 
-    def __init__(self, n: int = 2, linear: bool = False, chunk: int = 64, dim: int = -1) -> None:
-        super().__init__(dim)
+    def __init__(self, n: int = 2, linear: bool = False, chunk: int = 64, dim: int = -1,
+                 backend: str | None = None) -> None:
+        super().__init__(dim, backend)
         self.n = n
         if not isinstance(linear, bool):
             raise TypeError(f"linear must be a bool, got {linear!r}")

@@ -118,6 +118,11 @@ def square_plus_one(x: Tensor) -> Tensor:
     return x * x + 1
 
 
+def hypot_one(x: Tensor) -> Tensor:
+    """A user's ``F(x) = sqrt(x^2 + 1)`` (no overflow at any finite float32 score), for the shared-rule cases."""
+    return torch.hypot(x, torch.ones((), dtype=x.dtype, device=x.device))
+
+
 @dataclass(frozen=True)
 class Case:
     """A normalizer configuration, how to build it, its functional form and its reference.
@@ -252,10 +257,10 @@ CASES = [
         shift_invariant=False,
     ),
     Case(
-        "normalized_x2+1",
-        lambda **kw: attnorm.Normalized(square_plus_one, **kw),
-        lambda x, **kw: F.normalized(x, square_plus_one, **kw),
-        lambda x: ratio_reference(x.double() ** 2 + 1),
+        "normalized_hypot",
+        lambda **kw: attnorm.Normalized(hypot_one, **kw),
+        lambda x, **kw: F.normalized(x, hypot_one, **kw),
+        lambda x: ratio_reference(torch.hypot(x.double(), torch.ones((), dtype=torch.float64))),
         shift_invariant=False,
     ),
 ]

@@ -17,6 +17,7 @@ from torch.autograd import gradcheck, gradgradcheck
 import attnorm
 from attnorm import functional as F
 from normalizers.references import (
+    ratio_reference,
     relu_reference,
     sigmoid_reference,
     softmax1_reference,
@@ -155,3 +156,13 @@ def test_through_attention_equals_the_formula(name):
     for row in range(5):
         weights[..., row, : row + 1] = NAMED[name](scores[..., row, : row + 1])
     torch.testing.assert_close(out, weights @ v, rtol=1e-10, atol=1e-12)
+
+
+def test_a_user_function_overflowing_at_finite_scores_gives_the_infinite_limit_not_nan():
+    """F(x) = x^2 + 1 overflows float32 at |x| > 1.8e19: those positions share the row (as +inf scores do)."""
+    x = torch.tensor([[3e20, -4e20, 1.0], [2.0, 1.0, 0.0]], requires_grad=True)
+    weights = attnorm.Normalized(square_plus_one)(x)
+    torch.testing.assert_close(weights[0], torch.tensor([0.5, 0.5, 0.0]))
+    torch.testing.assert_close(weights[1].double(), ratio_reference(x[1].detach().double() ** 2 + 1))
+    (grad,) = torch.autograd.grad(weights.sum(), x)
+    assert torch.isfinite(grad).all()

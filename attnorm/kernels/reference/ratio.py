@@ -71,8 +71,9 @@ def ratio_of_values(x: Tensor, mask: RowMask, f: Elementwise, derivative: Elemen
     """``a_i = F(x_i) / sum_j F(x_j)`` over the allowed positions of each row (last axis).
 
     ``F`` sees only finite allowed scores (others are replaced by 0, and their gradient is 0);
-    rows holding a +inf score are uniform over those positions, as for every normalizer.
-    ``F`` must not overflow at finite scores (use :func:`ratio_of_logs` for that).
+    rows holding a +inf score are uniform over those positions, as for every normalizer, and
+    so are rows where ``F`` overflows to +inf at finite scores (:func:`ratio_of_logs` avoids
+    the overflow altogether).
 
     Args:
         x: scores ``(..., L)``.
@@ -88,6 +89,9 @@ def ratio_of_values(x: Tensor, mask: RowMask, f: Elementwise, derivative: Elemen
     safe = torch.where(finite, x, 0.0)
     values = f(safe) if derivative is None else _WithDerivative.apply(safe, f, derivative)
     values = torch.where(infinite_row, infinite.to(x.dtype), torch.where(finite, values, 0.0))
+    # F overflowing at a finite score is the same limit as a +inf score: uniform over those positions.
+    overflow = torch.isposinf(values.detach())
+    values = torch.where(overflow.any(-1, keepdim=True), overflow.to(values.dtype), values)
     largest = values.detach().amax(-1, keepdim=True)
     # Dividing by the row's largest value cannot change the ratio; it keeps the sum finite.
     largest = torch.where(largest > 0, largest, 1.0)
