@@ -79,8 +79,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_normalizers import _quiet_stderr
-from profiler_memory import allocator_peak_bytes
+from profiler_memory import peak_bytes
 from reporting import error_text, markdown_table, percentiles, versions, write_csv
 
 import attnorm
@@ -307,19 +306,6 @@ def cuda_quantiles(attend: Attend, qkv, grad, mode: str, params) -> tuple[float,
     milliseconds = do_bench(mode_call(attend, qkv, grad, mode), grad_to_none=[*qkv, *params],
                             quantiles=[0.5, 0.2, 0.8])
     return tuple(value / 1e3 for value in milliseconds)
-
-
-def peak_bytes(run: Callable[[], object], device: str) -> float:
-    """Peak bytes allocated while ``run()`` runs, beyond those held before it."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - held
-    with _quiet_stderr():
-        return allocator_peak_bytes(run)
 
 
 def inputs(batch: int, heads: int, length: int, head_dim: int, dtype, device: str):

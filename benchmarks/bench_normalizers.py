@@ -57,7 +57,6 @@ Writes ``bench_normalizers.csv``, ``.md`` (ratios vs torch.softmax, also printed
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import importlib.util
 import json
@@ -72,7 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from profiler_memory import allocator_peak_bytes
+from profiler_memory import peak_bytes
 from reporting import error_text, markdown_table, percentiles, versions, write_csv
 from tqdm import tqdm
 from traffic import MODES, bytes_moved
@@ -257,28 +256,7 @@ def peak_memory(fn: Callable, x: torch.Tensor, grad: torch.Tensor, mode: str, de
         run = lambda: fn(x)
     else:
         run = lambda: fn(x).backward(grad)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - held
-    with _quiet_stderr():
-        return allocator_peak_bytes(run)
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Silence file descriptor 2 (the profiler's C++ start/stop lines) for the block."""
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+    return peak_bytes(run, device)
 
 
 def device_bandwidth() -> float | None:
