@@ -21,3 +21,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def device() -> str:
     """Where Triton test tensors live: "cuda" when available, else "cpu" (interpreter)."""
     return DEVICE
+
+
+@pytest.fixture
+def force_blocked(monkeypatch) -> None:
+    """attention()'s blocked route takes every call it can, one query row per block."""
+    import attnorm.routes.blocked as blocked
+
+    monkeypatch.setattr(blocked, "MIN_BLOCK_BYTES", 1)
+    monkeypatch.setattr(blocked, "BLOCKS_PER_INPUTS", 10**9)

@@ -11,7 +11,6 @@ the materialised route (every other normalizer, ``return_weights=True``).
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
@@ -23,8 +22,6 @@ from torch.profiler import ProfilerActivity, profile
 
 import attnorm
 from attnorm import causal_mask, key_padding_mask
-
-blocked_module = importlib.import_module("attnorm.routes.blocked")
 
 B, H, D = 2, 3, 8
 
@@ -111,11 +108,10 @@ FAST_CASES = [case for case in CASES if case.name.startswith(("softmax", "ssmax"
 
 
 @pytest.fixture(params=["one_block", "tiny_blocks"])
-def blocks(request, monkeypatch):
+def blocks(request):
     """Normalizers off the SDPA route run materialised (one block) or blocked, one query row per block."""
     if request.param == "tiny_blocks":
-        monkeypatch.setattr(blocked_module, "MIN_BLOCK_BYTES", 1)
-        monkeypatch.setattr(blocked_module, "BLOCKS_PER_INPUTS", 10**9)
+        request.getfixturevalue("force_blocked")
     return request.param
 
 
@@ -229,9 +225,7 @@ def test_blocked_route_gradients_of_learnable_parameters_and_additive_masks(bloc
         torch.testing.assert_close(actual, reference, rtol=1e-9, atol=1e-10)
 
 
-def test_blocked_route_replays_dropout_in_its_backward(monkeypatch):
-    monkeypatch.setattr(blocked_module, "MIN_BLOCK_BYTES", 1)
-    monkeypatch.setattr(blocked_module, "BLOCKS_PER_INPUTS", 10**9)
+def test_blocked_route_replays_dropout_in_its_backward(force_blocked):
     q, k, v = (t[:, :1, :, :4].detach().requires_grad_() for t in qkv(5, 6, seed=3))
 
     def dropped(*inputs):

@@ -20,7 +20,6 @@ import torch
 
 import attnorm
 
-blocked_module = importlib.import_module("attnorm.routes.blocked")
 attention_module = importlib.import_module("attnorm.attention")
 
 B, H, HKV, D = 2, 4, 2, 8  # grouped-query attention: two query heads per key head
@@ -76,11 +75,10 @@ GRADIENT_SPECS = ["softmax", "ssmax_learnable_per_head", "sparsemax", "entmax_le
 
 
 @pytest.fixture(params=["default_routes", "blocked"])
-def route(request, monkeypatch):
+def route(request):
     """The default routes, or the blocked route forced with one query row per block."""
     if request.param == "blocked":
-        monkeypatch.setattr(blocked_module, "MIN_BLOCK_BYTES", 1)
-        monkeypatch.setattr(blocked_module, "BLOCKS_PER_INPUTS", 10**9)
+        request.getfixturevalue("force_blocked")
     return request.param
 
 

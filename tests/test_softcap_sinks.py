@@ -8,7 +8,6 @@ the real allowed keys only.
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import entmax
@@ -17,16 +16,13 @@ import torch
 
 import attnorm
 
-blocked_module = importlib.import_module("attnorm.routes.blocked")
-
 B, H, LQ, LK, D = 2, 3, 6, 7, 8
 
 
 @pytest.fixture(params=["materialised", "blocked"])
-def route(request, monkeypatch):
+def route(request):
     if request.param == "blocked":
-        monkeypatch.setattr(blocked_module, "MIN_BLOCK_BYTES", 1)
-        monkeypatch.setattr(blocked_module, "BLOCKS_PER_INPUTS", 10**9)
+        request.getfixturevalue("force_blocked")
     return request.param
 
 
