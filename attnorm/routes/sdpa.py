@@ -54,7 +54,8 @@ def logit_multiplier(normalizer: Normalizer, mask, additive: Tensor | None, q: T
     if additive is not None:  # n would count the keys the additive mask leaves finite: not a mask SDPA takes
         return None
     s, bias = params["s"], params["bias"]
-    count = allowed_counts(mask, q, lk)
+    # A structured mask that allows every key (a decoding step's causal mask) leaves n = Lk.
+    count = None if sdpa_mask_kind(mask, q.shape[-2], lk) == "none" else allowed_counts(mask, q, lk)
     if count is None and not isinstance(s, Tensor) and not isinstance(bias, Tensor):
         return s * math.log(max(lk, 1)) + bias
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

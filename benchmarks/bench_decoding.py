@@ -1,0 +1,183 @@
+"""Decoding: a few queries against a long KV cache, every attnorm normalizer against SDPA.
+
+Generation runs attention with ``Lq`` = 1 (or a few, with speculative decoding) query
+rows against the whole cache, bottom-right causal (``attnorm.causal_mask(Lk - Lq)``).
+For each KV length and normalizer this times ``attnorm.attention`` (its decoding route:
+the scaled SDPA call for temperature and Scalable-Softmax; for the others the scores of
+the few rows normalised as rows by the row kernels, see ``attnorm.attention.DECODING_ROWS``)
+and ``scaled_dot_product_attention`` on the same ``(B, H, Lq, D)`` / ``(B, H, Lk, D)``
+tensors, forward only (inference), as a ratio measured in the same run.
+
+Goals (H100, bf16, batch 8, 16 heads, head dim 64, KV 4k-64k): every normalizer <= 2x
+SDPA's decoding time, the logit scalings <= 1.1x.
+
+How it is measured: CUDA, ``triton.testing.do_bench`` (warm-up, L2 flushed); CPU,
+interleaved rounds of ``time.perf_counter`` (the ratio is the median of the rounds'
+ratios).  Each provider is isolated: one that fails becomes an error row.
+
+Usage::
+
+    python benchmarks/bench_decoding.py                         # CUDA: KV 4k..64k, batch 8, bf16
+    python benchmarks/bench_decoding.py --device cpu            # KV 1k..8k, batch 2, float32
+    python benchmarks/bench_decoding.py --device cpu --quick    # seconds
+
+Writes ``bench_decoding_<device>.csv`` and ``.md`` into ``--out`` (default ``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from reporting import error_text, markdown_table, percentiles, versions, write_csv
+from torch.nn.attention.bias import causal_lower_right
+
+import attnorm
+
+SPECS = ("softmax", "softmax:temperature=0.5", "ssmax", "ssmax:learnable=true,num_heads={heads}", "sparsemax",
+         "entmax:alpha=1.5", "entmax:alpha=1.3", "topk:k=64", "topk:k=0.06", "sa_softmax")
+COLUMNS = ("normalizer", "kv_length", "queries", "batch", "heads", "head_dim", "dtype", "device", "median_ms",
+           "p20_ms", "p80_ms", "ratio_vs_sdpa", "goal", "error", "versions")
+SETTINGS = {  # device: (kv lengths, batch, heads, head dim, dtype, rounds)
+    "cuda": ((4096, 8192, 16384, 32768, 65536), 8, 16, 64, torch.bfloat16, 1),
+    "cpu": ((1024, 2048, 4096, 8192), 2, 8, 64, torch.float32, 15),
+}
+
+
+def goal(spec: str) -> float:
+    return 1.1 if spec.startswith(("softmax", "ssmax")) else 2.0
+
+
+def attend_with(spec: str, device: str, lq: int, lk: int) -> Callable[..., torch.Tensor]:
+    normalizer = attnorm.make(spec).to(device)
+    mask = attnorm.causal_mask(lk - lq)
+    return lambda q, k, v: attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+
+
+def sdpa_with(lq: int, lk: int) -> Callable[..., torch.Tensor]:
+    """SDPA under the same bottom-right causal mask (a single query row sees every key)."""
+    mask = causal_lower_right(lq, lk) if lq > 1 else None
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def time_providers(calls: dict[str, Callable], inputs, device: str, rounds: int, errors: dict) -> dict[str, list]:
+    """Seconds per call of each provider (CUDA: do_bench quantiles; CPU: one sample per round)."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        samples = {}
+        for name, call in calls.items():
+            try:
+                with torch.no_grad():
+                    timed = do_bench(lambda call=call: call(*inputs), quantiles=[0.5, 0.2, 0.8])
+                samples[name] = [ms / 1e3 for ms in timed]
+            except Exception as error:  # one provider failing must not end the run
+                errors[name] = error_text(error)
+        return samples
+    samples = {}
+    with torch.no_grad():
+        for name, call in calls.items():
+            try:
+                call(*inputs)  # warm-up (builds kernels)
+                samples[name] = []
+            except Exception as error:
+                errors[name] = error_text(error)
+        for _ in range(rounds):
+            for name in list(samples):
+                start = time.perf_counter()
+                call = calls[name]
+                call(*inputs)
+                samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    lengths, batch, heads, head_dim, dtype, rounds = SETTINGS[args.device]
+    lengths = args.lengths or ((256, 512) if args.quick else lengths)
+    rounds = 2 if args.quick else rounds
+    specs = [spec.format(heads=heads) for spec in args.specs or SPECS]
+    stamp = versions(args.device)
+    rows = []
+    for lk in lengths:
+        generator = torch.Generator(device=args.device).manual_seed(0)
+        q, k, v = (torch.randn(batch, heads, length, head_dim, device=args.device, dtype=dtype, generator=generator)
+                   for length in (args.queries, lk, lk))
+        calls, errors = {"sdpa": sdpa_with(args.queries, lk)}, {}
+        for spec in specs:
+            try:
+                calls[spec] = attend_with(spec, args.device, args.queries, lk)
+            except Exception as error:
+                errors[spec] = error_text(error)
+        samples = time_providers(calls, (q, k, v), args.device, rounds, errors)
+        base = samples.get("sdpa")
+        for name in [*calls, *[spec for spec in errors if spec not in calls]]:
+            row = {"normalizer": name, "kv_length": lk, "queries": args.queries, "batch": batch, "heads": heads,
+                   "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "device": args.device,
+                   "goal": "" if name == "sdpa" else goal(name), "versions": stamp, "error": errors.get(name, "")}
+            if name in samples:
+                median, p20, p80 = percentiles(samples[name])
+                row.update(median_ms=median * 1e3, p20_ms=p20 * 1e3, p80_ms=p80 * 1e3)
+                if base:
+                    pairs = list(zip(samples[name], base, strict=False))
+                    row["ratio_vs_sdpa"] = statistics.median(a / b for a, b in pairs)
+            rows.append(row)
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    lengths = sorted({row["kv_length"] for row in rows})
+    names = list(dict.fromkeys(row["normalizer"] for row in rows))
+    cell = {(row["normalizer"], row["kv_length"]): row for row in rows}
+    body = []
+    for name in names:
+        entries = []
+        for length in lengths:
+            row = cell.get((name, length), {})
+            if row.get("error"):
+                entries.append("error")
+            elif name == "sdpa":
+                entries.append(f"{row['median_ms']:.3f} ms")
+            else:
+                entries.append(f"{row['ratio_vs_sdpa']:.2f}x")
+        body.append([name, *entries])
+    return markdown_table(["normalizer", *[f"KV {length}" for length in lengths]], body)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, two rounds (seconds; for tests)")
+    parser.add_argument("--lengths", type=int, nargs="+", help="KV lengths")
+    parser.add_argument("--queries", type=int, default=1, help="query rows per step (default 1)")
+    parser.add_argument("--specs", nargs="+", help="normalizer specs ({heads} = the run's heads)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"bench_decoding_{args.device}"
+    write_csv(args.out / f"{name}.csv", rows, COLUMNS)
+    table = report(rows)
+    (args.out / f"{name}.md").write_text(
+        f"Decoding, {args.queries} query row(s), forward only; SDPA in ms, the rest as a ratio to it.\n\n"
+        f"{table}\n\n{rows[0]['versions'] if rows else ''}\n"
+    )
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

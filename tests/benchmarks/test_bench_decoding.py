@@ -1,0 +1,28 @@
+"""benchmarks/bench_decoding.py runs end to end on its smallest configuration (CPU, seconds)."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_decoding  # noqa: E402
+
+
+def test_decoding_rows_for_every_spec_and_kv_length(tmp_path):
+    specs = ["ssmax:learnable=true,num_heads={heads}", "sparsemax", "topk:k=0.06"]
+    assert bench_decoding.main(["--device", "cpu", "--quick", "--lengths", "64", "96", "--queries", "2",
+                                "--specs", *specs, "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "bench_decoding_cpu.csv", newline="") as handle:
+        reader = csv.DictReader(handle)
+        assert tuple(reader.fieldnames) == bench_decoding.COLUMNS
+        rows = list(reader)
+    expected = {"sdpa", *(spec.format(heads=8) for spec in specs)}
+    cells = {(row["normalizer"], row["kv_length"]) for row in rows}
+    assert cells == {(name, length) for name in expected for length in ("64", "96")}
+    assert not [row for row in rows if row["error"]]
+    assert all(float(row["ratio_vs_sdpa"]) > 0 for row in rows)
+    assert "KV 96" in (tmp_path / "bench_decoding_cpu.md").read_text()
