@@ -8,8 +8,6 @@ is ``q``'s first dim.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -81,16 +79,3 @@ def kernel_mask(mask: Mask, additive: Tensor | None, q: Tensor, lk: int) -> Atte
     if additive is not None:
         additive = additive.to(q.device)
     return AttentionMask(start, stop, dense, additive)
-
-
-def padding_only(mask: Mask) -> bool:
-    """True for a StructuredMask holding key lengths and nothing else."""
-    return (
-        isinstance(mask, StructuredMask) and mask.key_lengths is not None and mask.causal_diagonal is None
-        and mask.row_fields_only
-    )
-
-
-def neg_inf_where_masked(scores: Tensor, keep: Tensor | None) -> Tensor:
-    """``scores`` with -inf wherever ``keep`` is False (in place when possible)."""
-    return scores if keep is None else scores.masked_fill_(~keep, -math.inf)
