@@ -1,4 +1,4 @@
-"""What every fused attention kernel shares: mask arguments, key-block bounds, score tiles.
+"""What every fused attention kernel shares on the device: mask arguments, key-block bounds, tiles.
 
 A fused kernel runs one program per (query block, batch x head).  It never builds
 the ``(Lq, Lk)`` score matrix: each tile ``S = scale * Q_blk K_blk^T (+ additive)`` is
@@ -13,7 +13,11 @@ inputs).  The mask is an :class:`attnorm.kernels.rules.AttentionMask`:
   through four strides (``(B, Hq, Lq, Lk)``, stride 0 along broadcast dims).
 
 :func:`mask_arguments` packs these into the launch arguments every kernel takes in
-the same order; :func:`score_tile` computes one tile with masked entries at -inf.
+the same order; :func:`score_tile` computes one tile with masked entries at -inf and
+:func:`key_scores` the tile of a key block given by its base pointer and strides;
+:func:`load_tile` loads any zero-padded block of a ``(rows, cols)`` matrix (query,
+key, value or output-gradient rows, or their transposed view).  The host side
+(block size, shapes, operands) is :mod:`.attention_launch`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from torch import Tensor
 
 from attnorm.kernels.rules import AttentionMask
 
-__all__ = ["key_block_bounds", "mask_arguments", "score_tile"]
+__all__ = ["key_block_bounds", "key_scores", "load_tile", "mask_arguments", "score_tile"]
 
 
 def _strides(t: Tensor | None, shape: tuple[int, int, int, int]) -> tuple[Any, int, int, int, int]:
@@ -108,3 +112,30 @@ def score_tile(
         add_ptrs = additive + batch * add_sb + head * add_sh + offs_m[:, None] * add_sm + offs_n[None, :] * add_sn
         scores = scores + tl.load(add_ptrs, mask=keep, other=0.0).to(ACC)
     return tl.where(keep, scores, float("-inf"))
+
+
+@triton.jit
+def key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+               batch, head, masking, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, ACC: tl.constexpr):
+    """:func:`score_tile` for keys at ``k_base``; ``masking`` packs the dense and additive arguments.
+
+    Columns past the head dim read the last real column (finite, multiplied by the
+    query tile's zeros there), so no pointer leaves a key row.
+    """
+    k_ptrs = k_base + offs_n[None, :] * sk_n + tl.minimum(offs_d, head_dim - 1)[:, None] * sk_d
+    dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn = masking
+    return score_tile(q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, batch, head,
+                      dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+                      HAS_DENSE, HAS_ADDITIVE, ACC)
+
+
+@triton.jit
+def load_tile(base, offs_r, offs_c, rows, cols, s_r, s_c):
+    """The ``(len(offs_r), len(offs_c))`` block of a ``(rows, cols)`` matrix at ``base``, 0 outside it.
+
+    Query rows: ``load_tile(q, offs_m, offs_d, lq, head_dim, sq_m, sq_d)``; key or value
+    rows likewise with ``offs_n``; the transposed view ``(D, BLOCK_N)`` of keys:
+    ``load_tile(k, offs_d, offs_n, head_dim, lk, sk_d, sk_n)``.
+    """
+    ptrs = base + offs_r[:, None] * s_r + offs_c[None, :] * s_c
+    return tl.load(ptrs, mask=(offs_r < rows)[:, None] & (offs_c < cols)[None, :], other=0.0)

@@ -45,40 +45,23 @@ Bytes per query row beyond q, k, v, out and their gradients: the forward writes
 :data:`STATS` stats of 4 bytes (8 for float64); the backward reads them and writes
 and reads two per-row sums (``P``, ``Q``).
 
-Shared with :mod:`.attention_topk`: :func:`block_size`, :class:`Problem`, :func:`row_dot`
-and the device helpers :func:`load_rows`, :func:`scores` and :func:`key_tile`.
+Block size, shape checks, operands and the ``P`` pre-pass: :mod:`.attention_launch`;
+mask arguments, key-block bounds and tiles: :mod:`.attention_blocks`.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.attention_blocks import key_block_bounds, mask_arguments, score_tile
+from attnorm.kernels.triton.attention_blocks import key_block_bounds, key_scores, load_tile, mask_arguments
+from attnorm.kernels.triton.attention_launch import Problem, dot_operands, problem, row_dot
 from attnorm.kernels.triton.self_adjusted import _factor, _span
 
-__all__ = [
-    "BLOCK_CUDA",
-    "BLOCK_INTERPRETED",
-    "STATS",
-    "Problem",
-    "block_size",
-    "dot_operands",
-    "key_tile",
-    "load_rows",
-    "problem",
-    "row_dot",
-    "scores",
-    "self_adjusted_attention_backward",
-    "self_adjusted_attention_forward",
-]
+__all__ = ["STATS", "self_adjusted_attention_backward", "self_adjusted_attention_forward"]
 
 BLOCK_CUDA = 64
 """Query and key block size on CUDA."""
@@ -96,128 +79,6 @@ uniform over them once they are read as 0), 0 for a row with no allowed key or a
 
 
 _STATS_WIDTH = tl.constexpr(STATS)
-
-
-def block_size(device: torch.device) -> int:
-    """Query and key block size: :data:`BLOCK_CUDA` on CUDA, :data:`BLOCK_INTERPRETED` elsewhere (interpreter)."""
-    return BLOCK_CUDA if device.type == "cuda" else BLOCK_INTERPRETED
-
-
-class Problem(NamedTuple):
-    """Shapes and launch constants of one attention call."""
-
-    batch: int
-    heads: int
-    kv_heads: int
-    lq: int
-    lk: int
-    head_dim: int
-    value_dim: int
-    block: int
-    constants: dict[str, Any]
-
-    @property
-    def group(self) -> int:
-        """Query heads per key/value head."""
-        return self.heads // self.kv_heads
-
-    @property
-    def score_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, self.heads, self.lq, self.lk)
-
-    def row_tensor(self, *extra: int, like: Tensor) -> Tensor:
-        """A per-query-row output ``(B, Hq, Lq, *extra)`` in the accumulation dtype (from :func:`launch.empty`)."""
-        dtype = rules.accumulation_dtype(like.dtype)
-        return launch.empty((self.batch, self.heads, self.lq, *extra), dtype, like.device)
-
-
-def problem(q: Tensor, k: Tensor, v: Tensor) -> Problem:
-    """Check the shapes of ``q`` ``(B, Hq, Lq, D)``, ``k`` ``(B, Hkv, Lk, D)``, ``v`` ``(B, Hkv, Lk, Dv)``.
-
-    Raises:
-        ValueError: wrong number of dims, mismatched batch, heads, lengths or head dims,
-            ``Hq`` not a multiple of ``Hkv``, or mixed dtypes.
-    """
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must have 4 dims, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    batch, heads, lq, head_dim = q.shape
-    if k.shape[0] != batch or v.shape[0] != batch or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k's head dim must equal q's ({head_dim}), got {k.shape[3]}")
-    if k.shape[1] == 0 or heads % k.shape[1]:
-        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({k.shape[1]})")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    block = block_size(q.device)
-    constants = dict(
-        BLOCK_M=block, BLOCK_N=block,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(v.shape[3])),
-        ACC=launch.compute_dtype(q),
-    )
-    return Problem(batch, heads, k.shape[1], lq, k.shape[2], head_dim, v.shape[3], block, constants)
-
-
-def dot_operands(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """The tensors kernels read: bfloat16 as float32 off CUDA (Triton's interpreter multiplies bfloat16's raw bits).
-
-    Exact for the score products (a product of two bfloat16 is exact in float32); the
-    outputs keep the caller's dtype.
-    """
-    return tuple(t.float() if t.dtype == torch.bfloat16 and t.device.type != "cuda" else t for t in tensors)
-
-
-@triton.jit
-def load_rows(base, offs_m, offs_d, lq, width, s_m, s_d):
-    """A ``(BLOCK_M, BLOCK_D)`` tile of rows ``offs_m`` (0 past ``lq`` and past ``width`` columns)."""
-    ptrs = base + offs_m[:, None] * s_m + offs_d[None, :] * s_d
-    return tl.load(ptrs, mask=(offs_m < lq)[:, None] & (offs_d < width)[None, :], other=0.0)
-
-
-@triton.jit
-def key_tile(base, offs_n, offs_d, lk, width, s_n, s_d):
-    """Keys (or values) ``offs_n`` as ``(BLOCK_N, BLOCK_D)``, 0 past ``lk`` and past ``width`` columns."""
-    ptrs = base + offs_n[:, None] * s_n + offs_d[None, :] * s_d
-    return tl.load(ptrs, mask=(offs_n < lk)[:, None] & (offs_d < width)[None, :], other=0.0)
-
-
-@triton.jit
-def scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-           batch, head, masking, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, ACC: tl.constexpr):
-    """:func:`.attention_blocks.score_tile` for keys at ``k_base``; ``masking`` packs the dense and additive arguments.
-
-    Columns past the head dim read the last real column (finite, multiplied by the
-    query tile's zeros there), so no pointer leaves a key row.
-    """
-    k_ptrs = k_base + offs_n[None, :] * sk_n + tl.minimum(offs_d, head_dim - 1)[:, None] * sk_d
-    dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn = masking
-    return score_tile(q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, batch, head,
-                      dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
-                      HAS_DENSE, HAS_ADDITIVE, ACC)
-
-
-@triton.jit
-def _row_dot_kernel(A, B, OUT, sa_b, sa_h, sa_m, sa_d, sb_b, sb_h, sb_m, sb_d, heads, lq, width,
-                    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr):
-    block, bh = tl.program_id(0), tl.program_id(1)
-    batch, head = bh // heads, bh % heads
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_DV)
-    a = load_rows(A + batch * sa_b + head * sa_h, offs_m, offs_d, lq, width, sa_m, sa_d).to(ACC)
-    b = load_rows(B + batch * sb_b + head * sb_h, offs_m, offs_d, lq, width, sb_m, sb_d).to(ACC)
-    tl.store(OUT + bh * lq + offs_m, tl.sum(a * b, 1), mask=offs_m < lq)
-
-
-def row_dot(shape: Problem, out: Tensor, grad_out: Tensor) -> Tensor:
-    """``rowsum(dO * out)`` per query row ``(B, Hq, Lq)``, accumulation dtype: the backward pre-pass (no K/V)."""
-    result = shape.row_tensor(like=out)
-    if result.numel():
-        c = shape.constants
-        _row_dot_kernel[(triton.cdiv(shape.lq, shape.block), shape.batch * shape.heads)](
-            out, grad_out, result, *out.stride(), *grad_out.stride(), shape.heads, shape.lq, shape.value_dim,
-            BLOCK_M=c["BLOCK_M"], BLOCK_DV=c["BLOCK_DV"], ACC=c["ACC"],
-        )
-    return result
 
 
 # ---- Self-Adjusted device helpers ----------------------------------------------------------
@@ -302,7 +163,7 @@ def _self_adjusted_forward_kernel(
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
     k_base = K + batch * sk_b + (head // group) * sk_h
     v_base = V + batch * sv_b + (head // group) * sv_h
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
@@ -319,7 +180,7 @@ def _self_adjusted_forward_kernel(
     plain_sum = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # B = sum e v
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+        x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                    batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
         finite = (x > float("-inf")) & (x < float("inf"))
         posinf_count += tl.sum((x == float("inf")).to(ACC), 1)
@@ -340,7 +201,7 @@ def _self_adjusted_forward_kernel(
         xs = tl.where(finite, x - ref[:, None], 0.0)
         e = tl.where(finite, tl.exp(xs), 0.0)
         total = total * rescale + tl.sum(e, 1)
-        v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+        v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         shifted_sum = rescale[:, None] * (shifted_sum + moved[:, None] * plain_sum)
         shifted_sum += tl.dot((e * xs).to(v_tile.dtype), v_tile, out_dtype=ACC)
         plain_sum = rescale[:, None] * plain_sum + tl.dot(e.to(v_tile.dtype), v_tile, out_dtype=ACC)
@@ -362,13 +223,13 @@ def _self_adjusted_forward_kernel(
         limit = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
+            x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
                        scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
             if NORMALIZED:
                 mass = tl.where(x == float("inf"), 1.0, 0.0)
             else:
                 mass = tl.where(x == float("inf"), float("inf"), 0.0)
-            v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+            v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
             limit += tl.dot(mass.to(v_tile.dtype), v_tile, out_dtype=ACC)
         out = tl.where(posinf_row[:, None], limit / tl.maximum(posinf_count, 1.0)[:, None], out)
     nan_row = nan_count > 0
@@ -413,8 +274,8 @@ def _self_adjusted_dq_kernel(
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
-    do_tile = load_rows(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+    q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
     k_base = K + batch * sk_b + (head // group) * sk_h
     v_base = V + batch * sv_b + (head // group) * sv_h
     rows = bh * lq + offs_m
@@ -428,11 +289,11 @@ def _self_adjusted_dq_kernel(
         s, span = _span(low, high)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+            x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                        batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
             xs, w, used, _ = _weights(x, c0, c1, state)
             w = tl.where((state == 1)[:, None], w, 0.0)
-            v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+            v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
             g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
             total += tl.sum(g * w * _factor(xs, low[:, None], s[:, None], span[:, None], True), 1)
             weighted += tl.sum(g * w, 1)
@@ -446,13 +307,13 @@ def _self_adjusted_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+        x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                    batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
         xs, w, used, _ = _weights(x, c0, c1, state)
-        v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+        v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
         ds = _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NORMALIZED)
-        k_tile = key_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
+        k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
         dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
@@ -478,7 +339,7 @@ def _self_adjusted_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k_base = K + batch * sk_b + kv_head * sk_h
-    v_tile = key_tile(V + batch * sv_b + kv_head * sv_h, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+    v_tile = load_tile(V + batch * sv_b + kv_head * sv_h, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
     for member in range(group):
@@ -488,12 +349,12 @@ def _self_adjusted_dkdv_kernel(
             row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
                                                            HAS_RANGE)
             if (start < hi) & (start + BLOCK_N > lo):
-                q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
-                do_tile = load_rows(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+                q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+                do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
                 rows = (batch * heads + head) * lq + offs_m
                 c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
                 total = tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0)
-                x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
+                x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
                            scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
                 xs, w, used, posinf = _weights(x, c0, c1, state)
                 if NORMALIZED:
@@ -522,7 +383,7 @@ def _self_adjusted_dkdv_kernel(
 def _common(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> tuple:
     """The launch arguments every kernel takes: strides of q, k, v; sizes and scale; the mask's keywords."""
     strides = (*q.stride(), *k.stride(), *v.stride())
-    sizes = (shape.heads, shape.group, shape.lq, shape.lk, shape.head_dim, shape.value_dim, float(scale))
+    sizes = (*shape.sizes, float(scale))
     return strides, sizes, mask_arguments(mask, shape.score_shape, q.device)
 
 
@@ -553,7 +414,7 @@ def self_adjusted_attention_forward(
         return out, stats
     q, k, v = dot_operands(q, k, v)
     strides, sizes, masking = _common(shape, q, k, v, mask, scale)
-    _self_adjusted_forward_kernel[(triton.cdiv(shape.lq, shape.block), shape.batch * shape.heads)](
+    _self_adjusted_forward_kernel[shape.query_grid](
         q, k, v, out, stats, *strides, *sizes, **masking, NORMALIZED=bool(normalized), **shape.constants,
     )
     return out, stats
@@ -588,11 +449,11 @@ def self_adjusted_attention_backward(
     arguments = (*strides, *grad_out.stride(), *sizes)
     constants = dict(**masking, NORMALIZED=bool(normalized), **shape.constants)
     if dq.numel():
-        _self_adjusted_dq_kernel[(triton.cdiv(shape.lq, shape.block), shape.batch * shape.heads)](
+        _self_adjusted_dq_kernel[shape.query_grid](
             q, k, v, grad_out, total, stats, dq, weighted, *arguments, **constants,
         )
     if dk.numel() or dv.numel():
-        _self_adjusted_dkdv_kernel[(triton.cdiv(shape.lk, shape.block), shape.batch * shape.kv_heads)](
+        _self_adjusted_dkdv_kernel[shape.key_grid](
             q, k, v, grad_out, total, stats, weighted, dk, dv, *arguments, **constants,
         )
     return dq, dk, dv

@@ -49,16 +49,8 @@ from torch import Tensor
 
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.attention_blocks import key_block_bounds, mask_arguments
-from attnorm.kernels.triton.attention_self_adjusted import (
-    Problem,
-    dot_operands,
-    key_tile,
-    load_rows,
-    problem,
-    row_dot,
-    scores,
-)
+from attnorm.kernels.triton.attention_blocks import key_block_bounds, key_scores, load_tile, mask_arguments
+from attnorm.kernels.triton.attention_launch import Problem, dot_operands, problem, row_dot
 from attnorm.kernels.triton.topk import _keep_count, _key_value, _order_keys
 
 __all__ = ["RADIX_BITS", "STATS", "topk_attention_backward", "topk_attention_forward"]
@@ -107,7 +99,7 @@ def _candidate_counts(
     top = tl.full((BLOCK_M,), float("-inf"), ACC)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+        x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                    batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
         allowed = x != float("-inf")
         keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
@@ -165,7 +157,7 @@ def _topk_forward_kernel(
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
     k_base = K + batch * sk_b + (head // group) * sk_h
     v_base = V + batch * sv_b + (head // group) * sv_h
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
@@ -205,7 +197,7 @@ def _topk_forward_kernel(
     last_tie = tl.full((BLOCK_M,), -1, tl.int32)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+        x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                    batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
         allowed = x != float("-inf")
         keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
@@ -222,7 +214,7 @@ def _topk_forward_kernel(
             p = tl.where(kept, tl.exp(z - tl.where(new_top > float("-inf"), new_top, 0.0)[:, None]), 0.0)
             top = new_top
             total = total * rescale + tl.sum(p, 1)
-            v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+            v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
             acc = acc * rescale[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, out_dtype=ACC)
 
     live = state > 0
@@ -285,8 +277,8 @@ def _topk_dq_kernel(
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
-    do_tile = load_rows(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+    q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
     k_base = K + batch * sk_b + (head // group) * sk_h
     v_base = V + batch * sv_b + (head // group) * sv_h
     rows = bh * lq + offs_m
@@ -297,15 +289,15 @@ def _topk_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+        x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                    batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
         p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
                            KEY, UKEY, KEY_BITS)
         if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
-            v_tile = key_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+            v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
             g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
             ds = tl.where((state == 1)[:, None] & (p > 0), p * (g - delta[:, None]) * inv_temperature, 0.0)
-            k_tile = key_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
+            k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
             dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
@@ -332,7 +324,7 @@ def _topk_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k_base = K + batch * sk_b + kv_head * sk_h
-    v_tile = key_tile(V + batch * sv_b + kv_head * sv_h, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+    v_tile = load_tile(V + batch * sv_b + kv_head * sv_h, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
     for member in range(group):
@@ -342,17 +334,17 @@ def _topk_dkdv_kernel(
             row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
                                                            HAS_RANGE)
             if (start < hi) & (start + BLOCK_N > lo):
-                q_tile = load_rows(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+                q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
                 rows = (batch * heads + head) * lq + offs_m
                 top, log_sum, threshold_key, last_tie, state = _load_stats(
                     STATS_PTR, rows, offs_m, lq, ACC, KEY, UKEY, KEY_BITS
                 )
-                x = scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
+                x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
                            scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
                 p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
                                    KEY, UKEY, KEY_BITS)
                 if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
-                    do_tile = load_rows(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+                    do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
                     delta = tl.load(DELTA + rows, mask=offs_m < lq, other=0.0)
                     dv += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, out_dtype=ACC)
                     g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
@@ -382,8 +374,7 @@ def _arguments(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionM
     """Strides of q, k, v; sizes, scale and ``1 / temperature``; the mask's keywords and the key constants."""
     wide = q.dtype == torch.float64
     strides = (*q.stride(), *k.stride(), *v.stride())
-    sizes = (shape.heads, shape.group, shape.lq, shape.lk, shape.head_dim, shape.value_dim, float(scale),
-             1.0 / float(temperature))
+    sizes = (*shape.sizes, float(scale), 1.0 / float(temperature))
     constants = dict(**mask_arguments(mask, shape.score_shape, q.device), **shape.constants,
                      KEY=tl.int64 if wide else tl.int32, UKEY=tl.uint64 if wide else tl.uint32,
                      KEY_BITS=64 if wide else 32)
@@ -425,7 +416,7 @@ def topk_attention_forward(
     k_param = torch.full((1,), float(k_keep), dtype=torch.float64, device=q.device)
     q, k, v = dot_operands(q, k, v)
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature)
-    _topk_forward_kernel[(triton.cdiv(shape.lq, shape.block), shape.batch * shape.heads)](
+    _topk_forward_kernel[shape.query_grid](
         q, k, v, out, stats, k_param, *strides, *sizes, IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, **constants,
     )
     return out, stats
@@ -455,11 +446,11 @@ def topk_attention_backward(
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature)
     arguments = (*strides, *grad_out.stride(), *sizes)
     if dq.numel():
-        _topk_dq_kernel[(triton.cdiv(shape.lq, shape.block), shape.batch * shape.heads)](
+        _topk_dq_kernel[shape.query_grid](
             q, k, v, grad_out, delta, stats, dq, *arguments, **constants,
         )
     if dk.numel() or dv.numel():
-        _topk_dkdv_kernel[(triton.cdiv(shape.lk, shape.block), shape.batch * shape.kv_heads)](
+        _topk_dkdv_kernel[shape.key_grid](
             q, k, v, grad_out, delta, stats, dk, dv, *arguments, **constants,
         )
     return dq, dk, dv
