@@ -67,6 +67,9 @@ GPUs that have it), as in the shared score tiles.  Head dims up to 256 (padded t
 a power of 2, at least 16).  A row with no allowed key gives a zero output and zero
 gradients; a NaN or +inf score at an allowed key makes its row NaN (output and
 gradients).
+
+Block size, shape checks and operands: :mod:`.attention_launch`; mask arguments,
+key-block bounds and tiles: :mod:`.attention_blocks`.
 """
 
 from __future__ import annotations
@@ -79,16 +82,11 @@ from torch import Tensor
 from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.attention_blocks import key_block_bounds, mask_arguments, score_tile
+from attnorm.kernels.triton.attention_blocks import key_block_bounds, key_scores, load_tile, mask_arguments
+from attnorm.kernels.triton.attention_launch import dot_operands, head_width, problem
 from attnorm.kernels.triton.entmax import _power
 
 __all__ = ["entmax_attention_backward", "entmax_attention_forward"]
-
-CUDA_BLOCK = 64
-"""Query and key block size on CUDA (halved for float64 and head dims above 128)."""
-
-INTERPRETER_BLOCK = 16
-"""Query and key block size under ``TRITON_INTERPRET=1`` (small: the interpreter runs tiles in numpy)."""
 
 MAX_STEPS = 50
 """Cap on Newton passes per query block (twice as many for float64)."""
@@ -101,15 +99,16 @@ STATS = 3
 
 
 @triton.jit
-def _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks,
+def _score_block(q_tile, keys, offs_m, start, rows, masks,
                  HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
-    """The masked score tile of keys ``start + [0, BLOCK_N)``; ``rows`` = (row_start, row_stop, lk, scale, b, h)."""
+    """The masked score tile of keys ``start + [0, BLOCK_N)``.
+
+    ``keys`` = (base, row stride, column stride, offs_d, head_dim) of the key rows,
+    ``rows`` = (row_start, row_stop, lk, scale, b, h), ``masks`` the dense and additive arguments.
+    """
     offs_n = start + tl.arange(0, BLOCK_N)
-    scores = score_tile(
-        q_tile, k_base + offs_n[None, :] * k_sn, offs_m, offs_n, rows[0], rows[1], rows[2], rows[3], rows[4], rows[5],
-        masks[0], masks[1], masks[2], masks[3], masks[4], masks[5], masks[6], masks[7], masks[8], masks[9],
-        HAS_DENSE, HAS_ADDITIVE, ACC,
-    )
+    scores = key_scores(q_tile, keys[0], keys[1], keys[2], offs_m, offs_n, keys[3], keys[4],
+                        rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], masks, HAS_DENSE, HAS_ADDITIVE, ACC)
     return scores, offs_n
 
 
@@ -159,20 +158,6 @@ def _head_alpha(alpha_ptr, alpha_stride, head):
 
 
 @triton.jit
-def _load_block(ptr, offs, limit, offs_d, dim, stride):
-    """Rows ``offs`` (< ``limit``) of a ``(L, dim)`` matrix padded to the block's width with zeros."""
-    return tl.load(ptr + offs[:, None] * stride + offs_d[None, :],
-                   mask=(offs < limit)[:, None] & (offs_d < dim)[None, :], other=0.0)
-
-
-@triton.jit
-def _load_transposed(ptr, offs, limit, offs_d, dim, stride):
-    """Rows ``offs`` of a ``(L, dim)`` matrix as a ``(width, len(offs))`` block (the transposed view)."""
-    return tl.load(ptr + offs[None, :] * stride + offs_d[:, None],
-                   mask=(offs < limit)[None, :] & (offs_d < dim)[:, None], other=0.0)
-
-
-@triton.jit
 def _load_stats(STATS_PTR, row_base, offs_m, lq):
     """The forward's ``(m, tau, N)`` of the rows ``offs_m`` (padding rows: 0, 0, 1)."""
     rows = offs_m < lq
@@ -185,7 +170,7 @@ def _load_stats(STATS_PTR, row_base, offs_m, lq):
 
 
 @triton.jit
-def _newton_sums(q_tile, k_base, k_sn, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax,
+def _newton_sums(q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax,
                  HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     """One pass over the keys at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, support size, its ``sum z``."""
@@ -194,7 +179,7 @@ def _newton_sums(q_tile, k_base, k_sn, offs_m, first, hi, rows, masks, row_max, 
     support = tl.zeros((BLOCK_M,), tl.int32)
     support_z = tl.zeros((BLOCK_M,), ACC)
     for start in range(first, hi, BLOCK_N):
-        scores, _ = _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+        scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
                                  BLOCK_N, ACC)
         z = (scores - row_max[:, None]) * multiplier
         u = z - tau[:, None]
@@ -210,13 +195,13 @@ def _newton_sums(q_tile, k_base, k_sn, offs_m, first, hi, rows, masks, row_max, 
 @triton.jit
 def _entmax_attention_forward_kernel(
     Q, K, V, OUT, STATS_PTR, scale_ptr, alpha_ptr, alpha_stride,
-    q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
-    lq, lk, heads, group, head_dim, value_dim, max_steps,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    heads, group, lq, lk, head_dim, value_dim, max_steps,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block of one (batch, head): threshold search, then ``out = p v`` (module docstring)."""
     block = tl.program_id(0)
@@ -225,14 +210,13 @@ def _entmax_attention_forward_kernel(
     head = bh % heads
     kv_head = head // group
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    offs_dv = tl.arange(0, DV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     scale = tl.load(scale_ptr)
     alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
-    q_tile = _load_block(Q + batch * q_sb + head * q_sh, offs_m, lq, offs_d, head_dim, q_sm)
-    # Padding columns of the head dim read the last real one: q is 0 there.
-    k_base = K + batch * k_sb + kv_head * k_sh + tl.minimum(offs_d, head_dim - 1)[:, None]
-    v_base = V + batch * v_sb + kv_head * v_sh
+    q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    keys = (K + batch * sk_b + kv_head * sk_h, sk_n, sk_d, offs_d, head_dim)
+    v_base = V + batch * sv_b + kv_head * sv_h
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     first = (lo // BLOCK_N) * BLOCK_N
     rows = (row_start, row_stop, lk, scale, batch, head)
@@ -244,7 +228,7 @@ def _entmax_attention_forward_kernel(
     count = tl.zeros((BLOCK_M,), tl.int32)
     bad = tl.zeros((BLOCK_M,), tl.int32)
     for start in range(first, hi, BLOCK_N):
-        scores, _ = _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+        scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
                                  BLOCK_N, ACC)
         invalid = (scores != scores) | (scores == float("inf"))
         finite = (scores != float("-inf")) & ~invalid
@@ -272,7 +256,7 @@ def _entmax_attention_forward_kernel(
     searching = True
     while searching:
         mass, slope, support, support_z = _newton_sums(
-            q_tile, k_base, k_sn, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax,
+            q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax,
             HAS_DENSE, HAS_ADDITIVE, BLOCK_M, BLOCK_N, ACC,
         )
         above = mass >= 1
@@ -294,13 +278,13 @@ def _entmax_attention_forward_kernel(
     norm = tl.where(nan_rows, float("nan"), norm)
 
     # Last pass: out = p v, skipping V for tiles without support.
-    acc = tl.zeros((BLOCK_M, DV), ACC)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
     for start in range(first, hi, BLOCK_N):
-        scores, offs_n = _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+        scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
                                       BLOCK_N, ACC)
         _, _, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
         if _live(p, nan_rows):
-            v_tile = _load_block(v_base, offs_n, lk, offs_dv, value_dim, v_sn)
+            v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
             acc += tl.dot(p.to(v_tile.dtype), v_tile, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
     acc = tl.where(nan_rows[:, None], float("nan"), acc)
     row_base = bh * lq
@@ -319,13 +303,13 @@ def _entmax_attention_forward_kernel(
 @triton.jit
 def _entmax_attention_rows_kernel(
     Q, K, V, DO, STATS_PTR, DELTA, D_ALPHA, scale_ptr, alpha_ptr, alpha_stride,
-    q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
-    lq, lk, heads, group, head_dim, value_dim,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
+    heads, group, lq, lk, head_dim, value_dim,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, ALPHA_GRAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """Per row: ``delta = sum(g dP) / sum(g)`` and (ALPHA_GRAD) the row's alpha gradient, in one pass over K and V."""
     block = tl.program_id(0)
@@ -334,16 +318,16 @@ def _entmax_attention_rows_kernel(
     head = bh % heads
     kv_head = head // group
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    offs_dv = tl.arange(0, DV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     scale = tl.load(scale_ptr)
     alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
     beta = tl.where(softmax, 0.0, power)
     row_base = bh * lq
-    q_tile = _load_block(Q + batch * q_sb + head * q_sh, offs_m, lq, offs_d, head_dim, q_sm)
-    do_tile = _load_block(DO + row_base * value_dim, offs_m, lq, offs_dv, value_dim, value_dim)
-    k_base = K + batch * k_sb + kv_head * k_sh + tl.minimum(offs_d, head_dim - 1)[:, None]
-    v_base = V + batch * v_sb + kv_head * v_sh
+    q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+    keys = (K + batch * sk_b + kv_head * sk_h, sk_n, sk_d, offs_d, head_dim)
+    v_base = V + batch * sv_b + kv_head * sv_h
     row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
     nan_rows = norm != norm
     gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
@@ -355,11 +339,11 @@ def _entmax_attention_rows_kernel(
     entropy_sum = tl.zeros((BLOCK_M,), ACC)
     entropy_dp = tl.zeros((BLOCK_M,), ACC)
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        scores, offs_n = _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+        scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
                                       BLOCK_N, ACC)
         u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
         if _live(p, nan_rows):
-            v_t = _load_transposed(v_base, offs_n, lk, offs_dv, value_dim, v_sn)
+            v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
             dp = tl.dot(do_tile, v_t, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
             gppr = _gppr(u, mass, p, gppr_scale, softmax)
             gppr_sum += tl.sum(gppr, 1)
@@ -382,13 +366,13 @@ def _entmax_attention_rows_kernel(
 @triton.jit
 def _entmax_attention_dq_kernel(
     Q, K, V, DO, STATS_PTR, DELTA, DQ, scale_ptr, alpha_ptr, alpha_stride,
-    q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
-    lq, lk, heads, group, head_dim, value_dim,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
+    heads, group, lq, lk, head_dim, value_dim,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dq = scale dS k`` for one query block, one pass over K and V."""
     block = tl.program_id(0)
@@ -397,16 +381,15 @@ def _entmax_attention_dq_kernel(
     head = bh % heads
     kv_head = head // group
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    offs_dv = tl.arange(0, DV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     scale = tl.load(scale_ptr)
     alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
     row_base = bh * lq
-    q_tile = _load_block(Q + batch * q_sb + head * q_sh, offs_m, lq, offs_d, head_dim, q_sm)
-    do_tile = _load_block(DO + row_base * value_dim, offs_m, lq, offs_dv, value_dim, value_dim)
-    k_rows = K + batch * k_sb + kv_head * k_sh
-    k_base = k_rows + tl.minimum(offs_d, head_dim - 1)[:, None]
-    v_base = V + batch * v_sb + kv_head * v_sh
+    q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+    keys = (K + batch * sk_b + kv_head * sk_h, sk_n, sk_d, offs_d, head_dim)
+    v_base = V + batch * sv_b + kv_head * sv_h
     row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
     nan_rows = norm != norm
     gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
@@ -414,16 +397,16 @@ def _entmax_attention_dq_kernel(
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     rows = (row_start, row_stop, lk, scale, batch, head)
     masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
-    dq = tl.zeros((BLOCK_M, D), ACC)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        scores, offs_n = _score_block(q_tile, k_base, k_sn, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+        scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
                                       BLOCK_N, ACC)
         u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
         if _live(p, nan_rows):
-            v_t = _load_transposed(v_base, offs_n, lk, offs_dv, value_dim, v_sn)
+            v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
             dp = tl.dot(do_tile, v_t, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
             ds = _gppr(u, mass, p, gppr_scale, softmax) * (dp - delta[:, None])
-            k_tile = _load_block(k_rows, offs_n, lk, offs_d, head_dim, k_sn)
+            k_tile = load_tile(keys[0], offs_n, offs_d, lk, head_dim, sk_n, sk_d)
             dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
     dq = tl.where(nan_rows[:, None], float("nan"), dq * scale)
     tl.store(DQ + (row_base + offs_m)[:, None] * head_dim + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -433,13 +416,13 @@ def _entmax_attention_dq_kernel(
 @triton.jit
 def _entmax_attention_dkdv_kernel(
     Q, K, V, DO, STATS_PTR, DELTA, DK, DV_PTR, scale_ptr, alpha_ptr, alpha_stride,
-    q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn,
-    lq, lk, heads, group, head_dim, value_dim,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
+    heads, group, lq, lk, head_dim, value_dim,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dk = scale dS^T q`` and ``dv = p^T dO`` for one key block of one (batch, kv head), no atomics."""
     key_block = tl.program_id(0)
@@ -448,14 +431,14 @@ def _entmax_attention_dkdv_kernel(
     batch = bkv // kv_heads
     kv_head = bkv % kv_heads
     offs_n = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    offs_dv = tl.arange(0, DV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     scale = tl.load(scale_ptr)
-    k_base = K + batch * k_sb + kv_head * k_sh + tl.minimum(offs_d, head_dim - 1)[:, None]
-    v_t = _load_transposed(V + batch * v_sb + kv_head * v_sh, offs_n, lk, offs_dv, value_dim, v_sn)
+    keys = (K + batch * sk_b + kv_head * sk_h, sk_n, sk_d, offs_d, head_dim)
+    v_t = load_tile(V + batch * sv_b + kv_head * sv_h, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
     masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
-    dk = tl.zeros((BLOCK_N, D), ACC)
-    dv = tl.zeros((BLOCK_N, DV), ACC)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
     key_lo = key_block * BLOCK_N
     for query_block in range(0, tl.cdiv(lq, BLOCK_M)):
         offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -466,15 +449,15 @@ def _entmax_attention_dkdv_kernel(
                 head = kv_head * group + member
                 row_base = (batch * heads + head) * lq
                 alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
-                q_tile = _load_block(Q + batch * q_sb + head * q_sh, offs_m, lq, offs_d, head_dim, q_sm)
+                q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
                 row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
                 nan_rows = norm != norm
                 rows = (row_start, row_stop, lk, scale, batch, head)
-                scores, _ = _score_block(q_tile, k_base, k_sn, offs_m, key_lo, rows, masks, HAS_DENSE, HAS_ADDITIVE,
+                scores, _ = _score_block(q_tile, keys, offs_m, key_lo, rows, masks, HAS_DENSE, HAS_ADDITIVE,
                                          BLOCK_N, ACC)
                 u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
                 if _live(p, nan_rows):
-                    do_tile = _load_block(DO + row_base * value_dim, offs_m, lq, offs_dv, value_dim, value_dim)
+                    do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
                     delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < lq, other=0.0)
                     dp = tl.dot(do_tile, v_t, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
                     gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
@@ -494,83 +477,49 @@ def _entmax_attention_dkdv_kernel(
 # ---- launchers -----------------------------------------------------------------------------
 
 
-def _block_config(q: Tensor, width: int) -> tuple[int, int, int]:
-    """Block size, warps and pipeline stages for head dims padded to ``width`` (as the Triton tutorial picks them)."""
-    if q.device.type != "cuda":
-        return INTERPRETER_BLOCK, 4, 1
-    block = CUDA_BLOCK if width <= 128 and q.dtype != torch.float64 else CUDA_BLOCK // 2
-    return block, 4 if width <= 64 else 8, 3 if width <= 64 else 2
-
-
-def _width(dim: int) -> int:
-    return max(16, triton.next_power_of_2(dim))
-
-
-def _operand(t: Tensor) -> Tensor:
-    """An input as the kernels read it: unit stride along its last axis.
-
-    Triton's interpreter multiplies bfloat16 ``tl.dot`` operands as their uint16 bit
-    patterns (numpy has no bfloat16), so off CUDA bfloat16 inputs are read as float32
-    copies; outputs keep the inputs' dtypes.
-    """
-    if t.dtype == torch.bfloat16 and t.device.type != "cuda":
-        t = t.float()
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
-def _check(q: Tensor, k: Tensor, v: Tensor, alpha: float, alpha_heads: Tensor | None) -> None:
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be 4-D (B, H, L, D), got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if q.shape[1] % k.shape[1] != 0 or k.shape[1] != v.shape[1]:
-        raise ValueError(f"query heads must be a multiple of key/value heads, got Hq = {q.shape[1]}, "
-                         f"Hk = {k.shape[1]}, Hv = {v.shape[1]}")
+def _check_alpha(heads: int, alpha: float, alpha_heads: Tensor | None) -> None:
     if alpha_heads is None and not 1 <= alpha <= 2:
         raise ValueError(f"alpha must be in [1, 2] for the fused entmax attention, got {alpha}")
-    if alpha_heads is not None and alpha_heads.shape != (q.shape[1],):
-        raise ValueError(f"alpha_heads must have shape (Hq,) = ({q.shape[1]},), got {tuple(alpha_heads.shape)}")
+    if alpha_heads is not None and alpha_heads.shape != (heads,):
+        raise ValueError(f"alpha_heads must have shape (Hq,) = ({heads},), got {tuple(alpha_heads.shape)}")
 
 
-class _Problem:
-    """The launch arguments every kernel shares, in their order, and the launch grids."""
+class _Launch:
+    """One entmax call: the shared :func:`.attention_launch.problem`, its alphas and scale, warps and stages.
+
+    On CUDA the block of :func:`.attention_launch.block_size` is halved for float64 and
+    head dims above 128; warps and pipeline stages as the Triton tutorial picks them.
+    """
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float,
                  alpha_heads: Tensor | None) -> None:
-        _check(q, k, v, alpha, alpha_heads)
-        self.q, self.k, self.v = (_operand(t) for t in (q, k, v))
-        batch, heads, lq, head_dim = q.shape
-        lk, value_dim = k.shape[2], v.shape[3]
+        shape = problem(q, k, v)
+        _check_alpha(shape.heads, alpha, alpha_heads)
+        self.q, self.k, self.v = dot_operands(q, k, v)
         acc = rules.accumulation_dtype(q.dtype)
         if alpha_heads is None:
             alpha_values, alpha_stride = torch.full((1,), float(alpha), dtype=acc, device=q.device), 0
         else:
             alpha_values, alpha_stride = alpha_heads.detach().to(device=q.device, dtype=acc).contiguous(), 1
-        self.shape = (batch, heads, lq, lk)
-        self.block, self.num_warps, self.num_stages = _block_config(q, max(_width(head_dim), _width(value_dim)))
-        self.scale = torch.full((1,), float(scale), dtype=acc, device=q.device)
-        self.head_args = (self.scale, alpha_values, alpha_stride)
-        self.stride_args = (*self.q.stride()[:3], *self.k.stride()[:3], *self.v.stride()[:3])
-        self.size_args = (lq, lk, heads, heads // k.shape[1], head_dim, value_dim)
-        self.mask_args = mask_arguments(mask, self.shape, q.device)
-        self.constants = dict(BLOCK_M=self.block, BLOCK_N=self.block, D=_width(head_dim), DV=_width(value_dim),
-                              ACC=tl.float64 if q.dtype == torch.float64 else tl.float32)
+        width = max(head_width(shape.head_dim), head_width(shape.value_dim))
+        if q.device.type == "cuda":
+            if width > 128 or q.dtype == torch.float64:
+                shape = shape._replace(block=shape.block // 2)
+            self.options = dict(num_warps=4 if width <= 64 else 8, num_stages=3 if width <= 64 else 2)
+        else:
+            self.options = dict(num_warps=4, num_stages=1)
+        self.shape = shape
         self.acc_dtype = acc
+        self.head_args = (torch.full((1,), float(scale), dtype=acc, device=q.device), alpha_values, alpha_stride)
+        self.strides = (*self.q.stride(), *self.k.stride(), *self.v.stride())
+        self.mask_args = mask_arguments(mask, shape.score_shape, q.device)
 
-    @property
-    def query_grid(self) -> tuple[int, int]:
-        batch, heads, lq, _ = self.shape
-        return triton.cdiv(lq, self.block), batch * heads
-
-    @property
-    def key_grid(self) -> tuple[int, int]:
-        batch, _, _, lk = self.shape
-        return triton.cdiv(lk, self.block), batch * self.k.shape[1]
-
-    def launch(self, kernel, grid: tuple[int, int], *pointers, **constants) -> None:
+    def launch(self, kernel, grid: tuple[int, int], *pointers, extra_strides: tuple[int, ...] = (),
+               **constants) -> None:
         if grid[0] * grid[1] == 0:
             return
-        kernel[grid](*pointers, *self.head_args, *self.stride_args, *self.size_args, **self.mask_args,
-                     **self.constants, **constants, num_warps=self.num_warps, num_stages=self.num_stages)
+        kernel[grid](*pointers, *self.head_args, *self.strides, *extra_strides, *self.shape.sizes, **self.mask_args,
+                     **self.shape.constants, **constants, **self.options)
 
 
 def entmax_attention_forward(
@@ -599,12 +548,12 @@ def entmax_attention_forward(
     Raises:
         ValueError: shapes that do not fit, or a python ``alpha`` outside ``[1, 2]``.
     """
-    problem = _Problem(q, k, v, mask, scale, alpha, alpha_heads)
-    batch, heads, lq, _ = problem.shape
-    out = launch.empty((batch, heads, lq, v.shape[3]), q.dtype, q.device)
-    stats = launch.empty((batch, heads, lq, STATS), problem.acc_dtype, q.device)
-    problem.launch(_entmax_attention_forward_kernel, problem.query_grid, problem.q, problem.k, problem.v, out, stats,
-                   max_steps=2 * MAX_STEPS if q.dtype == torch.float64 else MAX_STEPS)
+    call = _Launch(q, k, v, mask, scale, alpha, alpha_heads)
+    shape = call.shape
+    out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
+    stats = shape.row_tensor(STATS, like=q)
+    call.launch(_entmax_attention_forward_kernel, shape.query_grid, call.q, call.k, call.v, out, stats,
+                max_steps=2 * MAX_STEPS if q.dtype == torch.float64 else MAX_STEPS)
     return out, stats
 
 
@@ -627,26 +576,27 @@ def entmax_attention_backward(
         ``(dq, dk, dv, d_alpha)``: shapes and dtypes of ``q``, ``k``, ``v``; ``d_alpha``
         ``(Hq,)`` float32 summed over batch and rows, or None.
     """
-    problem = _Problem(q, k, v, mask, scale, alpha, alpha_heads)
-    batch, heads, lq, lk = problem.shape
-    grad_out = _operand(grad_out.to(q.dtype)).contiguous()
+    call = _Launch(q, k, v, mask, scale, alpha, alpha_heads)
+    shape = call.shape
+    (grad_out,) = dot_operands(grad_out.to(q.dtype))
     stats = stats.contiguous()
-    delta = launch.empty((batch, heads, lq), problem.acc_dtype, q.device)
-    d_alpha_rows = launch.empty((batch, heads, lq), problem.acc_dtype, q.device) if alpha_grad else delta
+    delta = shape.row_tensor(like=q)
+    d_alpha_rows = shape.row_tensor(like=q) if alpha_grad else delta
     dq = launch.empty(tuple(q.shape), q.dtype, q.device)
     dk = launch.empty(tuple(k.shape), k.dtype, k.device)
     dv = launch.empty(tuple(v.shape), v.dtype, v.device)
-    common = (problem.q, problem.k, problem.v, grad_out, stats, delta)
-    problem.launch(_entmax_attention_rows_kernel, problem.query_grid, *common, d_alpha_rows,
-                   ALPHA_GRAD=bool(alpha_grad))
-    problem.launch(_entmax_attention_dq_kernel, problem.query_grid, *common, dq)
-    if lq == 0:  # no query attends any key: the key-block programs would write zeros anyway
+    common = (call.q, call.k, call.v, grad_out, stats, delta)
+    call.launch(_entmax_attention_rows_kernel, shape.query_grid, *common, d_alpha_rows,
+                extra_strides=grad_out.stride(), ALPHA_GRAD=bool(alpha_grad))
+    call.launch(_entmax_attention_dq_kernel, shape.query_grid, *common, dq, extra_strides=grad_out.stride())
+    if shape.lq == 0:  # no query attends any key: the key-block programs would write zeros anyway
         dk.zero_()
         dv.zero_()
     else:
-        problem.launch(_entmax_attention_dkdv_kernel, problem.key_grid, *common, dk, dv)
+        call.launch(_entmax_attention_dkdv_kernel, shape.key_grid, *common, dk, dv, extra_strides=grad_out.stride())
     if not alpha_grad:
         return dq, dk, dv, None
-    d_alpha = d_alpha_rows.sum((0, 2)) if lq else torch.zeros(heads, dtype=problem.acc_dtype, device=q.device)
+    d_alpha = d_alpha_rows.sum((0, 2)) if shape.lq else torch.zeros(shape.heads, dtype=call.acc_dtype,
+                                                                       device=q.device)
     return dq, dk, dv, d_alpha.to(torch.float32)
 
