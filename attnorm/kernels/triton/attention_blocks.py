@@ -31,7 +31,15 @@ from torch import Tensor
 
 from attnorm.kernels.rules import AttentionMask
 
-__all__ = ["key_block_bounds", "key_scores", "load_tile", "mask_arguments", "score_tile"]
+__all__ = [
+    "key_block_bounds",
+    "key_program",
+    "key_scores",
+    "load_tile",
+    "mask_arguments",
+    "query_program",
+    "score_tile",
+]
 
 
 def _strides(t: Tensor | None, shape: tuple[int, int, int, int]) -> tuple[Any, int, int, int, int]:
@@ -64,6 +72,32 @@ def mask_arguments(mask: AttentionMask, shape: tuple[int, int, int, int], device
         additive=dummy if additive is None else additive, add_sb=ab, add_sh=ah, add_sm=am, add_sn=an,
         HAS_RANGE=has_range, HAS_DENSE=dense is not None, HAS_ADDITIVE=additive is not None,
     )
+
+
+@triton.jit
+def query_program(bh, heads, group, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Where program ``(query block, bh)`` of a query-block grid works.
+
+    Returns ``(batch, head, kv_head, offs_m, offs_d, offs_dv)``: ``bh`` split into batch and
+    query head, the key/value head of its GQA group, the block's query rows and the
+    padded head-dim and value-dim columns.
+    """
+    batch, head = bh // heads, bh % heads
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return batch, head, head // group, offs_m, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+
+
+@triton.jit
+def key_program(bh, heads, group, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Where program ``(key block, bh)`` of a key-block grid works (``bh``: batch x key/value head).
+
+    Returns ``(batch, kv_head, start, offs_n, offs_d, offs_dv)``: the block's first key and
+    its keys, and the padded head-dim and value-dim columns.
+    """
+    kv_heads = heads // group
+    start = tl.program_id(0) * BLOCK_N
+    offs_n = start + tl.arange(0, BLOCK_N)
+    return bh // kv_heads, bh % kv_heads, start, offs_n, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
 
 
 @triton.jit

@@ -82,7 +82,14 @@ from torch import Tensor
 from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.attention_blocks import key_block_bounds, key_scores, load_tile, mask_arguments
+from attnorm.kernels.triton.attention_blocks import (
+    key_block_bounds,
+    key_program,
+    key_scores,
+    load_tile,
+    mask_arguments,
+    query_program,
+)
 from attnorm.kernels.triton.attention_launch import dot_operands, head_width, problem
 from attnorm.kernels.triton.entmax import _power
 
@@ -204,14 +211,8 @@ def _entmax_attention_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block of one (batch, head): threshold search, then ``out = p v`` (module docstring)."""
-    block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    batch = bh // heads
-    head = bh % heads
-    kv_head = head // group
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
     alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
@@ -312,14 +313,8 @@ def _entmax_attention_rows_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """Per row: ``delta = sum(g dP) / sum(g)`` and (ALPHA_GRAD) the row's alpha gradient, in one pass over K and V."""
-    block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    batch = bh // heads
-    head = bh % heads
-    kv_head = head // group
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
     alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
     beta = tl.where(softmax, 0.0, power)
@@ -375,14 +370,8 @@ def _entmax_attention_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dq = scale dS k`` for one query block, one pass over K and V."""
-    block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    batch = bh // heads
-    head = bh % heads
-    kv_head = head // group
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
     alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
     row_base = bh * lq
@@ -425,21 +414,14 @@ def _entmax_attention_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dk = scale dS^T q`` and ``dv = p^T dO`` for one key block of one (batch, kv head), no atomics."""
-    key_block = tl.program_id(0)
     bkv = tl.program_id(1).to(tl.int64)
-    kv_heads = heads // group
-    batch = bkv // kv_heads
-    kv_head = bkv % kv_heads
-    offs_n = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    batch, kv_head, key_lo, offs_n, offs_d, offs_dv = key_program(bkv, heads, group, BLOCK_N, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
     keys = (K + batch * sk_b + kv_head * sk_h, sk_n, sk_d, offs_d, head_dim)
     v_t = load_tile(V + batch * sv_b + kv_head * sv_h, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
     masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
-    key_lo = key_block * BLOCK_N
     for query_block in range(0, tl.cdiv(lq, BLOCK_M)):
         offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,

@@ -57,7 +57,14 @@ from torch import Tensor
 
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.attention_blocks import key_block_bounds, key_scores, load_tile, mask_arguments
+from attnorm.kernels.triton.attention_blocks import (
+    key_block_bounds,
+    key_program,
+    key_scores,
+    load_tile,
+    mask_arguments,
+    query_program,
+)
 from attnorm.kernels.triton.attention_launch import Problem, dot_operands, problem, row_dot
 from attnorm.kernels.triton.self_adjusted import _factor, _span
 
@@ -157,15 +164,12 @@ def _self_adjusted_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block: online max/sum/min/tie counts and the sums ``A``, ``B`` in one pass (module docstring)."""
-    block, bh = tl.program_id(0), tl.program_id(1)
-    batch, head = bh // heads, bh % heads
+    bh = tl.program_id(1)
+    batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
-    k_base = K + batch * sk_b + (head // group) * sk_h
-    v_base = V + batch * sv_b + (head // group) * sv_h
+    k_base = K + batch * sk_b + kv_head * sk_h
+    v_base = V + batch * sv_b + kv_head * sv_h
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     lo = lo // BLOCK_N * BLOCK_N  # aligned tiles: the backward recomputes the very same ones
 
@@ -181,7 +185,7 @@ def _self_adjusted_forward_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                   batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
         finite = (x > float("-inf")) & (x < float("inf"))
         posinf_count += tl.sum((x == float("inf")).to(ACC), 1)
         nan_count += tl.sum((x != x).to(ACC), 1)
@@ -224,7 +228,7 @@ def _self_adjusted_forward_kernel(
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
-                       scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                           scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
             if NORMALIZED:
                 mass = tl.where(x == float("inf"), 1.0, 0.0)
             else:
@@ -268,16 +272,13 @@ def _self_adjusted_dq_kernel(
     and ``Q = sum g w`` from the very ``g`` the dk/dv kernel sees (``P`` from the rounded
     ``out`` would not cancel ``g w`` in rows with a tiny span) and writes them for it.
     """
-    block, bh = tl.program_id(0), tl.program_id(1)
-    batch, head = bh // heads, bh % heads
+    bh = tl.program_id(1)
+    batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
     do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
-    k_base = K + batch * sk_b + (head // group) * sk_h
-    v_base = V + batch * sv_b + (head // group) * sv_h
+    k_base = K + batch * sk_b + kv_head * sk_h
+    v_base = V + batch * sv_b + kv_head * sv_h
     rows = bh * lq + offs_m
     c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
@@ -290,7 +291,7 @@ def _self_adjusted_dq_kernel(
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                           batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
             xs, w, used, _ = _weights(x, c0, c1, state)
             w = tl.where((state == 1)[:, None], w, 0.0)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
@@ -308,7 +309,7 @@ def _self_adjusted_dq_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                   batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
         xs, w, used, _ = _weights(x, c0, c1, state)
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
@@ -330,14 +331,9 @@ def _self_adjusted_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One key block of one key/value head: ``dv = sum y^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
-    block, bh = tl.program_id(0), tl.program_id(1)
-    kv_heads = heads // group
-    batch, kv_head = bh // kv_heads, bh % kv_heads
+    bh = tl.program_id(1)
+    batch, kv_head, start, offs_n, offs_d, offs_dv = key_program(bh, heads, group, BLOCK_N, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
-    start = block * BLOCK_N
-    offs_n = start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     k_base = K + batch * sk_b + kv_head * sk_h
     v_tile = load_tile(V + batch * sv_b + kv_head * sv_h, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
@@ -355,7 +351,7 @@ def _self_adjusted_dkdv_kernel(
                 c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
                 total = tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0)
                 x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
-                           scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                               scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
                 xs, w, used, posinf = _weights(x, c0, c1, state)
                 if NORMALIZED:
                     s, span = _span(low, high)

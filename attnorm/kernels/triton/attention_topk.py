@@ -49,7 +49,14 @@ from torch import Tensor
 
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.attention_blocks import key_block_bounds, key_scores, load_tile, mask_arguments
+from attnorm.kernels.triton.attention_blocks import (
+    key_block_bounds,
+    key_program,
+    key_scores,
+    load_tile,
+    mask_arguments,
+    query_program,
+)
 from attnorm.kernels.triton.attention_launch import Problem, dot_operands, problem, row_dot
 from attnorm.kernels.triton.topk import _keep_count, _key_value, _order_keys
 
@@ -100,7 +107,7 @@ def _candidate_counts(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                   batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
         allowed = x != float("-inf")
         keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
         counts += tl.sum((keys[:, :, None] >= candidates[:, None, :]).to(tl.int32), 1)
@@ -151,15 +158,12 @@ def _topk_forward_kernel(
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr,
 ):
     """One query block: radix select of each row's k-th score, then a flash pass over the kept keys."""
-    block, bh = tl.program_id(0), tl.program_id(1)
-    batch, head = bh // heads, bh % heads
+    bh = tl.program_id(1)
+    batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
-    k_base = K + batch * sk_b + (head // group) * sk_h
-    v_base = V + batch * sv_b + (head // group) * sv_h
+    k_base = K + batch * sk_b + kv_head * sk_h
+    v_base = V + batch * sv_b + kv_head * sv_h
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     lo = lo // BLOCK_N * BLOCK_N  # aligned tiles: the backward recomputes the very same ones
 
@@ -198,7 +202,7 @@ def _topk_forward_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                   batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
         allowed = x != float("-inf")
         keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
         ties = allowed & (keys == threshold_key[:, None])
@@ -271,16 +275,13 @@ def _topk_dq_kernel(
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks."""
-    block, bh = tl.program_id(0), tl.program_id(1)
-    batch, head = bh // heads, bh % heads
+    bh = tl.program_id(1)
+    batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
     do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
-    k_base = K + batch * sk_b + (head // group) * sk_h
-    v_base = V + batch * sv_b + (head // group) * sv_h
+    k_base = K + batch * sk_b + kv_head * sk_h
+    v_base = V + batch * sv_b + kv_head * sv_h
     rows = bh * lq + offs_m
     top, log_sum, threshold_key, last_tie, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC, KEY, UKEY, KEY_BITS)
     delta = tl.load(DELTA + rows, mask=offs_m < lq, other=0.0)
@@ -290,7 +291,7 @@ def _topk_dq_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                   batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
         p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
                            KEY, UKEY, KEY_BITS)
         if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
@@ -315,14 +316,9 @@ def _topk_dkdv_kernel(
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """One key block of one key/value head: ``dv = sum p^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
-    block, bh = tl.program_id(0), tl.program_id(1)
-    kv_heads = heads // group
-    batch, kv_head = bh // kv_heads, bh % kv_heads
+    bh = tl.program_id(1)
+    batch, kv_head, start, offs_n, offs_d, offs_dv = key_program(bh, heads, group, BLOCK_N, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
-    start = block * BLOCK_N
-    offs_n = start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     k_base = K + batch * sk_b + kv_head * sk_h
     v_tile = load_tile(V + batch * sv_b + kv_head * sv_h, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
@@ -340,7 +336,7 @@ def _topk_dkdv_kernel(
                     STATS_PTR, rows, offs_m, lq, ACC, KEY, UKEY, KEY_BITS
                 )
                 x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
-                           scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                               scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
                 p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
                                    KEY, UKEY, KEY_BITS)
                 if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
