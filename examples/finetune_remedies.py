@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
+from attnorm import make
 from attnorm.diagnostics.capture import capture
 from attnorm.diagnostics.weights import normalized_entropy
 from attnorm.integrations.transformers import patch
+from attnorm.normalizers.output import OutputNormalizer
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -66,7 +68,10 @@ def last_query_stats(model, spec: str, batches: torch.Tensor) -> tuple[float, fl
     """Mean over windows, layers and heads of the last query's max weight and normalised entropy.
 
     ``spec`` has no learnable parameters here, so the normalizers capture() builds equal the trained ones.
+    NaN for an output normalizer (``l2norm``): its weights ``exp(s) / ||N||`` are not a distribution.
     """
+    if isinstance(make(spec), OutputNormalizer):
+        return math.nan, math.nan
     model.eval()
     max_weights, entropies = [], []
     for row in batches:
@@ -112,9 +117,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's); 1 on a CPU shared with other jobs")
     parser.add_argument("--out", type=Path, default=Path("results/finetune"))
     args = parser.parse_args()
     torch.manual_seed(args.seed)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     base, tokenizer = load(args.device)
     train, held_out = windows(tokenizer, args.text.read_text(encoding="utf-8"), args.length,
                               train=max(8, args.steps * args.batch), held_out=args.held_out)
@@ -129,7 +138,7 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     print(f"\n{args.steps} steps x batch {args.batch} x {args.length} tokens, lr {args.lr}, "
-          f"{args.held_out} held-out windows\n")
+          f"{args.held_out} held-out windows, {torch.get_num_threads()} threads on {args.device}\n")
     print("| normalizer | ppl before | ppl after | max weight before -> after | H/log L before -> after |")
     print("|---|---:|---:|---|---|")
     for row in rows:
