@@ -38,8 +38,9 @@ class StructuredMask:
             ``j - i >= window_diagonal`` (the lower edge of a sliding window).
         cu_seqlens: when not None, an integer tensor ``(D + 1,)`` of document
             boundaries ``0 = c_0 <= c_1 <= ... <= c_D`` (flash-attn's convention for
-            packed sequences): a position ``p`` with ``c_d <= p < c_{d+1}`` belongs to
-            document ``d``, and queries attend keys of their own document only.
+            packed sequences), or ``(B, D + 1)`` with one packing per batch row: a
+            position ``p`` with ``c_d <= p < c_{d+1}`` belongs to document ``d``, and
+            queries attend keys of their own document only.
             Positions at or past ``c_D`` form one more document.  Queries and keys share
             positions, so scores must be square (``Lq = Lk``).
     """
@@ -54,7 +55,7 @@ class StructuredMask:
             return NotImplemented
         lengths = _combine(self.key_lengths, other.key_lengths, torch.minimum)
         # Two packings intersect into the packing with the boundaries of both.
-        bounds = _combine(self.cu_seqlens, other.cu_seqlens, lambda a, b: torch.unique(torch.cat([a, b.to(a)])))
+        bounds = _combine(self.cu_seqlens, other.cu_seqlens, _refine)
         return StructuredMask(
             _combine(self.causal_diagonal, other.causal_diagonal, min),
             lengths,
@@ -86,11 +87,16 @@ class StructuredMask:
             if lq != lk:
                 raise ValueError(f"a document mask needs square scores (Lq = Lk), got Lq = {lq}, Lk = {lk}")
             bounds = self.cu_seqlens.to(device=device, dtype=torch.int64)
+            bounds = bounds if bounds.ndim == 2 else bounds[None]  # (B | 1, D + 1)
+            if bounds.shape[0] not in (1, batch):
+                raise ValueError(f"cu_seqlens of shape (B, D + 1) needs B = {batch}, got {tuple(bounds.shape)}")
+            rows = rows.expand(bounds.shape[0], lq).contiguous()
             document = torch.searchsorted(bounds, rows, right=True)  # 1 + index of the last bound <= row
-            edges = torch.cat([bounds, bounds.new_full((1,), max(lk, 0))])
-            start = torch.maximum(start, edges[document - 1])
-            stop = torch.minimum(stop, torch.where(document < bounds.shape[0], edges[document], lk))
-        start, stop = start[None], stop[None]
+            edges = torch.cat([bounds, bounds.new_full((bounds.shape[0], 1), max(lk, 0))], dim=-1)
+            start = torch.maximum(start, edges.gather(-1, document - 1))
+            last = bounds.shape[-1]
+            stop = torch.minimum(stop, torch.where(document < last, edges.gather(-1, document.clamp(max=last)), lk))
+        start, stop = start.reshape(-1, lq), stop.reshape(-1, lq)
         if self.key_lengths is not None:
             lengths = self.key_lengths.to(device=device, dtype=torch.int64)
             if lengths.shape[0] not in (1, batch):
@@ -112,9 +118,18 @@ class StructuredMask:
         start, stop = self.key_range(shape[0], lq, lk, device)  # (B | 1, Lq)
         keys = torch.arange(lk, device=device)
         allowed = (keys >= start[..., None]) & (keys < stop[..., None])  # (B | 1, Lq, Lk)
-        if self.key_lengths is None:
+        if allowed.shape[0] == 1 and self.key_lengths is None:
             return allowed[0]
         return allowed.reshape(allowed.shape[0], *([1] * (len(shape) - 3)), lq, lk)
+
+
+def _refine(a: Tensor, b: Tensor) -> Tensor:
+    """Boundaries of both packings (per batch row when either is ``(B, D + 1)``); repeats are empty documents."""
+    flat = a.ndim == b.ndim == 1
+    a, b = (t if t.ndim == 2 else t[None] for t in (a, b.to(a)))
+    rows = max(a.shape[0], b.shape[0])
+    merged = torch.sort(torch.cat([a.expand(rows, -1), b.expand(rows, -1)], dim=-1), dim=-1).values
+    return merged[0] if flat else merged
 
 
 def _combine(a, b, both):
@@ -163,18 +178,21 @@ def document_mask(cu_seqlens: Tensor) -> StructuredMask:
 
     Args:
         cu_seqlens: cumulative document lengths ``(D + 1,)``, ``[0, len_0, len_0 + len_1, ...]``
-            (flash-attn's ``cu_seqlens``).  Combine with :func:`causal_mask` by ``&`` for
-            causal packed training; Scalable-Softmax's ``n`` then counts each document's keys.
+            (flash-attn's ``cu_seqlens``), or ``(B, D + 1)`` for a different packing per batch
+            row (pad a row's boundaries with repeats of its last one: empty documents).
+            Combine with :func:`causal_mask` by ``&`` for causal packed training;
+            Scalable-Softmax's ``n`` then counts each document's keys.
     """
     cu_seqlens = torch.as_tensor(cu_seqlens)
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool or cu_seqlens.ndim != 1:
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool or cu_seqlens.ndim not in (1, 2):
         raise TypeError(
-            f"cu_seqlens must be a 1-D integer tensor, got dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}"
+            "cu_seqlens must be an integer tensor (D + 1,) or (B, D + 1), "
+            f"got dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}"
         )
-    if cu_seqlens.numel() < 1:
+    if cu_seqlens.shape[-1] < 1:
         raise ValueError("cu_seqlens must hold at least one boundary (0)")
     if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
-        values = cu_seqlens.tolist()
-        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:], strict=False)):
-            raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {values}")
+        for values in cu_seqlens.reshape(-1, cu_seqlens.shape[-1]).tolist():
+            if values[0] != 0 or any(b < a for a, b in zip(values, values[1:], strict=False)):
+                raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {values}")
     return StructuredMask(cu_seqlens=cu_seqlens)

@@ -141,3 +141,14 @@ def test_sliding_window_rejects_a_window_below_one():
 def test_document_mask_needs_square_scores():
     with pytest.raises(ValueError, match="square"):
         attnorm.document_mask(torch.tensor([0, 2])).materialize(torch.Size([2, 3]))
+
+
+def test_document_mask_with_one_packing_per_batch_row():
+    bounds = torch.tensor([[0, 2, 5], [0, 4, 4]])
+    allowed = attnorm.document_mask(bounds).materialize(torch.Size([2, 3, 5, 5]))
+    assert allowed.shape == (2, 1, 5, 5)
+    for row in range(2):
+        single = attnorm.document_mask(bounds[row]).materialize(torch.Size([5, 5]))
+        assert torch.equal(allowed[row, 0], single)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        attnorm.document_mask(torch.tensor([[0, 2], [1, 3]]))

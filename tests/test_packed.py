@@ -226,3 +226,17 @@ def test_fused_route_packed_equals_each_document_alone(spec, device, monkeypatch
     assert calls, "the fused route did not run"
     expected = separately(SPECS[spec](), q.double(), k.double(), v.double(), documents(cu_seqlens, length), True)
     torch.testing.assert_close(packed.cpu().double(), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("spec", ["ssmax", "sparsemax", "topk0.4", "sa_softmax"])
+def test_one_packing_per_batch_row(spec, route):
+    """cu_seqlens (B, D + 1): each batch row packs its own documents (a row's padding: repeated bounds)."""
+    normalizer = SPECS[spec]()
+    length, bounds = 10, [[0, 3, 7, 10], [0, 6, 6, 10]]
+    q, k, v = qkv(length)
+    mask = attnorm.document_mask(torch.tensor(bounds)) & attnorm.causal_mask()
+    packed = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+    for row, cu_seqlens in enumerate(bounds):
+        spans = documents(cu_seqlens, length)
+        expected = separately(normalizer, q[row : row + 1], k[row : row + 1], v[row : row + 1], spans, True)
+        torch.testing.assert_close(packed[row : row + 1], expected, rtol=1e-12, atol=1e-12, msg=f"row {row}")
