@@ -61,7 +61,7 @@ def attnorm_mask(
     Takes the arguments of transformers' ``sdpa_mask``.
 
     Returns:
-        For transformers' packed causal (or sliding-window) pattern on a batch of one row,
+        For transformers' packed causal (or sliding-window) pattern (one packing per batch row),
         ``document_mask(cu_seqlens) & causal_mask()`` (or ``& sliding_window_mask(local_size)``);
         otherwise what ``sdpa_mask`` returns: a bool ``(B, 1, Lq, Lk)`` mask (True = may
         attend), or None for the plain causal / bidirectional pattern.
@@ -70,13 +70,13 @@ def attnorm_mask(
 
     mask_function = causal_mask_function if mask_function is None else mask_function
     plain = (
-        batch_size == 1 and attention_mask is None and q_length == kv_length > 1
+        attention_mask is None and q_length == kv_length > 1
         and _is_zero(q_offset) and _is_zero(kv_offset) and not torch.compiler.is_compiling()
     )
     packed = _packed_pattern(mask_function, local_size) if plain else None
-    if packed is not None and packed[0].shape == (1, q_length):
+    if packed is not None and packed[0].shape == (batch_size, q_length):
         sequence_ids, within = packed
-        return packed_causal_mask(sequence_ids[0]) & within
+        return packed_causal_mask(sequence_ids[0] if batch_size == 1 else sequence_ids) & within
     return sdpa_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
         mask_function=mask_function, attention_mask=attention_mask, local_size=local_size, **kwargs,
@@ -84,7 +84,7 @@ def attnorm_mask(
 
 
 def packed_causal_mask(sequence_ids: Tensor) -> StructuredMask:
-    """``document_mask`` of a packed row from its per-token sequence numbers ``(L,)``: 0, 0, 1, 1, 1, 2, ...
+    """``document_mask`` of packed rows from their per-token sequence numbers ``(L,)`` or ``(B, L)``: 0, 0, 1, 1, 2, ...
 
     The numbers start at 0 and grow by one at each new sequence (transformers'
     ``find_packed_sequence_indices``).  ``cu_seqlens`` keeps the fixed shape ``(L + 1,)``
@@ -93,6 +93,7 @@ def packed_causal_mask(sequence_ids: Tensor) -> StructuredMask:
     length = sequence_ids.shape[-1]
     sequence_ids = sequence_ids.contiguous()
     positions = torch.arange(length + 1, device=sequence_ids.device, dtype=sequence_ids.dtype)
+    positions = positions.expand(*sequence_ids.shape[:-1], length + 1).contiguous()
     return document_mask(torch.searchsorted(sequence_ids, positions))
 
 

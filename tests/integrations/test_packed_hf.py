@@ -153,7 +153,6 @@ def test_mask_function_gives_the_sdpa_mask_structured_when_packed(sliding):
 UNPACKED = {  # id -> (position_ids, 2-D attention mask, batch size)
     "plain": (torch.arange(9)[None], None, 1),
     "padding": (torch.tensor([[0, 0, 0, 1, 2, 3]]), torch.tensor([[0, 0, 1, 1, 1, 1]]), 1),
-    "packed_rows_of_a_batch": (torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]]), None, 2),
 }
 
 
@@ -168,6 +167,28 @@ def test_mask_function_is_sdpa_mask_otherwise(case, sliding):
         assert got is None
     else:
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_every_row_of_a_batch_gets_its_own_packing():
+    config = tiny_config("mistral")
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]])
+    expected = build_mask(config, "sdpa", positions, batch=2)
+    got = build_mask(config, "attnorm", positions, batch=2)
+    assert isinstance(got, attnorm.StructuredMask) and got.cu_seqlens.shape == (2, 7)
+    torch.testing.assert_close(got.materialize(expected.shape).expand(expected.shape), expected)
+
+
+def test_two_packed_rows_give_each_document_alone(masks_seen):
+    model = tiny_model("llama", "sparsemax")
+    rows = [[5, 9, 2, 7, 3, 8], [4, 4, 6, 1, 9, 2]]
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]])
+    with torch.no_grad():
+        packed = model(input_ids=torch.tensor(rows), position_ids=positions, use_cache=False).logits
+        for row, spans in enumerate([[(0, 3), (3, 6)], [(0, 2), (2, 6)]]):
+            for start, stop in spans:
+                alone = model(input_ids=torch.tensor([rows[row][start:stop]]), use_cache=False).logits
+                torch.testing.assert_close(packed[row, start:stop], alone[0], rtol=1e-10, atol=1e-10)
+    assert isinstance(masks_seen[0], attnorm.StructuredMask)
 
 
 def test_packed_cu_seqlens_have_a_fixed_shape():
