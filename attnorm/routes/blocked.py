@@ -9,7 +9,9 @@ every learnable parameter of the normalizer get their gradients.  Dropout is
 replayed exactly: the random state is saved before the forward's first block and
 restored before the backward's.
 
-A block holds ``rows`` query rows of every head and batch element, sized so its
+A block holds ``rows`` query rows of every head and batch element and, under a causal or
+sliding-window mask, only the keys those rows can reach (half the products of a causal
+attention are skipped); it is sized so its
 float32 scores take at most ``max(MIN_BLOCK_BYTES, (q + k + v bytes) / BLOCKS_PER_INPUTS)``:
 peak memory stays within a small multiple of the inputs whatever ``Lq x Lk`` is.
 With grouped-query attention the query heads of a group are stacked on the row axis
@@ -78,10 +80,39 @@ def _rows(x: Tensor | None, start: int, stop: int) -> Tensor | None:
     return x if x is None or x.ndim < 2 or x.shape[-2] == 1 else x[..., start:stop, :]
 
 
+def _key_span(mask, start: int, stop: int, lk: int) -> tuple[int, int]:
+    """Keys ``[lo, hi)`` that query rows ``start:stop`` can reach under a causal / sliding-window mask.
+
+    Python numbers only (key lengths and documents would need the device's values).  A block
+    that reaches no key keeps one, masked, so its rows give zeros like any fully masked row.
+    """
+    lo, hi = 0, lk
+    if isinstance(mask, StructuredMask):
+        if mask.causal_diagonal is not None:
+            hi = min(hi, stop + mask.causal_diagonal)
+        if mask.window_diagonal is not None:
+            lo = max(lo, start + mask.window_diagonal)
+    lo, hi = min(max(lo, 0), lk), min(max(hi, 0), lk)
+    return (lo, hi) if hi > lo else (0, min(lk, 1))
+
+
+def _keys(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
+    """Keys ``lo:hi`` (the last axis) of a mask that may broadcast over keys."""
+    return x if x is None or x.shape[-1] == 1 else x[..., lo:hi]
+
+
 def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, additive_rows: Tensor | None,
            sinks: Tensor | None, scale: float, softcap: float | None, dropout_p: float, groups: int,
-           start: int, stop: int) -> tuple[Tensor, Tensor]:
-    """Output rows ``start:stop`` and their weights, from the query rows ``q_rows = q[..., start:stop, :]``."""
+           start: int, stop: int, trim: bool = False) -> tuple[Tensor, Tensor]:
+    """Output rows ``start:stop`` and their weights, from the query rows ``q_rows = q[..., start:stop, :]``.
+
+    With ``trim``, only the keys a causal or sliding-window mask lets these rows reach take
+    part (the weights then cover those keys only).
+    """
+    lk = k.shape[-2]
+    lo, hi = _key_span(mask, start, stop, lk) if trim else (0, lk)
+    if (lo, hi) != (0, lk):
+        k, v, additive_rows = k[..., lo:hi, :], v[..., lo:hi, :], _keys(additive_rows, lo, hi)
     if groups > 1:
         # (B, Hkv * g, rows, D) -> (B, Hkv, g * rows, D): one product with each key head, no repeated keys.
         lead, rows = q_rows.shape[:-3], stop - start
@@ -95,9 +126,11 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, ad
     if additive_rows is not None:
         scores = scores + additive_rows
     if isinstance(mask, StructuredMask):
-        mask = structured_rows(mask, q, start, stop, k.shape[-2])
+        mask = structured_rows(mask, q, start, stop, lk)
     else:
         mask = _rows(mask, start, stop)
+    if (lo, hi) != (0, lk):
+        mask = _keys(mask, lo, hi)
     weights = normalizer(scores, mask) if sinks is None else _with_sinks(normalizer, scores, mask, sinks)
     attended = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     if groups > 1:
@@ -154,7 +187,7 @@ class _BlockedAttention(torch.autograd.Function):
             stop = min(start + rows, lq)
             out[..., start:stop, :] = _block(normalizer, q, q[..., start:stop, :], k, v, mask,
                                              _rows(additive, start, stop), sinks, scale, softcap, dropout_p, groups,
-                                             start, stop)[0]
+                                             start, stop, trim=True)[0]
         return out
 
     @staticmethod
@@ -186,7 +219,7 @@ class _BlockedAttention(torch.autograd.Function):
                     if wants_additive:
                         additive_rows = additive_rows.detach().requires_grad_()
                     out = _block(normalizer, q, q_rows, k, v, mask, additive_rows, sinks, scale, softcap, dropout_p,
-                                 groups, start, stop)[0]
+                                 groups, start, stop, trim=True)[0]
                     wanted = inputs + ([q_rows] if dq is not None else []) + ([additive_rows] if wants_additive else [])
                     grads = list(torch.autograd.grad(out, wanted, grad_out[..., start:stop, :], allow_unused=True))
                 if wants_additive:
