@@ -135,36 +135,42 @@ def entmax_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale
     return _EntmaxAttention.apply(q, k, v, *mask, scale, alpha, alpha_heads)[0]
 
 
-# ---- Self-Adjusted Softmax ------------------------------------------------------------------------
-
-_define(
-    "self_adjusted_attention_fwd",
-    f"({_QKV}, {_MASK}, float scale, bool normalized) -> (Tensor, Tensor)",
-    lambda q, k, v, start, stop, dense, additive, scale, normalized: _module(
-        "attention_self_adjusted"
-    ).self_adjusted_attention_forward(q, k, v, AttentionMask(start, stop, dense, additive), scale, normalized),
-    _fake_forward(7),
-)
-_define(
-    "self_adjusted_attention_bwd",
-    f"({_BWD}, {_MASK}, float scale, bool normalized) -> (Tensor, Tensor, Tensor)",
-    lambda q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, normalized: _module(
-        "attention_self_adjusted"
-    ).self_adjusted_attention_backward(
-        q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive), scale, normalized
-    ),
-    lambda q, k, v, *rest: _grads_like(q, k, v),
-)
+# ---- Self-Adjusted Softmax and top-k: forward (out, stats), backward (dq, dk, dv) -----------------
 
 
-class _SelfAdjustedAttention(torch.autograd.Function):
+def _define_family(family: str, params: str, stats: int) -> None:
+    """``attnorm::<family>_attention_{fwd,bwd}`` over ``triton/attention_<family>.py``'s two functions."""
+    module = f"attention_{family}"
+
+    def forward(q, k, v, start, stop, dense, additive, scale, *values):
+        function = getattr(_module(module), f"{family}_attention_forward")
+        return function(q, k, v, AttentionMask(start, stop, dense, additive), scale, *values)
+
+    def backward(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, *values):
+        function = getattr(_module(module), f"{family}_attention_backward")
+        return function(q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive), scale, *values)
+
+    _define(f"{family}_attention_fwd", f"({_QKV}, {_MASK}, float scale, {params}) -> (Tensor, Tensor)", forward,
+            _fake_forward(stats))
+    _define(f"{family}_attention_bwd", f"({_BWD}, {_MASK}, float scale, {params}) -> (Tensor, Tensor, Tensor)",
+            backward, lambda q, k, v, *rest: _grads_like(q, k, v))
+
+
+_define_family("self_adjusted", "bool normalized", 7)
+_define_family("topk", "float k_keep, bool is_fraction, float temperature", 5)
+
+
+class _FamilyAttention(torch.autograd.Function):
+    """Forward op, then the backward op on the saved ``q, k, v``, mask, ``out`` and stats (no ``Lq x Lk``)."""
+
     @staticmethod
-    def forward(q, k, v, start, stop, dense, additive, scale, normalized):
-        return torch.ops.attnorm.self_adjusted_attention_fwd(q, k, v, start, stop, dense, additive, scale, normalized)
+    def forward(family, q, k, v, start, stop, dense, additive, scale, *params):
+        forward_op = getattr(torch.ops.attnorm, f"{family}_attention_fwd")
+        return forward_op(q, k, v, start, stop, dense, additive, scale, *params)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, start, stop, dense, additive, ctx.scale, ctx.normalized = inputs
+        ctx.family, q, k, v, start, stop, dense, additive, *ctx.params = inputs
         ctx.save_for_backward(q, k, v, start, stop, dense, additive, *output)
         ctx.mark_non_differentiable(output[1])
 
@@ -172,69 +178,19 @@ class _SelfAdjustedAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, _grad_stats):
         q, k, v, start, stop, dense, additive, out, stats = ctx.saved_tensors
-        dq, dk, dv = torch.ops.attnorm.self_adjusted_attention_bwd(
-            q, k, v, out, grad_out.contiguous(), stats, start, stop, dense, additive, ctx.scale, ctx.normalized
-        )
-        return dq, dk, dv, None, None, None, None, None, None
+        backward_op = getattr(torch.ops.attnorm, f"{ctx.family}_attention_bwd")
+        dq, dk, dv = backward_op(q, k, v, out, grad_out.contiguous(), stats, start, stop, dense, additive, *ctx.params)
+        return None, dq, dk, dv, None, None, None, None, *([None] * len(ctx.params))
 
 
 def self_adjusted_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float,
                             normalized: bool) -> Tensor:
     """Fused Self-Adjusted Softmax attention (both variants)."""
-    return _SelfAdjustedAttention.apply(q, k, v, *mask, scale, normalized)[0]
-
-
-# ---- top-k ----------------------------------------------------------------------------------------
-
-_TOPK = "float k_keep, bool is_fraction, float temperature"
-_define(
-    "topk_attention_fwd",
-    f"({_QKV}, {_MASK}, float scale, {_TOPK}) -> (Tensor, Tensor)",
-    lambda q, k, v, start, stop, dense, additive, scale, k_keep, is_fraction, temperature: _module(
-        "attention_topk"
-    ).topk_attention_forward(
-        q, k, v, AttentionMask(start, stop, dense, additive), scale, k_keep, is_fraction, temperature
-    ),
-    _fake_forward(5),
-)
-_define(
-    "topk_attention_bwd",
-    f"({_BWD}, {_MASK}, float scale, {_TOPK}) -> (Tensor, Tensor, Tensor)",
-    lambda q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, k_keep, is_fraction, temperature: (
-        _module("attention_topk").topk_attention_backward(
-            q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive), scale, k_keep, is_fraction,
-            temperature,
-        )
-    ),
-    lambda q, k, v, *rest: _grads_like(q, k, v),
-)
-
-
-class _TopKAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(q, k, v, start, stop, dense, additive, scale, k_keep, is_fraction, temperature):
-        return torch.ops.attnorm.topk_attention_fwd(
-            q, k, v, start, stop, dense, additive, scale, k_keep, is_fraction, temperature
-        )
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, start, stop, dense, additive, *ctx.params = inputs
-        ctx.save_for_backward(q, k, v, start, stop, dense, additive, *output)
-        ctx.mark_non_differentiable(output[1])
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, _grad_stats):
-        q, k, v, start, stop, dense, additive, out, stats = ctx.saved_tensors
-        dq, dk, dv = torch.ops.attnorm.topk_attention_bwd(
-            q, k, v, out, grad_out.contiguous(), stats, start, stop, dense, additive, *ctx.params
-        )
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+    return _FamilyAttention.apply("self_adjusted", q, k, v, *mask, scale, normalized)[0]
 
 
 def topk_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, k_keep: float,
                    temperature: float) -> Tensor:
     """Fused exact top-k attention: ``k_keep`` keys per row (a fraction of the allowed keys when in (0, 1))."""
     is_fraction = isinstance(k_keep, float) and 0 < k_keep < 1
-    return _TopKAttention.apply(q, k, v, *mask, scale, float(k_keep), is_fraction, float(temperature))[0]
+    return _FamilyAttention.apply("topk", q, k, v, *mask, scale, float(k_keep), is_fraction, float(temperature))[0]
