@@ -130,14 +130,22 @@ def run_fused(q, k, v, mask, scale, normalized, grad_out):
 
 def check(q, k, v, mask, normalized, scale=SCALE, seed=1):
     """Fused outputs and gradients equal the float64 reference's within the dtype's tolerance."""
+    return compare_with_reference(
+        q, k, v, lambda grad_out: run_fused(q, k, v, mask, scale, normalized, grad_out),
+        lambda *leaves: reference(*leaves, mask, scale, normalized), fused.STATS, seed,
+    )
+
+
+def compare_with_reference(q, k, v, run, expected_of, stats_width: int, seed: int = 1):
+    """``run(grad_out) -> (out, stats, (dq, dk, dv))`` against autograd of ``expected_of(q, k, v)`` in float64."""
     grad_out = torch.randn(*q.shape[:3], v.shape[-1], generator=torch.Generator().manual_seed(seed))
     grad_out = grad_out.to(q.dtype).to(F64)  # the reference gets the rounded gradient the kernels get
-    out, stats, grads = run_fused(q, k, v, mask, scale, normalized, grad_out.to(q))
+    out, stats, grads = run(grad_out.to(q))
     leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
-    expected = reference(*leaves, mask, scale, normalized)
+    expected = expected_of(*leaves)
     expected.backward(grad_out.to(expected.device))
     tol = TOLERANCES[q.dtype]
-    assert out.dtype == q.dtype and stats.shape == (*q.shape[:3], fused.STATS)
+    assert out.dtype == q.dtype and stats.shape == (*q.shape[:3], stats_width)
     torch.testing.assert_close(out.to(F64), expected.detach(), **tol)
     for grad, leaf in zip(grads, leaves, strict=True):
         assert grad.shape == leaf.shape and grad.dtype == q.dtype

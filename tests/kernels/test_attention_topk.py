@@ -22,6 +22,7 @@ from tests.kernels.test_attention_self_adjusted import (  # noqa: F401 (poisoned
     MASKS,
     SQUARE,
     TOLERANCES,
+    compare_with_reference,
     make_qkv,
     masked_scores,
     poisoned_outputs,
@@ -70,19 +71,10 @@ def run_fused(q, k, v, mask, scale, k_keep, is_fraction, temperature, grad_out):
 
 def check(q, k, v, mask, k_keep, is_fraction=False, temperature=1.0, scale=SCALE, seed=1):
     """Fused outputs and gradients equal the float64 reference's within the dtype's tolerance."""
-    grad_out = torch.randn(*q.shape[:3], v.shape[-1], generator=torch.Generator().manual_seed(seed))
-    grad_out = grad_out.to(q.dtype).to(F64)  # the reference gets the rounded gradient the kernels get
-    out, stats, grads = run_fused(q, k, v, mask, scale, k_keep, is_fraction, temperature, grad_out.to(q))
-    leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
-    expected = reference(*leaves, mask, scale, k_keep, is_fraction, temperature)
-    expected.backward(grad_out.to(expected.device))
-    tol = TOLERANCES[q.dtype]
-    assert out.dtype == q.dtype and stats.shape == (*q.shape[:3], fused.STATS)
-    torch.testing.assert_close(out.to(F64), expected.detach(), **tol)
-    for grad, leaf in zip(grads, leaves, strict=True):
-        assert grad.shape == leaf.shape and grad.dtype == q.dtype
-        torch.testing.assert_close(grad.to(F64), leaf.grad, **tol)
-    return out, grads
+    return compare_with_reference(
+        q, k, v, lambda grad_out: run_fused(q, k, v, mask, scale, k_keep, is_fraction, temperature, grad_out),
+        lambda *leaves: reference(*leaves, mask, scale, k_keep, is_fraction, temperature), fused.STATS, seed,
+    )
 
 
 @pytest.mark.parametrize("kind", list(MASKS))
