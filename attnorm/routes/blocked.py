@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from attnorm.kernels.rules import ssmax_multiplier
 from attnorm.masks import StructuredMask
-from attnorm.routes.common import structured_rows
+from attnorm.routes.common import interval, interval_rows
 
 __all__ = ["BLOCKS_PER_INPUTS", "MIN_BLOCK_BYTES", "block_rows", "blocked_attention", "materialised_attention"]
 
@@ -72,7 +72,14 @@ def materialised_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, ad
                            dropout_p: float, groups: int, softcap: float | None = None,
                            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(out, weights)`` with the whole ``(..., Hq, Lq, Lk)`` weights (plain autograd)."""
-    return _block(normalizer, q, q, k, v, mask, additive, sinks, scale, softcap, dropout_p, groups, 0, q.shape[-2])
+    bounds = _bounds(mask, q, k)
+    return _block(normalizer, q, q, k, v, mask, bounds, additive, sinks, scale, softcap, dropout_p, groups, 0,
+                  q.shape[-2])
+
+
+def _bounds(mask, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor] | None:
+    """A structured mask's key interval per query row (:func:`interval`), computed once per call."""
+    return interval(mask, q, k.shape[-2]) if isinstance(mask, StructuredMask) else None
 
 
 def _rows(x: Tensor | None, start: int, stop: int) -> Tensor | None:
@@ -101,10 +108,12 @@ def _keys(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
     return x if x is None or x.shape[-1] == 1 else x[..., lo:hi]
 
 
-def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, additive_rows: Tensor | None,
-           sinks: Tensor | None, scale: float, softcap: float | None, dropout_p: float, groups: int,
-           start: int, stop: int, trim: bool = False) -> tuple[Tensor, Tensor]:
+def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bounds: tuple[Tensor, Tensor] | None,
+           additive_rows: Tensor | None, sinks: Tensor | None, scale: float, softcap: float | None,
+           dropout_p: float, groups: int, start: int, stop: int, trim: bool = False) -> tuple[Tensor, Tensor]:
     """Output rows ``start:stop`` and their weights, from the query rows ``q_rows = q[..., start:stop, :]``.
+
+    ``bounds`` are a structured ``mask``'s key intervals (:func:`_bounds`), None for other masks.
 
     With ``trim``, only the keys a causal or sliding-window mask lets these rows reach take
     part (the weights then cover those keys only).
@@ -125,8 +134,8 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, ad
         scores = softcap * torch.tanh(scores / softcap)
     if additive_rows is not None:
         scores = scores + additive_rows
-    if isinstance(mask, StructuredMask):
-        mask = structured_rows(mask, q, start, stop, lk)
+    if bounds is not None:
+        mask = interval_rows(bounds, start, stop, lk)
     else:
         mask = _rows(mask, start, stop)
     if (lo, hi) != (0, lk):
@@ -181,11 +190,11 @@ class _BlockedAttention(torch.autograd.Function):
         normalizer, mask, scale, softcap, dropout_p, groups, rows = ctx.setup = setup
         ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
         ctx.save_for_backward(q, k, v, additive, sinks)
-        lq = q.shape[-2]
+        lq, bounds = q.shape[-2], _bounds(mask, q, k)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         for start in range(0, lq, rows):
             stop = min(start + rows, lq)
-            out[..., start:stop, :] = _block(normalizer, q, q[..., start:stop, :], k, v, mask,
+            out[..., start:stop, :] = _block(normalizer, q, q[..., start:stop, :], k, v, mask, bounds,
                                              _rows(additive, start, stop), sinks, scale, softcap, dropout_p, groups,
                                              start, stop, trim=True)[0]
         return out
@@ -207,7 +216,7 @@ class _BlockedAttention(torch.autograd.Function):
         inputs = [t for t in (k, v, sinks) if t is not None and t.requires_grad] + list(params)
         if not (inputs or dq is not None or wants_additive):
             return (None,) * (6 + len(params))
-        lq = q.shape[-2]
+        lq, bounds = q.shape[-2], _bounds(mask, q, k)
         with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0):
             if ctx.rng is not None:
                 _set_rng_state(ctx.rng, q.device)
@@ -218,8 +227,8 @@ class _BlockedAttention(torch.autograd.Function):
                     additive_rows = _rows(additive, start, stop)
                     if wants_additive:
                         additive_rows = additive_rows.detach().requires_grad_()
-                    out = _block(normalizer, q, q_rows, k, v, mask, additive_rows, sinks, scale, softcap, dropout_p,
-                                 groups, start, stop, trim=True)[0]
+                    out = _block(normalizer, q, q_rows, k, v, mask, bounds, additive_rows, sinks, scale, softcap,
+                                 dropout_p, groups, start, stop, trim=True)[0]
                     wanted = inputs + ([q_rows] if dq is not None else []) + ([additive_rows] if wants_additive else [])
                     grads = list(torch.autograd.grad(out, wanted, grad_out[..., start:stop, :], allow_unused=True))
                 if wants_additive:

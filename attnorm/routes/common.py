@@ -14,7 +14,7 @@ from torch import Tensor
 from attnorm.kernels.rules import AttentionMask
 from attnorm.masks import StructuredMask
 
-__all__ = ["allowed_counts", "interval", "kernel_mask", "row_attends", "structured_rows"]
+__all__ = ["allowed_counts", "interval", "interval_rows", "kernel_mask", "row_attends"]
 
 Mask = Tensor | StructuredMask | None
 
@@ -61,11 +61,10 @@ def row_attends(mask: Mask, additive: Tensor | None, q: Tensor, lk: int) -> Tens
     return allowed_counts(mask, q, lk) > 0
 
 
-def structured_rows(mask: StructuredMask, q: Tensor, start: int, stop: int, lk: int) -> Tensor:
-    """Bool mask (True = may attend) of query rows ``start:stop``, broadcastable to their scores."""
-    first, last = interval(mask, q, lk)
-    first, last = first[..., start:stop, :], last[..., start:stop, :]
-    keys = torch.arange(lk, device=q.device)
+def interval_rows(bounds: tuple[Tensor, Tensor], start: int, stop: int, lk: int) -> Tensor:
+    """Bool mask (True = may attend) of query rows ``start:stop`` from the rows' key intervals (:func:`interval`)."""
+    first, last = (bound[..., start:stop, :] for bound in bounds)
+    keys = torch.arange(lk, device=first.device)
     return (keys >= first) & (keys < last)
 
 
