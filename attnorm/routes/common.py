@@ -53,8 +53,10 @@ def row_attends(mask: Mask, additive: Tensor | None, q: Tensor, lk: int) -> Tens
         return ~torch.isneginf(additive).all(-1, keepdim=True)
     if isinstance(mask, Tensor):
         return mask.any(-1, keepdim=True)
-    if mask is None or lk == 0:
-        return None if mask is None and lk > 0 else torch.zeros((), dtype=torch.bool, device=q.device)
+    if lk == 0:
+        return torch.zeros((), dtype=torch.bool, device=q.device)  # no key at all
+    if mask is None:
+        return None
     plain_causal = mask.key_lengths is None and mask.row_fields_only
     if plain_causal and (mask.causal_diagonal is None or mask.causal_diagonal >= 0):
         return None
