@@ -9,9 +9,10 @@ a query row with no allowed key gives a zero output row, never NaN).
 1. the normalizer's own ``attend`` method, when it has one (output normalizers,
    linear-time forms);
 2. **SDPA** (:mod:`attnorm.routes.sdpa`) for logit scalings (softmax with temperature,
-   Scalable-Softmax): one ``scaled_dot_product_attention`` call;
+   Scalable-Softmax): one ``scaled_dot_product_attention`` call, without softcap or sinks
+   (SDPA has neither: those calls take the fused softmax when Triton runs, else route 4 or 5);
 3. **fused** Triton kernels (:mod:`attnorm.routes.fused`) for the normalizers that have
-   them, on CUDA (or with ``backend="triton"``);
+   them, on CUDA (or with ``backend="triton"``), softcap and sinks computed in the kernels;
 4. **materialised**: the whole ``(Lq x Lk)`` weights, when ``return_weights=True``, for
    decoding (at most :data:`DECODING_ROWS` query rows: the scores are rows for the row
    kernels), when they fit the blocked route's budget anyway, and under ``torch.compile``;
@@ -109,14 +110,15 @@ def attention(
         if result is not NotImplemented:
             return result
     if not return_weights:
-        multiplier = None if modified else logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
+        multiplier = logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
         decoding = q.shape[-2] <= DECODING_ROWS
         if multiplier is not None:
-            if not decoding and fused.supports_scaled_softmax(normalizer, mask, q, k, v, dropout_p):
-                return fused.scaled_softmax(q, k, v, multiplier, mask, scale)
-            return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
-        if not modified and not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive):
-            return fused.attention(normalizer, q, k, v, mask, additive, scale)
+            if not decoding and fused.supports_scaled_softmax(normalizer, mask, q, k, v, dropout_p, additive, modified):
+                return fused.scaled_softmax(q, k, v, multiplier, mask, scale, additive, softcap, sinks)
+            if not modified:  # SDPA has neither softcap nor sinks
+                return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
+        elif not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive, modified):
+            return fused.attention(normalizer, q, k, v, mask, additive, scale, softcap, sinks)
         rows = block_rows(q, k, v)
         if rows < q.shape[-2] and not torch.compiler.is_compiling():
             return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows, softcap,

@@ -136,6 +136,12 @@ def test_route_choice():
     assert not fused.supports(attnorm.Entmax(3.0, backend="triton"), q, k, v, 0.0, None)  # alpha > 2
     assert not fused.supports(attnorm.Softmax(backend="triton"), q, k, v, 0.0, None)  # SDPA's
     assert fused.supports(attnorm.Entmax(1.2, backend="triton"), q, k, v, 0.0, None)
+    # softcap or sinks: the fused kernels compute them; SDPA cannot, so logit scalings take the fused softmax
+    assert fused.supports(attnorm.Sparsemax(backend="triton"), q, k, v, 0.0, None, modified=True)
+    softmax = attnorm.Softmax(temperature=0.5, backend="triton")
+    assert fused.supports_scaled_softmax(softmax, None, q, k, v, 0.0, None, modified=True)
+    assert not fused.supports_scaled_softmax(softmax, None, q, k, v, 0.0, None, modified=False)
+    assert not fused.supports_scaled_softmax(attnorm.Softmax(), None, q, k, v, 0.0, None, modified=True)  # CPU, auto
 
 
 def test_ops_pass_opcheck(device):
@@ -143,6 +149,13 @@ def test_ops_pass_opcheck(device):
     start, stop = attnorm.causal_mask(LK - LQ).key_range(B, LQ, LK, device)
     args = (q, k, v, start, stop, None, None, D**-0.5)
     torch.library.opcheck(torch.ops.attnorm.entmax_attention_fwd, (*args, 1.5, None),
+                          test_utils=("test_schema", "test_faketensor"))
+    sinks, rows = torch.randn(H, 1, device=device), torch.rand(B, H, LQ, device=device)
+    torch.library.opcheck(torch.ops.attnorm.entmax_attention_fwd, (*args, 1.0, None, 3.0, sinks, rows),
+                          test_utils=("test_schema", "test_faketensor"))
+    out, stats = torch.ops.attnorm.entmax_attention_fwd(*args, 1.0, None, 3.0, sinks, rows)
+    torch.library.opcheck(torch.ops.attnorm.entmax_attention_bwd,
+                          (q, k, v, out, torch.ones_like(out), stats, *args[3:], 1.0, None, False, 3.0, sinks, rows),
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.attnorm.self_adjusted_attention_fwd, (*args, True),
                           test_utils=("test_schema", "test_faketensor"))
@@ -158,6 +171,21 @@ def test_fused_route_compiles_without_graph_breaks(device, fused_calls):
     assert explanation.graph_break_count == 0
     compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), run(q, k, v))
+    assert fused_calls
+
+
+def test_softcap_and_sinks_compile_without_graph_breaks(device, fused_calls):
+    q, k, v = (t.detach() for t in inputs(device))
+    sinks = torch.linspace(-1, 1, H, device=device, requires_grad=True)
+    normalizer = attnorm.Sparsemax(backend="triton")
+    run = lambda q, k, v, sinks: attnorm.attention(q, k, v, normalizer, is_causal=True, softcap=5.0, sinks=sinks)
+    explanation = torch._dynamo.explain(run)(q, k, v, sinks)
+    assert explanation.graph_break_count == 0
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v, sinks)
+    expected = run(q, k, v, sinks)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), sinks), torch.autograd.grad(expected.sum(), sinks))
     assert fused_calls
 
 

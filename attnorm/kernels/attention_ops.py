@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from attnorm.kernels import backends
-from attnorm.kernels.rules import AttentionMask, accumulation_dtype
+from attnorm.kernels.rules import AttentionMask, accumulation_dtype, sum_to_shape
 
 __all__ = ["entmax_attention", "self_adjusted_attention", "topk_attention"]
 
@@ -42,6 +42,7 @@ _LIBRARY = torch.library.Library("attnorm", "FRAGMENT")
 _MASK = "Tensor? key_start, Tensor? key_stop, Tensor? dense, Tensor? additive"
 _QKV = "Tensor q, Tensor k, Tensor v"
 _BWD = "Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor stats"
+_MODIFIERS = "float? softcap=None, Tensor? sinks=None"
 
 
 @functools.cache
@@ -74,65 +75,101 @@ def _grads_like(q, k, v):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _row_grad(q: Tensor, values: Tensor | None) -> Tensor:
+    """The shape of a per-row gradient ``(B, Hq, Lq)`` in the accumulation dtype (empty without ``values``)."""
+    shape = q.shape[:3] if values is not None else (0,)
+    return q.new_empty(shape, dtype=accumulation_dtype(q.dtype))
+
+
+def _input_grad(ctx, index: int, grad: Tensor, values: Tensor | None) -> Tensor | None:
+    """A per-row gradient ``(B, Hq, Lq)`` summed back to the shape of input ``index`` (which broadcast to it)."""
+    if values is None or not ctx.needs_input_grad[index]:
+        return None
+    return sum_to_shape(grad, values.shape).to(values.dtype)
+
+
 # ---- entmax / sparsemax ---------------------------------------------------------------------------
+
+def _entmax_fwd(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads, softcap=None, sinks=None,
+                logit_scale=None):
+    return _module("attention_entmax").entmax_attention_forward(
+        q, k, v, AttentionMask(start, stop, dense, additive), scale, alpha, alpha_heads, softcap, sinks, logit_scale
+    )
+
 
 _define(
     "entmax_attention_fwd",
-    f"({_QKV}, {_MASK}, float scale, float alpha, Tensor? alpha_heads) -> (Tensor, Tensor)",
-    lambda q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads: _module(
-        "attention_entmax"
-    ).entmax_attention_forward(q, k, v, AttentionMask(start, stop, dense, additive), scale, alpha, alpha_heads),
+    f"({_QKV}, {_MASK}, float scale, float alpha, Tensor? alpha_heads, {_MODIFIERS}, Tensor? logit_scale=None) "
+    "-> (Tensor, Tensor)",
+    _entmax_fwd,
     _fake_forward(3),
 )
 
 
-def _entmax_bwd(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, alpha, alpha_heads, alpha_grad):
-    dq, dk, dv, d_alpha = _module("attention_entmax").entmax_attention_backward(
+def _entmax_bwd(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, alpha, alpha_heads, alpha_grad,
+                softcap=None, sinks=None, logit_scale=None):
+    dq, dk, dv, d_alpha, d_sinks, d_logit_scale = _module("attention_entmax").entmax_attention_backward(
         q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive), scale, alpha, alpha_heads,
-        alpha_grad,
+        alpha_grad, softcap, sinks, logit_scale,
     )
-    return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if d_alpha is None else d_alpha
+    d_alpha = q.new_empty(0, dtype=torch.float32) if d_alpha is None else d_alpha
+    # An op returns tensors: an empty one stands for a gradient not asked for.
+    return (dq, dk, dv, d_alpha, _row_grad(q, None) if d_sinks is None else d_sinks,
+            _row_grad(q, None) if d_logit_scale is None else d_logit_scale)
+
+
+def _fake_entmax_bwd(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, alpha, alpha_heads,
+                     alpha_grad, softcap=None, sinks=None, logit_scale=None):
+    d_alpha = q.new_empty(q.shape[1] if alpha_grad else 0, dtype=torch.float32)
+    return *_grads_like(q, k, v), d_alpha, _row_grad(q, sinks), _row_grad(q, logit_scale)
 
 
 _define(
     "entmax_attention_bwd",
-    f"({_BWD}, {_MASK}, float scale, float alpha, Tensor? alpha_heads, bool alpha_grad) "
-    "-> (Tensor, Tensor, Tensor, Tensor)",
+    f"({_BWD}, {_MASK}, float scale, float alpha, Tensor? alpha_heads, bool alpha_grad, {_MODIFIERS}, "
+    "Tensor? logit_scale=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _entmax_bwd,
-    lambda q, k, v, out, grad_out, stats, *mask_scale_alpha: (
-        *_grads_like(q, k, v),
-        q.new_empty(q.shape[1] if mask_scale_alpha[-1] else 0, dtype=torch.float32),
-    ),
+    _fake_entmax_bwd,
 )
 
 
 class _EntmaxAttention(torch.autograd.Function):
     @staticmethod
-    def forward(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads):
-        return torch.ops.attnorm.entmax_attention_fwd(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads)
+    def forward(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads, softcap, sinks, logit_scale):
+        return torch.ops.attnorm.entmax_attention_fwd(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads,
+                                                      softcap, sinks, logit_scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, start, stop, dense, additive, ctx.scale, ctx.alpha, alpha_heads = inputs
-        ctx.save_for_backward(q, k, v, start, stop, dense, additive, alpha_heads, *output)
+        q, k, v, start, stop, dense, additive, ctx.scale, ctx.alpha, alpha_heads, ctx.softcap, sinks, logit_scale = (
+            inputs
+        )
+        ctx.save_for_backward(q, k, v, start, stop, dense, additive, alpha_heads, sinks, logit_scale, *output)
         ctx.mark_non_differentiable(output[1])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, _grad_stats):
-        q, k, v, start, stop, dense, additive, alpha_heads, out, stats = ctx.saved_tensors
+        q, k, v, start, stop, dense, additive, alpha_heads, sinks, logit_scale, out, stats = ctx.saved_tensors
         alpha_grad = alpha_heads is not None and ctx.needs_input_grad[9]
-        dq, dk, dv, d_alpha = torch.ops.attnorm.entmax_attention_bwd(
+        dq, dk, dv, d_alpha, d_sinks, d_logit_scale = torch.ops.attnorm.entmax_attention_bwd(
             q, k, v, out, grad_out.contiguous(), stats, start, stop, dense, additive, ctx.scale, ctx.alpha,
-            alpha_heads, alpha_grad,
+            alpha_heads, alpha_grad, ctx.softcap, sinks, logit_scale,
         )
-        return dq, dk, dv, None, None, None, None, None, None, d_alpha.to(alpha_heads.dtype) if alpha_grad else None
+        return (dq, dk, dv, None, None, None, None, None, None, d_alpha.to(alpha_heads.dtype) if alpha_grad else None,
+                None, _input_grad(ctx, 11, d_sinks, sinks), _input_grad(ctx, 12, d_logit_scale, logit_scale))
 
 
 def entmax_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float,
-                     alpha_heads: Tensor | None = None) -> Tensor:
-    """Fused alpha-entmax attention (``alpha`` in [1, 2], or per query head ``alpha_heads (Hq,)``)."""
-    return _EntmaxAttention.apply(q, k, v, *mask, scale, alpha, alpha_heads)[0]
+                     alpha_heads: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+                     logit_scale: Tensor | None = None) -> Tensor:
+    """Fused alpha-entmax attention (``alpha`` in [1, 2], or per query head ``alpha_heads (Hq,)``).
+
+    ``softcap`` caps the scaled scores, ``sinks`` (broadcastable to ``(B, Hq, Lq)``) are each
+    row's sink logit, ``logit_scale`` (likewise) multiplies each row's logits after the cap;
+    ``sinks`` and ``logit_scale`` get gradients.
+    """
+    return _EntmaxAttention.apply(q, k, v, *mask, scale, alpha, alpha_heads, softcap, sinks, logit_scale)[0]
 
 
 # ---- Self-Adjusted Softmax and top-k: forward (out, stats), backward (dq, dk, dv) -----------------

@@ -21,7 +21,8 @@ The same block function with one block of every row is the **materialised** rout
 (:func:`materialised_attention`), which also returns the weights and, being plain
 autograd, supports double backward; the blocked backward is not differentiable again.
 
-Both routes take the two score modifiers that rule out SDPA and the fused kernels:
+Both routes take the two score modifiers, which rule out SDPA (the fused kernels compute
+them too, :mod:`attnorm.routes.fused`; these routes serve the calls that stay off it):
 
 * ``softcap``: ``cap tanh(x / cap)`` on the scaled scores, before the additive mask
   and the normalizer (Gemma 2);

@@ -1,19 +1,34 @@
 """Fused route: flash-style Triton attention kernels, nothing of size ``Lq x Lk`` in memory.
 
-============================ ================================= =======================================
-normalizer                   kernel                            parameters taken
-============================ ================================= =======================================
-Sparsemax, Entmax            ``attention_entmax``              alpha in [1, 2] as a number; learnable
-                                                               alpha (per head or shared)
-SelfAdjustedSoftmax          ``attention_self_adjusted``       both variants
-TopKSoftmax                  ``attention_topk``                k (count or fraction), a number T
-============================ ================================= =======================================
+============================ ============================ ================================== ===============
+normalizer                   kernel                       parameters taken                   softcap, sinks
+============================ ============================ ================================== ===============
+Sparsemax, Entmax            ``attention_entmax``         alpha in [1, 2] as a number;       yes
+                                                          learnable alpha (per head or
+                                                          shared)
+Softmax (temperature),       ``attention_entmax`` at      T; s and bias (numbers, per head,  yes
+ScalableSoftmax              alpha = 1                    learnable)
+SelfAdjustedSoftmax          ``attention_self_adjusted``  both variants                      no (blocked)
+TopKSoftmax                  ``attention_topk``           k (count or fraction), a number T  no (blocked)
+============================ ============================ ================================== ===============
 
-Softmax with temperature and Scalable-Softmax take the fused entmax kernel at alpha = 1
-(exact softmax, the multiplier folded into ``q`` as on the SDPA route) when their mask
-is structured but has no SDPA form (sliding window, documents, causal with key
-padding, other diagonals): SDPA would need a bool mask as big as the scores, the
-kernel reads the per-row key intervals and skips the blocks they exclude.
+Softmax with temperature and Scalable-Softmax (a logit multiplier ``c`` per row) take the
+fused entmax kernel at alpha = 1 (exact softmax) in two cases: when their mask is
+structured but has no SDPA form (sliding window, documents, causal with key padding,
+other diagonals: SDPA would need a bool mask as big as the scores, the kernel reads
+the per-row key intervals and skips the blocks they exclude), ``c`` folded into ``q`` or
+``scale`` as on the SDPA route; and with softcap or sinks, which SDPA lacks, under any
+mask but an additive one for Scalable-Softmax (its ``n`` would count the keys the
+additive mask leaves finite).  The cap comes before ``c``, so with softcap or an additive
+mask ``c`` is not folded into ``q`` but given to the kernel as a per-row logit multiplier
+applied after the cap and the mask, whose gradient the kernel returns per row; each
+sink's logit is ``c sinks[h]``, computed in torch, so ``c``'s path through the sink is
+plain autograd.
+
+Softcap and sinks (:mod:`attnorm.kernels.triton.attention_blocks`): the cap is applied to
+each recomputed score tile; a sink is one more always-allowed key per row, of value
+zero, in the kernel's normaliser (not counted in Scalable-Softmax's ``n``), whose
+score gradient the backward returns per row and torch sums over batch and rows.
 
 Taken when the normalizer resolves to the ``triton`` backend for ``q``'s device
 (``"auto"`` on CUDA with triton installed, or ``backend="triton"``, which on CPU runs
@@ -25,6 +40,7 @@ have to be read to check they lie in [1, 2]) and alphas above 2.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from attnorm.kernels import attention_ops, backends
@@ -35,12 +51,16 @@ from attnorm.routes.sdpa import Multiplier, sdpa_mask_kind
 __all__ = ["attention", "scaled_softmax", "supports", "supports_scaled_softmax"]
 
 _FAMILIES = ("sparsemax", "entmax", "self_adjusted_softmax", "topk_softmax")
+_MODIFIED_FAMILIES = ("sparsemax", "entmax")
 
 
-def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, additive: Tensor | None) -> bool:
-    """True when a fused kernel computes ``normalizer``'s attention for these inputs."""
+def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, additive: Tensor | None,
+             modified: bool = False) -> bool:
+    """True when a fused kernel computes ``normalizer``'s attention for these inputs (``modified``: softcap, sinks)."""
     kernel = getattr(normalizer, "kernel", None)
     if kernel not in _FAMILIES or dropout_p > 0 or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return False
+    if modified and kernel not in _MODIFIED_FAMILIES:
         return False
     if additive is not None and additive.requires_grad or not _runs_triton(normalizer, q):
         return False
@@ -54,37 +74,64 @@ def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, addi
     return True
 
 
-def attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float) -> Tensor:
+def attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float,
+              softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """The fused kernel's attention; call only when :func:`supports` says so."""
     kernel_masks = kernel_mask(mask, additive, q, k.shape[-2])
+    sinks = None if sinks is None else sinks.reshape(-1, 1)  # (Hq, 1): one sink logit per head, every row
     if normalizer.kernel == "self_adjusted_softmax":
         return attention_ops.self_adjusted_attention(q, k, v, kernel_masks, scale, normalizer.normalized)
     if normalizer.kernel == "topk_softmax":
         params = normalizer.kernel_params()
         return attention_ops.topk_attention(q, k, v, kernel_masks, scale, params["k"], params["temperature"])
     if normalizer.kernel == "sparsemax":
-        return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, 2.0)
+        return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, 2.0, None, softcap, sinks)
     alpha = normalizer.kernel_params()["alpha"]
     if isinstance(alpha, Tensor):  # learnable: in (1, 2) by construction
-        return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, 1.5, alpha.reshape(-1).expand(q.shape[1]))
-    return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, float(alpha))
+        alpha_heads = alpha.reshape(-1).expand(q.shape[1])
+        return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, 1.5, alpha_heads, softcap, sinks)
+    return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, float(alpha), None, softcap, sinks)
 
 
-def supports_scaled_softmax(normalizer, mask, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
-    """True when a logit scaling should run on the fused kernel rather than SDPA with a built mask."""
-    return (
-        isinstance(mask, StructuredMask) and dropout_p == 0 and q.ndim == k.ndim == v.ndim == 4
-        and sdpa_mask_kind(mask, q.shape[-2], k.shape[-2]) == "dense" and _runs_triton(normalizer, q)
-    )
+def supports_scaled_softmax(normalizer, mask, q: Tensor, k: Tensor, v: Tensor, dropout_p: float,
+                            additive: Tensor | None = None, modified: bool = False) -> bool:
+    """True when a logit scaling should run on the fused kernel rather than SDPA.
+
+    Unmodified, only under a structured mask SDPA would need as a dense bool mask;
+    with softcap or sinks (``modified``), which SDPA cannot apply, whenever Triton runs.
+    """
+    if dropout_p > 0 or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return False
+    if modified:
+        return (additive is None or not additive.requires_grad) and _runs_triton(normalizer, q)
+    return (isinstance(mask, StructuredMask) and sdpa_mask_kind(mask, q.shape[-2], k.shape[-2]) == "dense"
+            and _runs_triton(normalizer, q))
 
 
-def scaled_softmax(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, scale: float) -> Tensor:
-    """``softmax(multiplier * scale q k^T) v`` under a structured mask, on the fused kernel at alpha = 1."""
-    if isinstance(multiplier, Tensor):
-        q = (q * multiplier).to(q.dtype)  # gradients of s and bias flow through the scaled queries
-    else:
-        scale *= multiplier
-    return attention_ops.entmax_attention(q, k, v, kernel_mask(mask, None, q, k.shape[-2]), scale, 1.0)
+def scaled_softmax(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, scale: float,
+                   additive: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    """``softmax(c (cap(scale q k^T) + additive) | c sinks) v`` on the fused kernel at alpha = 1.
+
+    ``c`` is ``multiplier``: a number, or a tensor broadcastable to ``(B, Hq, Lq, 1)``.  Without
+    softcap and additive mask ``c`` is folded into ``scale`` or ``q`` (``c q k^T = (c q) k^T``,
+    gradients of ``s`` and ``bias`` flowing through the scaled queries); otherwise it must
+    come after the cap and the additive mask, so the kernel multiplies each row's logits
+    by it (``logit_scale``) and returns its gradient.  A sink's logit is ``c sinks[h]``.
+    """
+    rows = multiplier[..., 0] if isinstance(multiplier, Tensor) else None  # (B | 1, Hq | 1, Lq | 1) or fewer dims
+    sink_logits = None
+    if sinks is not None:
+        sink_logits = sinks.reshape(-1, 1) * (multiplier if rows is None else rows)
+    kernel_masks = kernel_mask(mask, additive, q, k.shape[-2])
+    if softcap is None and additive is None:
+        if rows is not None:
+            q = (q * multiplier).to(q.dtype)
+        else:
+            scale *= multiplier
+        return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, 1.0, None, None, sink_logits)
+    if rows is None:
+        rows = torch.full((1,), float(multiplier), dtype=torch.float64, device=q.device)
+    return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, 1.0, None, softcap, sink_logits, rows)
 
 
 def _runs_triton(normalizer, q: Tensor) -> bool:

@@ -2,7 +2,7 @@
 
 A small kernel writes every score tile (and each query block's key range) of a tiny
 problem; the result must equal scores computed with torch and masked by the
-materialised mask.
+materialised mask.  With softcap, the tiles and the cap's slope equal ``torch.tanh``'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ from attnorm.kernels.rules import AttentionMask, attention_allowed
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from attnorm.kernels.triton.attention_blocks import key_block_bounds, mask_arguments, score_tile  # noqa: E402
+from attnorm.kernels.triton.attention_blocks import (  # noqa: E402
+    key_block_bounds,
+    mask_arguments,
+    score_tile,
+    score_tile_slope,
+    stable_tanh,
+)
 
 BLOCK_M, BLOCK_N, D = 16, 16, 16
 
@@ -41,9 +47,9 @@ def _tiles(q, k, out, bounds, lq, lk, heads, scale,
     for start in range(0, lk, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         k_ptrs = k + bh * lk * D + offs_n[None, :] * D + offs_d[:, None]
-        tile = score_tile(q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, batch, head,
+        tile = score_tile(q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, 1.0, batch, head,
                           dense, dense_sb, dense_sh, dense_sm, dense_sn,
-                          additive, add_sb, add_sh, add_sm, add_sn, HAS_DENSE, HAS_ADDITIVE, tl.float32)
+                          additive, add_sb, add_sh, add_sm, add_sn, HAS_DENSE, HAS_ADDITIVE, False, tl.float32)
         tl.store(out + bh * lq * lk + offs_m[:, None] * lk + offs_n[None, :], tile,
                  mask=(offs_m < lq)[:, None] & (offs_n < lk)[None, :])
 
@@ -101,3 +107,57 @@ def test_score_tiles_equal_masked_torch_scores(kind, device):
                     assert lo[b, h] <= keys.min() and keys.max() < hi[b, h]
                 else:
                     assert hi[b, h] <= lo[b, h] or kind in ("dense", "additive", "none")
+
+
+@triton.jit
+def _capped_tiles(q, k, out, slope_out, lq, lk, scale, softcap, additive, add_sb, add_sh, add_sm, add_sn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    rows = offs_m < lq
+    row_start = tl.zeros((BLOCK_M,), tl.int32)
+    row_stop = tl.where(rows, lk, 0).to(tl.int32)
+    q_tile = tl.load(q + offs_m[:, None] * D + offs_d[None, :], mask=rows[:, None], other=0.0)
+    for start in range(0, lk, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k_ptrs = k + offs_n[None, :] * D + offs_d[:, None]
+        tile, slope = score_tile_slope(q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, softcap, 0, 0,
+                                       additive, 0, 0, 0, 0, additive, add_sb, add_sh, add_sm, add_sn,
+                                       False, True, True, tl.float32)
+        ptrs = offs_m[:, None] * lk + offs_n[None, :]
+        inside = rows[:, None] & (offs_n < lk)[None, :]
+        tl.store(out + ptrs, tile, mask=inside)
+        tl.store(slope_out + ptrs, slope, mask=inside)
+
+
+def test_softcap_tiles_cap_before_the_additive_mask_and_give_the_caps_slope(device):
+    lq, lk, cap = 13, 21, 1.5
+    gen = torch.Generator().manual_seed(2)
+    q = (torch.randn(lq, D, generator=gen) * 3).to(device)
+    k = torch.randn(lk, D, generator=gen).to(device)
+    additive = torch.where(torch.rand(lq, lk, generator=gen) > 0.3, torch.randn(lq, lk, generator=gen), -math.inf)
+    additive = additive.to(device)
+    out = torch.full((lq, lk), math.nan, device=device)
+    slope = torch.full((lq, lk), math.nan, device=device)
+    masking = mask_arguments(AttentionMask(additive=additive), (1, 1, lq, lk), device)
+    _capped_tiles[(1,)](q, k, out, slope, lq, lk, 0.5, cap, masking["additive"], masking["add_sb"],
+                        masking["add_sh"], masking["add_sm"], masking["add_sn"], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=D)
+    t = torch.tanh(0.5 * (q.double() @ k.double().T) / cap)
+    allowed = additive != -math.inf
+    torch.testing.assert_close(out.double(), (cap * t + additive.double()).masked_fill(~allowed, -math.inf),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(slope.double(), torch.where(allowed, 1 - t * t, 0.0), atol=1e-5, rtol=1e-5)
+
+
+@triton.jit
+def _tanh(x, out, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out + offs, stable_tanh(tl.load(x + offs, mask=offs < n)), mask=offs < n)
+
+
+def test_stable_tanh_saturates_without_overflow(device):
+    x = torch.tensor([-math.inf, -1e30, -400.0, -20.0, -1.0, -1e-3, 0.0, 1e-3, 0.5, 3.0, 45.0, 1e30, math.inf,
+                      math.nan], device=device)
+    out = torch.full_like(x, 7.0)
+    _tanh[(1,)](x, out, x.numel(), BLOCK=16)
+    torch.testing.assert_close(out, torch.tanh(x), atol=2e-7, rtol=0, equal_nan=True)

@@ -79,8 +79,8 @@ def inputs(batch, heads, kv_heads, lq, lk, dim, value_dim=None, dtype=torch.floa
 
 def run_kernels(q, k, v, grad, mask, alpha=1.5, alpha_heads=None, alpha_grad=True):
     out, stats = entmax_attention_forward(q, k, v, mask, SCALE, alpha, alpha_heads)
-    dq, dk, dv, d_alpha = entmax_attention_backward(q, k, v, out, grad, stats, mask, SCALE, alpha, alpha_heads,
-                                                    alpha_grad)
+    dq, dk, dv, d_alpha, _, _ = entmax_attention_backward(q, k, v, out, grad, stats, mask, SCALE, alpha,
+                                                          alpha_heads, alpha_grad)
     return out, stats, (dq, dk, dv), d_alpha
 
 
@@ -319,7 +319,7 @@ def test_backward_is_deterministic(device):
     out, stats = entmax_attention_forward(q, k, v, mask, SCALE, 1.5, None)
     first = entmax_attention_backward(q, k, v, out, grad, stats, mask, SCALE, 1.5, None, True)
     second = entmax_attention_backward(q, k, v, out, grad, stats, mask, SCALE, 1.5, None, True)
-    for a, b in zip(first, second, strict=True):
+    for a, b in zip(first[:4], second[:4], strict=True):
         assert torch.equal(a, b)
 
 

@@ -12,7 +12,21 @@ inputs).  The mask is an :class:`attnorm.kernels.rules.AttentionMask`:
 * an optional **dense** bool mask and an optional **additive** float mask, each read
   through four strides (``(B, Hq, Lq, Lk)``, stride 0 along broadcast dims).
 
-:func:`mask_arguments` packs these into the launch arguments every kernel takes in
+Two score modifiers (:func:`modifier_arguments`) are shared too:
+
+* **softcap** (constexpr ``SOFTCAP``): ``S = cap tanh(scale Q K^T / cap) (+ additive)``,
+  the cap before the additive mask (Gemma 2).  ``tanh`` is written with one ``exp`` of
+  ``-2|x|`` (:func:`stable_tanh`: no overflow, ±1 at ±inf, NaN stays NaN; libdevice is
+  not available under the interpreter), one exp and one division per score more;
+  :func:`score_tile_slope` also returns the cap's derivative ``1 - tanh^2`` for the
+  backward kernels (``dS_raw = dS (1 - tanh^2)``);
+* **sinks** (constexpr ``HAS_SINK``): a per-row sink logit ``(B, Hq, Lq)``, read through
+  three strides (a per-head sink expands with stride 0), by :func:`row_values`: a
+  virtual key of value zero, always allowed, never capped nor masked.  Each kernel
+  adds it to its normaliser as a ``(BLOCK_M, 1)`` column, so per query block it costs
+  one load of ``BLOCK_M`` numbers, no pass over K or V.
+
+:func:`mask_arguments` packs the masks into the launch arguments every kernel takes in
 the same order; :func:`score_tile` computes one tile with masked entries at -inf and
 :func:`key_scores` the tile of a key block given by its base pointer and strides;
 :func:`load_tile` loads any zero-padded block of a ``(rows, cols)`` matrix (query,
@@ -35,10 +49,16 @@ __all__ = [
     "key_block_bounds",
     "key_program",
     "key_scores",
+    "key_scores_slope",
     "load_tile",
     "mask_arguments",
+    "modifier_arguments",
     "query_program",
+    "row_arguments",
+    "row_values",
     "score_tile",
+    "score_tile_slope",
+    "stable_tanh",
 ]
 
 
@@ -121,23 +141,75 @@ def key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, H
     return row_start, row_stop, lo, hi
 
 
+def row_arguments(name: str, values: Tensor | None, shape: tuple[int, int, int], dtype: torch.dtype,
+                  device: torch.device) -> dict[str, Any]:
+    """Launch arguments for per-row values broadcastable to ``shape`` ``(B, Hq, Lq)``.
+
+    Returns ``{name}`` (``values`` in ``dtype``, or a dummy pointer), its batch, head and
+    row strides ``{name}_sb, {name}_sh, {name}_sm`` (0 along broadcast dims) and the
+    constant ``HAS_{NAME}``.
+    """
+    if values is None:
+        pointer, strides = torch.empty(1, dtype=dtype, device=device), (0, 0, 0)
+    else:
+        values = values.detach().to(device=device, dtype=dtype)
+        while values.ndim < 3:
+            values = values.unsqueeze(0)
+        pointer = values.expand(shape)
+        strides = pointer.stride()
+    return {name: pointer, f"{name}_sb": strides[0], f"{name}_sh": strides[1], f"{name}_sm": strides[2],
+            f"HAS_{name.upper()}": values is not None}
+
+
+def modifier_arguments(softcap: float | None, sinks: Tensor | None, shape: tuple[int, int, int, int],
+                       dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    """Launch arguments for the score modifiers over scores of ``shape`` ``(B, Hq, Lq, Lk)``.
+
+    ``softcap_ptr``, the cap (a number > 0, or None: 1 and ``SOFTCAP`` False) as one element
+    in the accumulation ``dtype`` (a python float argument would be float32 on the GPU);
+    ``sinks``, the sink logit of each query row, broadcastable to ``(B, Hq, Lq)`` (``(Hq, 1)``
+    for one per head), as :func:`row_arguments` ``"sink"``.
+    """
+    cap = torch.full((1,), 1.0 if softcap is None else float(softcap), dtype=dtype, device=device)
+    return dict(softcap_ptr=cap, SOFTCAP=softcap is not None, **row_arguments("sink", sinks, shape[:3], dtype, device))
+
+
 @triton.jit
-def score_tile(
-    q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, batch, head,
+def row_values(values, s_b, s_h, s_m, batch, head, offs_m, lq, other, ACC: tl.constexpr):
+    """Per-row values of rows ``offs_m`` (:func:`row_arguments`) in ``ACC``; ``other`` past ``lq``."""
+    ptrs = values + batch * s_b + head * s_h + offs_m * s_m
+    return tl.load(ptrs, mask=offs_m < lq, other=other).to(ACC)
+
+
+@triton.jit
+def stable_tanh(x):
+    """``tanh(x)`` as ``sign(x) (1 - e) / (1 + e)``, ``e = exp(-2|x|)`` in (0, 1]: never overflows.
+
+    Absolute error a few ulps of 1 (the relative error grows as ``|x|`` falls below
+    ``eps``, harmless where ``cap tanh(x / cap)`` is compared with scores of order 1).
+    """
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def score_tile_slope(
+    q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, softcap, batch, head,
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
-    HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, ACC: tl.constexpr,
+    HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Scores of the query rows ``offs_m`` against keys ``offs_n``: ``(BLOCK_M, BLOCK_N)``, masked at -inf.
+    """:func:`score_tile` and the softcap's derivative ``1 - tanh^2(scale q k / cap)`` (0 where the score is -inf).
 
-    ``q_tile`` is the query block ``(BLOCK_M, D)`` already loaded; ``k_ptrs`` point at
-    the key block as ``(D, BLOCK_N)`` (the transposed view, so ``tl.dot`` needs no
-    transpose).  Keys past ``lk`` or outside a row's interval, dense-masked keys and
-    -inf scores are -inf; NaN scores stay NaN.
+    Without ``SOFTCAP`` the derivative is 1 (callers multiply by it only under ``SOFTCAP``).
     """
     k_tile = tl.load(k_ptrs, mask=(offs_n < lk)[None, :], other=0.0)
     scores = tl.dot(q_tile, k_tile, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC) * scale
     keep = (offs_n[None, :] >= row_start[:, None]) & (offs_n[None, :] < row_stop[:, None])
+    if SOFTCAP:
+        t = stable_tanh(scores / softcap)
+        scores = softcap * t
     if HAS_DENSE:
         dense_ptrs = dense + batch * dense_sb + head * dense_sh
         dense_ptrs += offs_m[:, None] * dense_sm + offs_n[None, :] * dense_sn
@@ -145,22 +217,59 @@ def score_tile(
     if HAS_ADDITIVE:
         add_ptrs = additive + batch * add_sb + head * add_sh + offs_m[:, None] * add_sm + offs_n[None, :] * add_sn
         scores = scores + tl.load(add_ptrs, mask=keep, other=0.0).to(ACC)
-    return tl.where(keep, scores, float("-inf"))
+    scores = tl.where(keep, scores, float("-inf"))
+    if SOFTCAP:
+        slope = tl.where(scores == float("-inf"), 0.0, 1.0 - t * t)
+    else:
+        slope = tl.full(scores.shape, 1.0, ACC)
+    return scores, slope
 
 
 @triton.jit
-def key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-               batch, head, masking, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, ACC: tl.constexpr):
-    """:func:`score_tile` for keys at ``k_base``; ``masking`` packs the dense and additive arguments.
+def score_tile(
+    q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, softcap, batch, head,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn,
+    additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+):
+    """Scores of the query rows ``offs_m`` against keys ``offs_n``: ``(BLOCK_M, BLOCK_N)``, masked at -inf.
+
+    ``q_tile`` is the query block ``(BLOCK_M, D)`` already loaded; ``k_ptrs`` point at
+    the key block as ``(D, BLOCK_N)`` (the transposed view, so ``tl.dot`` needs no
+    transpose).  ``scale q k`` is capped to ``softcap tanh(. / softcap)`` under
+    ``SOFTCAP``, then the additive mask is added.  Keys past ``lk`` or outside a row's
+    interval, dense-masked keys and -inf scores are -inf; NaN scores stay NaN.
+    """
+    scores, _ = score_tile_slope(q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, softcap, batch,
+                                 head, dense, dense_sb, dense_sh, dense_sm, dense_sn,
+                                 additive, add_sb, add_sh, add_sm, add_sn, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
+    return scores
+
+
+@triton.jit
+def key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                     softcap, batch, head, masking, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+                     SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """:func:`score_tile_slope` for keys at ``k_base``; ``masking`` packs the dense and additive arguments.
 
     Columns past the head dim read the last real column (finite, multiplied by the
     query tile's zeros there), so no pointer leaves a key row.
     """
     k_ptrs = k_base + offs_n[None, :] * sk_n + tl.minimum(offs_d, head_dim - 1)[:, None] * sk_d
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn = masking
-    return score_tile(q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, batch, head,
-                      dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
-                      HAS_DENSE, HAS_ADDITIVE, ACC)
+    return score_tile_slope(q_tile, k_ptrs, offs_m, offs_n, row_start, row_stop, lk, scale, softcap, batch, head,
+                            dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+                            HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
+
+
+@triton.jit
+def key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale, softcap,
+               batch, head, masking, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr,
+               ACC: tl.constexpr):
+    """:func:`score_tile` for keys at ``k_base`` (:func:`key_scores_slope` without the slope)."""
+    scores, _ = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
+                                 lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
+    return scores
 
 
 @triton.jit

@@ -85,10 +85,13 @@ from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.attention_blocks import (
     key_block_bounds,
     key_program,
-    key_scores,
+    key_scores_slope,
     load_tile,
     mask_arguments,
+    modifier_arguments,
     query_program,
+    row_arguments,
+    row_values,
 )
 from attnorm.kernels.triton.attention_launch import dot_operands, head_width, problem
 from attnorm.kernels.triton.entmax import _power
@@ -106,17 +109,35 @@ STATS = 3
 
 
 @triton.jit
-def _score_block(q_tile, keys, offs_m, start, rows, masks,
-                 HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
-    """The masked score tile of keys ``start + [0, BLOCK_N)``.
+def _score_parts(q_tile, keys, offs_m, start, rows, masks,
+                 HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr,
+                 HAS_LOGIT_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    """The logit tile of keys ``start + [0, BLOCK_N)``, with what the backward's chain rule needs.
 
     ``keys`` = (base, row stride, column stride, offs_d, head_dim) of the key rows,
-    ``rows`` = (row_start, row_stop, lk, scale, b, h), ``masks`` the dense and additive arguments.
+    ``rows`` = (row_start, row_stop, lk, scale, b, h, softcap, logit_scale), ``masks`` the
+    dense and additive arguments.  Returns ``(logits, scores, slope, offs_n)``: the masked
+    (capped) scores times the row's logit multiplier (under ``HAS_LOGIT_SCALE``), the
+    scores themselves and the cap's derivative (:func:`.attention_blocks.score_tile_slope`).
     """
     offs_n = start + tl.arange(0, BLOCK_N)
-    scores = key_scores(q_tile, keys[0], keys[1], keys[2], offs_m, offs_n, keys[3], keys[4],
-                        rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], masks, HAS_DENSE, HAS_ADDITIVE, ACC)
-    return scores, offs_n
+    scores, slope = key_scores_slope(q_tile, keys[0], keys[1], keys[2], offs_m, offs_n, keys[3], keys[4],
+                                     rows[0], rows[1], rows[2], rows[3], rows[6], rows[4], rows[5], masks,
+                                     HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
+    logits = scores
+    if HAS_LOGIT_SCALE:
+        logits = tl.where(scores == float("-inf"), scores, scores * rows[7][:, None])
+    return logits, scores, slope, offs_n
+
+
+@triton.jit
+def _score_block(q_tile, keys, offs_m, start, rows, masks,
+                 HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr,
+                 HAS_LOGIT_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    """The masked logit tile of keys ``start + [0, BLOCK_N)`` and its keys (:func:`_score_parts`)."""
+    logits, _, _, offs_n = _score_parts(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
+                                        HAS_LOGIT_SCALE, BLOCK_N, ACC)
+    return logits, offs_n
 
 
 @triton.jit
@@ -150,6 +171,16 @@ def _gppr(u, mass, p, gppr_scale, softmax):
 
 
 @triton.jit
+def _threshold_sums(z, tau, power, softmax):
+    """Per row of shifted logits ``z`` at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, support size, its ``sum z``."""
+    u = z - tau[:, None]
+    mass = _mass(u, power, softmax)
+    on = u > 0
+    slope = tl.where(on, mass / tl.where(on, u, 1.0), 0.0)
+    return tl.sum(mass, 1), tl.sum(slope, 1), tl.sum(on.to(tl.int32), 1), tl.sum(tl.where(on, z, 0.0), 1)
+
+
+@triton.jit
 def _live(p, nan_rows):
     """Whether a tile needs its products: some weight is positive, or a row of the block is NaN."""
     return (tl.max(tl.max((p > 0).to(tl.int32), 1), 0) > 0) | (tl.max(nan_rows.to(tl.int32), 0) > 0)
@@ -173,29 +204,52 @@ def _load_stats(STATS_PTR, row_base, offs_m, lq):
             tl.load(ptr + 2, mask=rows, other=1.0))
 
 
+@triton.jit
+def _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
+                   batch, head, offs_m, lq, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, ACC: tl.constexpr):
+    """Per row: the sink's logit (-inf without a sink, and past ``lq``) and the logit multiplier (1 without)."""
+    if HAS_SINK:
+        sink_logit = row_values(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, float("-inf"), ACC)
+    else:
+        sink_logit = tl.full((BLOCK_M,), float("-inf"), ACC)
+    if HAS_LOGIT_SCALE:
+        row_scale = row_values(logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm, batch, head, offs_m, lq,
+                               1.0, ACC)
+    else:
+        row_scale = tl.full((BLOCK_M,), 1.0, ACC)
+    return sink_logit, row_scale
+
+
 # ---- forward -------------------------------------------------------------------------------
 
 
 @triton.jit
-def _newton_sums(q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax,
-                 HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+def _newton_sums(q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
+                 HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr,
+                 HAS_LOGIT_SCALE: tl.constexpr, HAS_SINK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
-    """One pass over the keys at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, support size, its ``sum z``."""
-    mass = tl.zeros((BLOCK_M,), ACC)
-    slope = tl.zeros((BLOCK_M,), ACC)
-    support = tl.zeros((BLOCK_M,), tl.int32)
-    support_z = tl.zeros((BLOCK_M,), ACC)
+    """One pass over the keys at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, support size, its ``sum z``.
+
+    The sink, a column of its own, starts the sums.
+    """
+    if HAS_SINK:
+        mass, slope, support, support_z = _threshold_sums(((sink_logit - row_max) * multiplier)[:, None], tau,
+                                                          power, softmax)
+    else:
+        mass = tl.zeros((BLOCK_M,), ACC)
+        slope = tl.zeros((BLOCK_M,), ACC)
+        support = tl.zeros((BLOCK_M,), tl.int32)
+        support_z = tl.zeros((BLOCK_M,), ACC)
     for start in range(first, hi, BLOCK_N):
-        scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
-                                 BLOCK_N, ACC)
-        z = (scores - row_max[:, None]) * multiplier
-        u = z - tau[:, None]
-        block_mass = _mass(u, power, softmax)
-        on = u > 0
-        mass += tl.sum(block_mass, 1)
-        slope += tl.sum(tl.where(on, block_mass / tl.where(on, u, 1.0), 0.0), 1)
-        support += tl.sum(on.to(tl.int32), 1)
-        support_z += tl.sum(tl.where(on, z, 0.0), 1)
+        scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
+                                 HAS_LOGIT_SCALE, BLOCK_N, ACC)
+        block_mass, block_slope, block_support, block_z = _threshold_sums((scores - row_max[:, None]) * multiplier,
+                                                                          tau, power, softmax)
+        mass += block_mass
+        slope += block_slope
+        support += block_support
+        support_z += block_z
     return mass, slope, support, support_z
 
 
@@ -207,7 +261,9 @@ def _entmax_attention_forward_kernel(
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
+    softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block of one (batch, head): threshold search, then ``out = p v`` (module docstring)."""
@@ -220,17 +276,23 @@ def _entmax_attention_forward_kernel(
     v_base = V + batch * sv_b + kv_head * sv_h
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     first = (lo // BLOCK_N) * BLOCK_N
-    rows = (row_start, row_stop, lk, scale, batch, head)
+    sink_logit, row_scale = _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
+                                           logit_scale_sh, logit_scale_sm, batch, head, offs_m, lq, HAS_SINK,
+                                           HAS_LOGIT_SCALE, BLOCK_M, ACC)
+    rows = (row_start, row_stop, lk, scale, batch, head, tl.load(softcap_ptr), row_scale)
     masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
 
-    # Pass 1: max, allowed count and sum(s - max) per row (the sum rescaled as the max grows).
-    row_max = tl.full((BLOCK_M,), float("-inf"), ACC)
+    # Pass 1: max, allowed count and sum(s - max) per row (the sum rescaled as the max grows);
+    # the sink, an allowed key of every row, starts them.
+    sink_bad = (sink_logit != sink_logit) | (sink_logit == float("inf"))
+    sink_counts = (sink_logit != float("-inf")) & ~sink_bad
+    row_max = tl.where(sink_counts, sink_logit, float("-inf"))
     below = tl.zeros((BLOCK_M,), ACC)
-    count = tl.zeros((BLOCK_M,), tl.int32)
-    bad = tl.zeros((BLOCK_M,), tl.int32)
+    count = sink_counts.to(tl.int32)
+    bad = sink_bad.to(tl.int32)
     for start in range(first, hi, BLOCK_N):
-        scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
-                                 BLOCK_N, ACC)
+        scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
+                                 HAS_LOGIT_SCALE, BLOCK_N, ACC)
         invalid = (scores != scores) | (scores == float("inf"))
         finite = (scores != float("-inf")) & ~invalid
         new_max = tl.maximum(row_max, tl.max(tl.where(finite, scores, float("-inf")), 1))
@@ -257,8 +319,8 @@ def _entmax_attention_forward_kernel(
     searching = True
     while searching:
         mass, slope, support, support_z = _newton_sums(
-            q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax,
-            HAS_DENSE, HAS_ADDITIVE, BLOCK_M, BLOCK_N, ACC,
+            q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
+            HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, BLOCK_M, BLOCK_N, ACC,
         )
         above = mass >= 1
         low = tl.where(above, tau, low)
@@ -278,11 +340,11 @@ def _entmax_attention_forward_kernel(
     norm = tl.where(exact, 1.0, tl.where(mass > 0, mass, 1.0))
     norm = tl.where(nan_rows, float("nan"), norm)
 
-    # Last pass: out = p v, skipping V for tiles without support.
+    # Last pass: out = p v, skipping V for tiles without support (the sink's value is 0).
     acc = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
     for start in range(first, hi, BLOCK_N):
-        scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
-                                      BLOCK_N, ACC)
+        scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
+                                      HAS_LOGIT_SCALE, BLOCK_N, ACC)
         _, _, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
         if _live(p, nan_rows):
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
@@ -309,10 +371,15 @@ def _entmax_attention_rows_kernel(
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
-    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, ALPHA_GRAD: tl.constexpr,
+    softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, ALPHA_GRAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Per row: ``delta = sum(g dP) / sum(g)`` and (ALPHA_GRAD) the row's alpha gradient, in one pass over K and V."""
+    """Per row: ``delta = sum(g dP) / sum(g)`` and (ALPHA_GRAD) the row's alpha gradient, in one pass over K and V.
+
+    The sink (``dP = 0``: its value is zero) adds its ``g`` and ``T`` to the sums.
+    """
     bh = tl.program_id(1).to(tl.int64)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
@@ -327,15 +394,25 @@ def _entmax_attention_rows_kernel(
     nan_rows = norm != norm
     gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
-    rows = (row_start, row_stop, lk, scale, batch, head)
+    sink_logit, row_scale = _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
+                                           logit_scale_sh, logit_scale_sm, batch, head, offs_m, lq, HAS_SINK,
+                                           HAS_LOGIT_SCALE, BLOCK_M, ACC)
+    rows = (row_start, row_stop, lk, scale, batch, head, tl.load(softcap_ptr), row_scale)
     masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     gppr_sum = tl.zeros((BLOCK_M,), ACC)
     gppr_dp = tl.zeros((BLOCK_M,), ACC)
     entropy_sum = tl.zeros((BLOCK_M,), ACC)
     entropy_dp = tl.zeros((BLOCK_M,), ACC)
+    if HAS_SINK:
+        sink_u, sink_mass, sink_p = _weights(sink_logit[:, None], row_max, tau, norm, multiplier, power, softmax)
+        gppr_sum += tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, softmax), 1)
+        if ALPHA_GRAD:
+            sink_on = sink_p > 0
+            sink_entropy = sink_p * (beta - tl.log(tl.where(sink_on, sink_p, 1.0)))
+            entropy_sum += tl.sum(tl.where(sink_on, sink_entropy, 0.0), 1)
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
-                                      BLOCK_N, ACC)
+        scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
+                                      HAS_LOGIT_SCALE, BLOCK_N, ACC)
         u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
         if _live(p, nan_rows):
             v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
@@ -360,16 +437,23 @@ def _entmax_attention_rows_kernel(
 
 @triton.jit
 def _entmax_attention_dq_kernel(
-    Q, K, V, DO, STATS_PTR, DELTA, DQ, scale_ptr, alpha_ptr, alpha_stride,
+    Q, K, V, DO, STATS_PTR, DELTA, DQ, D_SINK, D_LOGIT_SCALE, scale_ptr, alpha_ptr, alpha_stride,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
     heads, group, lq, lk, head_dim, value_dim,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
+    softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
-    """``dq = scale dS k`` for one query block, one pass over K and V."""
+    """``dq = scale dS k`` for one query block, one pass over K and V.
+
+    With ``G = g (dP - delta)`` the gradient of a logit: ``dS = c G (1 - tanh^2)`` (``c``
+    the row's logit multiplier, the last factor the cap's); per row, the sink's logit
+    gradient ``-g_sink delta`` and the multiplier's ``sum_j G_j s_j``.
+    """
     bh = tl.program_id(1).to(tl.int64)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
@@ -382,24 +466,40 @@ def _entmax_attention_dq_kernel(
     row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
     nan_rows = norm != norm
     gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
-    delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < lq, other=0.0)
+    inside = offs_m < lq
+    delta = tl.load(DELTA + row_base + offs_m, mask=inside, other=0.0)
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
-    rows = (row_start, row_stop, lk, scale, batch, head)
+    sink_logit, row_scale = _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
+                                           logit_scale_sh, logit_scale_sm, batch, head, offs_m, lq, HAS_SINK,
+                                           HAS_LOGIT_SCALE, BLOCK_M, ACC)
+    rows = (row_start, row_stop, lk, scale, batch, head, tl.load(softcap_ptr), row_scale)
     masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
+    d_row_scale = tl.zeros((BLOCK_M,), ACC)
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE,
-                                      BLOCK_N, ACC)
-        u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
+        logits, scores, slope, offs_n = _score_parts(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE,
+                                                     HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, BLOCK_N, ACC)
+        u, mass, p = _weights(logits, row_max, tau, norm, multiplier, power, softmax)
         if _live(p, nan_rows):
             v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
             dp = tl.dot(do_tile, v_t, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
             ds = _gppr(u, mass, p, gppr_scale, softmax) * (dp - delta[:, None])
+            if HAS_LOGIT_SCALE:
+                d_row_scale += tl.sum(ds * tl.where(scores != float("-inf"), scores, 0.0), 1)
+                ds = ds * row_scale[:, None]
+            if SOFTCAP:
+                ds = ds * slope
             k_tile = load_tile(keys[0], offs_n, offs_d, lk, head_dim, sk_n, sk_d)
             dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
     dq = tl.where(nan_rows[:, None], float("nan"), dq * scale)
     tl.store(DQ + (row_base + offs_m)[:, None] * head_dim + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
+             mask=inside[:, None] & (offs_d < head_dim)[None, :])
+    if HAS_SINK:
+        sink_u, sink_mass, sink_p = _weights(sink_logit[:, None], row_max, tau, norm, multiplier, power, softmax)
+        d_sink = -tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, softmax), 1) * delta
+        tl.store(D_SINK + row_base + offs_m, tl.where(nan_rows, float("nan"), d_sink), mask=inside)
+    if HAS_LOGIT_SCALE:
+        tl.store(D_LOGIT_SCALE + row_base + offs_m, tl.where(nan_rows, float("nan"), d_row_scale), mask=inside)
 
 
 @triton.jit
@@ -410,13 +510,16 @@ def _entmax_attention_dkdv_kernel(
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
+    softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dk = scale dS^T q`` and ``dv = p^T dO`` for one key block of one (batch, kv head), no atomics."""
     bkv = tl.program_id(1).to(tl.int64)
     batch, kv_head, key_lo, offs_n, offs_d, offs_dv = key_program(bkv, heads, group, BLOCK_N, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
+    softcap = tl.load(softcap_ptr)
     keys = (K + batch * sk_b + kv_head * sk_h, sk_n, sk_d, offs_d, head_dim)
     v_t = load_tile(V + batch * sv_b + kv_head * sv_h, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
     masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
@@ -434,9 +537,12 @@ def _entmax_attention_dkdv_kernel(
                 q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
                 row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
                 nan_rows = norm != norm
-                rows = (row_start, row_stop, lk, scale, batch, head)
-                scores, _ = _score_block(q_tile, keys, offs_m, key_lo, rows, masks, HAS_DENSE, HAS_ADDITIVE,
-                                         BLOCK_N, ACC)
+                _, row_scale = _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
+                                              logit_scale_sh, logit_scale_sm, batch, head, offs_m, lq, False,
+                                              HAS_LOGIT_SCALE, BLOCK_M, ACC)
+                rows = (row_start, row_stop, lk, scale, batch, head, softcap, row_scale)
+                scores, _, slope, _ = _score_parts(q_tile, keys, offs_m, key_lo, rows, masks, HAS_DENSE,
+                                                   HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, BLOCK_N, ACC)
                 u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
                 if _live(p, nan_rows):
                     do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
@@ -444,6 +550,10 @@ def _entmax_attention_dkdv_kernel(
                     dp = tl.dot(do_tile, v_t, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
                     gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
                     ds = _gppr(u, mass, p, gppr_scale, softmax) * (dp - delta[:, None])
+                    if HAS_LOGIT_SCALE:
+                        ds = ds * row_scale[:, None]
+                    if SOFTCAP:
+                        ds = ds * slope
                     dv += tl.dot(tl.trans(p).to(do_tile.dtype), do_tile,
                                  out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
                     dk += tl.dot(tl.trans(ds).to(q_tile.dtype), q_tile,
@@ -474,7 +584,8 @@ class _Launch:
     """
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float,
-                 alpha_heads: Tensor | None) -> None:
+                 alpha_heads: Tensor | None, softcap: float | None, sinks: Tensor | None,
+                 logit_scale: Tensor | None) -> None:
         shape = problem(q, k, v)
         _check_alpha(shape.heads, alpha, alpha_heads)
         self.q, self.k, self.v = dot_operands(q, k, v)
@@ -494,7 +605,11 @@ class _Launch:
         self.acc_dtype = acc
         self.head_args = (torch.full((1,), float(scale), dtype=acc, device=q.device), alpha_values, alpha_stride)
         self.strides = (*self.q.stride(), *self.k.stride(), *self.v.stride())
-        self.mask_args = mask_arguments(mask, shape.score_shape, q.device)
+        self.mask_args = dict(
+            **mask_arguments(mask, shape.score_shape, q.device),
+            **modifier_arguments(softcap, sinks, shape.score_shape, acc, q.device),
+            **row_arguments("logit_scale", logit_scale, shape.score_shape[:3], acc, q.device),
+        )
 
     def launch(self, kernel, grid: tuple[int, int], *pointers, extra_strides: tuple[int, ...] = (),
                **constants) -> None:
@@ -505,9 +620,14 @@ class _Launch:
 
 
 def entmax_attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float, alpha_heads: Tensor | None
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float, alpha_heads: Tensor | None,
+    softcap: float | None = None, sinks: Tensor | None = None, logit_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Fused alpha-entmax attention ``out = entmax_alpha(scale q k^T + additive) v`` over the allowed keys.
+    """Fused alpha-entmax attention ``out = entmax_alpha(c (cap(scale q k^T) + additive) | sink) v``.
+
+    Over the allowed keys and, with ``sinks``, each row's sink (a key of value 0 whose
+    weight is dropped); ``cap(x) = softcap tanh(x / softcap)`` when ``softcap`` is given,
+    ``c`` the row's ``logit_scale`` (1 when None).
 
     Args:
         q: queries ``(B, Hq, Lq, D)``, float16/bfloat16/float32/float64.
@@ -520,17 +640,22 @@ def entmax_attention_forward(
             ``alpha_heads`` is None.
         alpha_heads: None, or per query head alphas ``(Hq,)`` in ``[1, 2]`` (not checked:
             reading them would synchronise the device).
+        softcap: None, or the cap ``> 0`` of the scaled scores (before the additive mask).
+        sinks: None, or the sink logit of each row, broadcastable to ``(B, Hq, Lq)``
+            (``(Hq, 1)``: one per head); already multiplied by ``c``, not capped, not masked.
+        logit_scale: None, or the logit multiplier ``c`` of each row (temperature,
+            Scalable-Softmax), broadcastable to ``(B, Hq, Lq)``, applied after the cap.
 
     Returns:
         ``(out, stats)``: ``out`` ``(B, Hq, Lq, Dv)`` in ``q``'s dtype; ``stats``
         ``(B, Hq, Lq, 3)`` in the accumulation dtype, per row ``(m, tau, N)``: the row's
-        largest allowed score, its threshold on ``(alpha - 1)(s - m)`` and the weights'
-        normaliser (NaN in NaN rows).
+        largest allowed logit (the sink's included), its threshold on ``(alpha - 1)(s - m)``
+        and the weights' normaliser (NaN in NaN rows).
 
     Raises:
         ValueError: shapes that do not fit, or a python ``alpha`` outside ``[1, 2]``.
     """
-    call = _Launch(q, k, v, mask, scale, alpha, alpha_heads)
+    call = _Launch(q, k, v, mask, scale, alpha, alpha_heads, softcap, sinks, logit_scale)
     shape = call.shape
     out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
     stats = shape.row_tensor(STATS, like=q)
@@ -541,44 +666,51 @@ def entmax_attention_forward(
 
 def entmax_attention_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
-    scale: float, alpha: float, alpha_heads: Tensor | None, alpha_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    scale: float, alpha: float, alpha_heads: Tensor | None, alpha_grad: bool, softcap: float | None = None,
+    sinks: Tensor | None = None, logit_scale: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of :func:`entmax_attention_forward` by the closed-form entmax Jacobian (module docstring).
 
     Deterministic: no atomics, every gradient element is written by one program.
 
     Args:
-        q, k, v, mask, scale, alpha, alpha_heads: the forward's arguments.
+        q, k, v, mask, scale, alpha, alpha_heads, softcap, sinks, logit_scale: the forward's arguments.
         out: the forward's output (unused: entmax's ``delta`` needs its own pass).
         grad_out: gradient of ``out``, ``(B, Hq, Lq, Dv)``.
         stats: the forward's per-row statistics.
         alpha_grad: also return alpha's gradient per query head.
 
     Returns:
-        ``(dq, dk, dv, d_alpha)``: shapes and dtypes of ``q``, ``k``, ``v``; ``d_alpha``
-        ``(Hq,)`` float32 summed over batch and rows, or None.
+        ``(dq, dk, dv, d_alpha, d_sinks, d_logit_scale)``: shapes and dtypes of ``q``, ``k``,
+        ``v``; ``d_alpha`` ``(Hq,)`` float32 summed over batch and rows, or None; the
+        gradients of each row's sink logit and logit multiplier, ``(B, Hq, Lq)`` in the
+        accumulation dtype (None without ``sinks``, ``logit_scale``).
     """
-    call = _Launch(q, k, v, mask, scale, alpha, alpha_heads)
+    call = _Launch(q, k, v, mask, scale, alpha, alpha_heads, softcap, sinks, logit_scale)
     shape = call.shape
     (grad_out,) = dot_operands(grad_out.to(q.dtype))
     stats = stats.contiguous()
     delta = shape.row_tensor(like=q)
     d_alpha_rows = shape.row_tensor(like=q) if alpha_grad else delta
+    d_sinks = shape.row_tensor(like=q) if sinks is not None else None
+    d_logit_scale = shape.row_tensor(like=q) if logit_scale is not None else None
     dq = launch.empty(tuple(q.shape), q.dtype, q.device)
     dk = launch.empty(tuple(k.shape), k.dtype, k.device)
     dv = launch.empty(tuple(v.shape), v.dtype, v.device)
     common = (call.q, call.k, call.v, grad_out, stats, delta)
     call.launch(_entmax_attention_rows_kernel, shape.query_grid, *common, d_alpha_rows,
                 extra_strides=grad_out.stride(), ALPHA_GRAD=bool(alpha_grad))
-    call.launch(_entmax_attention_dq_kernel, shape.query_grid, *common, dq, extra_strides=grad_out.stride())
+    call.launch(_entmax_attention_dq_kernel, shape.query_grid, *common, dq,
+                delta if d_sinks is None else d_sinks, delta if d_logit_scale is None else d_logit_scale,
+                extra_strides=grad_out.stride())
     if shape.lq == 0:  # no query attends any key: the key-block programs would write zeros anyway
         dk.zero_()
         dv.zero_()
     else:
         call.launch(_entmax_attention_dkdv_kernel, shape.key_grid, *common, dk, dv, extra_strides=grad_out.stride())
-    if not alpha_grad:
-        return dq, dk, dv, None
-    d_alpha = d_alpha_rows.sum((0, 2)) if shape.lq else torch.zeros(shape.heads, dtype=call.acc_dtype,
-                                                                       device=q.device)
-    return dq, dk, dv, d_alpha.to(torch.float32)
-
+    d_alpha = None
+    if alpha_grad:
+        d_alpha = d_alpha_rows.sum((0, 2)) if shape.lq else torch.zeros(shape.heads, dtype=call.acc_dtype,
+                                                                           device=q.device)
+        d_alpha = d_alpha.to(torch.float32)
+    return dq, dk, dv, d_alpha, d_sinks, d_logit_scale

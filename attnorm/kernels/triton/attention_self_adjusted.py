@@ -185,7 +185,7 @@ def _self_adjusted_forward_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                       1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
         finite = (x > float("-inf")) & (x < float("inf"))
         posinf_count += tl.sum((x == float("inf")).to(ACC), 1)
         nan_count += tl.sum((x != x).to(ACC), 1)
@@ -228,7 +228,7 @@ def _self_adjusted_forward_kernel(
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
-                           scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                           scale, 1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
             if NORMALIZED:
                 mass = tl.where(x == float("inf"), 1.0, 0.0)
             else:
@@ -291,7 +291,7 @@ def _self_adjusted_dq_kernel(
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                           batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                           1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
             xs, w, used, _ = _weights(x, c0, c1, state)
             w = tl.where((state == 1)[:, None], w, 0.0)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
@@ -309,7 +309,7 @@ def _self_adjusted_dq_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                       1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
         xs, w, used, _ = _weights(x, c0, c1, state)
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
@@ -351,7 +351,7 @@ def _self_adjusted_dkdv_kernel(
                 c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
                 total = tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0)
                 x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
-                               scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                               scale, 1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
                 xs, w, used, posinf = _weights(x, c0, c1, state)
                 if NORMALIZED:
                     s, span = _span(low, high)

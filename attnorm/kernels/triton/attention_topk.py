@@ -107,7 +107,7 @@ def _candidate_counts(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                       1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
         allowed = x != float("-inf")
         keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
         counts += tl.sum((keys[:, :, None] >= candidates[:, None, :]).to(tl.int32), 1)
@@ -202,7 +202,7 @@ def _topk_forward_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                       1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
         allowed = x != float("-inf")
         keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
         ties = allowed & (keys == threshold_key[:, None])
@@ -291,7 +291,7 @@ def _topk_dq_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                       batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                       1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
         p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
                            KEY, UKEY, KEY_BITS)
         if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
@@ -336,7 +336,7 @@ def _topk_dkdv_kernel(
                     STATS_PTR, rows, offs_m, lq, ACC, KEY, UKEY, KEY_BITS
                 )
                 x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
-                               scale, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+                               scale, 1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
                 p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
                                    KEY, UKEY, KEY_BITS)
                 if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:

@@ -1,0 +1,228 @@
+"""Softcap and sinks on the fused Triton attention kernels, against float64 formulas.
+
+``attnorm.attention(..., softcap=, sinks=)`` with ``backend="triton"`` normalizers runs the
+fused kernels (the interpreter on CPU); the blocked and materialised routes are made to
+raise, so a call that left the fused route fails.  The reference is written here from
+the definitions, in float64: scores ``scale q k^T``, capped with ``torch.tanh``, the
+additive mask added, the mask applied, each head's sink appended as a last column that
+is always allowed, the normalizer applied to the extended row (``torch.softmax``, the
+``entmax`` package's sparsemax and bisection, Self-Adjusted's ``phi(x) softmax(x)``, a
+stable sort for top-k), the sink's column dropped, then ``@ v``; Scalable-Softmax's ``n``
+and top-k's fraction count the real allowed keys only.  Gradients of q, k, v, the sinks
+and the learnable parameters come from ``torch.autograd`` through it.  Every buffer the
+kernels allocate is poisoned with NaN first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+import attnorm
+
+pytest.importorskip("triton")
+entmax = pytest.importorskip("entmax")
+
+from attnorm.kernels.triton import launch  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked lanes
+
+B, H, HKV, LQ, LK, D = 2, 2, 1, 16, 23, 16  # one query block, two key blocks of 16 (interpreted); GQA
+SCALE = D**-0.5
+SOFTCAP = 2.0
+SINKS = (1.5, -0.5)
+attention_module = importlib.import_module("attnorm.attention")
+
+
+@pytest.fixture(autouse=True)
+def fused_only(monkeypatch):
+    """Poisoned kernel buffers; tiny shapes are not decoding; the blocked and materialised routes raise."""
+    def empty(shape, dtype, device):
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+
+    def elsewhere(*args, **kwargs):
+        raise AssertionError("the call left the fused route")
+
+    monkeypatch.setattr(launch, "empty", empty)
+    monkeypatch.setattr(attention_module, "DECODING_ROWS", 0)
+    monkeypatch.setattr(attention_module, "blocked_attention", elsewhere)
+    monkeypatch.setattr(attention_module, "materialised_attention", elsewhere)
+    monkeypatch.setattr(attention_module, "scaled_sdpa", elsewhere)
+
+
+# ---- normalizers: the module under test and its float64 definition ----------------------------
+
+
+def _masked(x, allowed):
+    """``x`` at -inf off ``allowed``; 0 in rows with nothing allowed (their weights are zeroed after)."""
+    return torch.where(allowed.any(-1, keepdim=True), x.masked_fill(~allowed, -math.inf), 0.0)
+
+
+def _softmax(x, allowed, multiplier):
+    return torch.softmax(_masked(x * multiplier, allowed), -1)
+
+
+def _entmax(alpha):
+    def normalize(x, allowed, n, params):
+        filled = torch.where(allowed, x, -1e30)
+        if alpha == 2:
+            return entmax.sparsemax(filled, -1)
+        return entmax.entmax_bisect(filled, alpha, dim=-1, n_iter=100)
+
+    return normalize
+
+
+def _learnable_entmax(x, allowed, n, params):
+    (alpha_logit,) = params
+    alpha = (1 + torch.sigmoid(alpha_logit)).view(1, H, 1, 1)
+    return entmax.entmax_bisect(torch.where(allowed, x, -1e30), alpha, dim=-1, n_iter=100)
+
+
+def _ssmax(x, allowed, n, params):
+    s, bias = params
+    return _softmax(x, allowed, s * torch.log(n.clamp_min(1).double()) + bias)
+
+
+FAMILIES = {
+    # name: (the normalizer on the fused route, reference(x, allowed, n, params) over the extended row)
+    "sparsemax": (lambda: attnorm.Sparsemax(backend="triton"), _entmax(2)),
+    "entmax15": (lambda: attnorm.Entmax(1.5, backend="triton"), _entmax(1.5)),
+    "entmax_learnable": (
+        lambda: attnorm.Entmax(1.3, learnable=True, num_heads=H, backend="triton"), _learnable_entmax
+    ),
+    "softmax_T": (lambda: attnorm.Softmax(temperature=0.6, backend="triton"),
+                  lambda x, allowed, n, params: _softmax(x, allowed, 1 / 0.6)),
+    "ssmax": (lambda: attnorm.ScalableSoftmax(s=0.5, bias=0.2, backend="triton"),
+              lambda x, allowed, n, params: _softmax(x, allowed, 0.5 * torch.log(n.clamp_min(1).double()) + 0.2)),
+    "ssmax_learnable": (lambda: attnorm.ScalableSoftmax(s=0.5, bias=0.2, learnable=True, num_heads=H,
+                                                        backend="triton"), _ssmax),
+}
+
+# ---- masks ------------------------------------------------------------------------------------------
+
+
+def _bool_mask():
+    mask = torch.rand(B, 1, LQ, LK, generator=torch.Generator().manual_seed(3)) > 0.4
+    mask[:, :, 3] = False  # a row whose real keys are all masked
+    return mask
+
+
+def _additive_mask():
+    gen = torch.Generator().manual_seed(4)
+    additive = torch.where(torch.rand(LQ, LK, generator=gen) > 0.3, torch.randn(LQ, LK, generator=gen), -math.inf)
+    additive[5] = -math.inf
+    return additive
+
+
+MASKS = {
+    "none": lambda: None,
+    "causal": lambda: attnorm.causal_mask(LK - LQ),
+    "padding": lambda: attnorm.key_padding_mask(torch.tensor([17, 0])),  # batch 1: every real key masked
+    "bool": _bool_mask,
+    "additive": _additive_mask,
+}
+
+
+def allowed_and_additive(attn_mask):
+    """The mask as ``(allowed (B, H, LQ, LK) bool, additive or None)`` in float64, from its own definition."""
+    if attn_mask is None:
+        return torch.ones(B, H, LQ, LK, dtype=torch.bool), None
+    if isinstance(attn_mask, attnorm.StructuredMask):
+        return attn_mask.materialize(torch.Size([B, H, LQ, LK])).expand(B, H, LQ, LK), None
+    if attn_mask.dtype == torch.bool:
+        return attn_mask.expand(B, H, LQ, LK), None
+    return torch.ones(B, H, LQ, LK, dtype=torch.bool), attn_mask.double()
+
+
+# ---- reference -------------------------------------------------------------------------------------
+
+
+def reference(normalize, params, q, k, v, attn_mask, softcap, sinks):
+    """float64 ``normalize(extended row) [:, :LK] @ v`` (module docstring)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    x = SCALE * q @ k.transpose(-1, -2)
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    allowed, additive = allowed_and_additive(attn_mask)
+    if additive is not None:
+        x = x + additive
+    allowed = allowed & (x != -math.inf)
+    n = allowed.sum(-1, keepdim=True)  # the real allowed keys
+    if sinks is not None:
+        x = torch.cat([x, sinks.view(1, H, 1, 1).expand(B, H, LQ, 1)], -1)
+        allowed = torch.cat([allowed, torch.ones(B, H, LQ, 1, dtype=torch.bool)], -1)
+    weights = normalize(torch.where(allowed, x, 0.0), allowed, n, params) * allowed.any(-1, keepdim=True)
+    return weights[..., :LK] @ v
+
+
+def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4, seed=0):
+    """The fused route's output and gradients (q, k, v, sinks, parameters) equal the float64 reference's."""
+    build, normalize = FAMILIES[family]
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, LQ, D, generator=gen, dtype=torch.float64) * 2
+    k = torch.randn(B, HKV, LK, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, HKV, LK, D, generator=gen, dtype=torch.float64)
+    cotangent = torch.randn(B, H, LQ, D, generator=gen, dtype=torch.float64)
+    sinks = None if sinks is None else torch.tensor(sinks, dtype=torch.float64)
+    normalizer = build()
+    params = [p for p in normalizer.parameters() if p.requires_grad]
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    fused_sinks = None if sinks is None else sinks.float().requires_grad_()
+    out = attnorm.attention(*leaves, normalizer, attn_mask=attn_mask, scale=SCALE, softcap=softcap,
+                            sinks=fused_sinks)
+    wrt = leaves + ([fused_sinks] if sinks is not None else []) + params
+    got = torch.autograd.grad(out, wrt, cotangent.to(dtype))
+
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_sinks = None if sinks is None else sinks.clone().requires_grad_()
+    ref_params = [p.detach().double().clone().requires_grad_() for p in params]
+    expected = reference(normalize, ref_params, *ref_leaves, attn_mask, softcap, ref_sinks)
+    ref_wrt = ref_leaves + ([ref_sinks] if sinks is not None else []) + ref_params
+    wanted = torch.autograd.grad(expected, ref_wrt, cotangent)
+
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected.detach(), atol=tolerance, rtol=tolerance)
+    names = ["q", "k", "v"] + (["sinks"] if sinks is not None else []) + [f"param{i}" for i in range(len(params))]
+    for name, actual, reference_grad in zip(names, got, wanted, strict=True):
+        assert torch.isfinite(actual).all(), name
+        torch.testing.assert_close(actual.double(), reference_grad, atol=tolerance, rtol=tolerance, msg=name)
+    return out
+
+
+MODIFIERS = {"softcap": (SOFTCAP, None), "sinks": (None, SINKS), "both": (SOFTCAP, SINKS)}
+SWEPT_BY_DEFAULT = ("sparsemax", "softmax_T")  # one family per kernel path; the others' sweeps are slow tests
+
+
+def mask_sweep():
+    for family in FAMILIES:
+        for mask in ("none", "padding", "bool", "additive"):
+            if family.startswith("ssmax") and mask == "additive":
+                continue  # Scalable-Softmax's n under an additive mask: the blocked route
+            marks = () if family in SWEPT_BY_DEFAULT else pytest.mark.slow
+            yield pytest.param(family, mask, marks=marks, id=f"{family}-{mask}")
+
+
+@pytest.mark.parametrize("modifier", list(MODIFIERS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_modifier_under_a_causal_mask(family, modifier):
+    check(family, MASKS["causal"](), *MODIFIERS[modifier])
+
+
+@pytest.mark.parametrize("family,mask", list(mask_sweep()))
+def test_softcap_and_sinks_under_every_mask(family, mask):
+    check(family, MASKS[mask](), SOFTCAP, SINKS)
+
+
+@pytest.mark.parametrize("family", ["sparsemax", "ssmax"])
+def test_a_fully_masked_row_attends_only_its_sink(family):
+    out = check(family, MASKS["bool"](), SOFTCAP, SINKS)
+    assert (out[:, :, 3] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    check("entmax15", MASKS["causal"](), SOFTCAP, SINKS, dtype=dtype, tolerance=5e-2)
