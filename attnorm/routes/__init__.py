@@ -7,6 +7,9 @@ route               when                                         memory beyond q
                     Scalable-Softmax (fixed or learnable)        call on ``c q``
 :mod:`.fused`       sparsemax, alpha-entmax, top-k, Self-        per-row statistics (Triton kernels,
                     Adjusted on CUDA (or ``backend="triton"``)   no ``Lq x Lk`` matrix)
+:mod:`.decoding`    few query rows (decoding) of Self-Adjusted   per-split partials (split-K Triton
+                    without gradients, where :mod:`.fused` runs  kernel); the route of each family:
+                                                                 ``decoding.DECODING_ROUTES``
 materialised        ``return_weights=True``; few query rows      the ``Lq x Lk`` weights
                     (decoding: scores as rows of the row kernels)
 :mod:`.blocked`     everything else (any normalizer, any device) one block of query rows' scores;

@@ -1,0 +1,67 @@
+"""The decoding operator: ``torch.ops.attnorm.self_adjusted_decoding_fwd``, split-K, forward only.
+
+=================================== ========================================== ==============
+op                                  outputs                                    backward
+=================================== ========================================== ==============
+``self_adjusted_decoding_fwd``      out ``(B, Hq, Lq, Dv)``                    raises
+=================================== ========================================== ==============
+
+Defined in the ``attnorm`` namespace like :mod:`attnorm.kernels.attention_ops` (a fake
+kernel gives the shape, so ``torch.compile`` and ``torch.export`` see it); its CPU and
+CUDA kernels are :func:`attnorm.kernels.triton.attention_decoding.self_adjusted_decoding_forward`
+(on CPU tensors under ``TRITON_INTERPRET=1``, otherwise a clear error).  Masks travel
+as the four fields of :class:`~attnorm.kernels.rules.AttentionMask`.
+
+Forward only: decoding is inference.  :func:`attnorm.routes.decoding.supports` never
+takes this op when an input requires grad (the materialised route runs, with its
+gradients); called directly on such inputs, its backward raises instead of returning
+a wrong or missing gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnorm.kernels import backends
+from attnorm.kernels.rules import AttentionMask
+
+__all__ = ["self_adjusted_decoding"]
+
+_LIBRARY = torch.library.Library("attnorm", "FRAGMENT")
+_NAME = "self_adjusted_decoding_fwd"
+
+_LIBRARY.define(
+    f"{_NAME}(Tensor q, Tensor k, Tensor v, Tensor? key_start, Tensor? key_stop, Tensor? dense, Tensor? additive, "
+    "float scale, bool normalized, int splits) -> Tensor"
+)
+
+
+def _device_kernel(q, k, v, start, stop, dense, additive, scale, normalized, splits):
+    backends.resolve("triton", q.device)  # a clear error when Triton cannot run these tensors
+    from attnorm.kernels.triton.attention_decoding import self_adjusted_decoding_forward
+
+    return self_adjusted_decoding_forward(q, k, v, AttentionMask(start, stop, dense, additive), scale, normalized,
+                                          splits)
+
+
+def _fake(q, k, v, *rest):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+def _backward(ctx, grad_out):
+    raise RuntimeError(
+        f"attnorm::{_NAME} is forward only (decoding); attnorm.attention takes another route when inputs require grad"
+    )
+
+
+_LIBRARY.impl(_NAME, _device_kernel, "CPU")
+_LIBRARY.impl(_NAME, _device_kernel, "CUDA")
+torch.library.register_fake(f"attnorm::{_NAME}", _fake, lib=_LIBRARY)
+torch.library.register_autograd(f"attnorm::{_NAME}", _backward, lib=_LIBRARY)
+
+
+def self_adjusted_decoding(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,
+                           splits: int = 0) -> Tensor:
+    """Split-K Self-Adjusted Softmax attention (both variants) for few query rows; ``splits`` 0: automatic."""
+    return torch.ops.attnorm.self_adjusted_decoding_fwd(q, k, v, *mask, scale, normalized, splits)

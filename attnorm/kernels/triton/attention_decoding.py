@@ -1,0 +1,377 @@
+"""Split-K (flash-decoding) Self-Adjusted Softmax attention for a few queries against a long KV cache.
+
+``out_i = sum_j phi(x_ij) w_ij v_j`` with ``x = scale q k^T + additive`` over row ``i``'s
+allowed keys, ``w = softmax(x)`` and ``phi(x) = x`` (plain) or ``(x - low) / (high - low)``,
+``low = min(min x, 0)``, ``high = max(max x, 0)`` (normalized; ``phi = 0`` when
+``high = low``), as :mod:`.attention_self_adjusted` computes it for training shapes.
+
+**Why split-K.**  In decoding (``Lq`` of 1 to 16 against ``Lk`` of thousands) a
+query-block kernel has one program per (batch, head): 128 programs at batch 8 and 16
+heads cannot keep 132 SMs streaming K and V.  Here the keys are cut into ``S``
+splits processed in parallel and their partial results are merged, as in
+flash-decoding.  SA's forward allows it because it is one pass over K and V with
+mergeable state: with ``e_j = exp(x_j - m)`` over a set of keys, the partial
+``(m, l = sum e, A = sum e (x - m) v, B = sum e v, min x)`` of two disjoint sets
+merges exactly (:func:`_merge`): relative to ``M = max(m, m')`` and
+``r = exp(m - M)``, ``l = r l + r' l'``, ``B = r B + r' B'``,
+``A = r A + r (m - M) B + r' A' + r' (m' - M) B'``.  The output follows from the
+merged sums: ``(A + m B) / l`` (plain) or ``(A + (m - low) B) / (l (high - low))``
+(normalized).  The same merge adds each key block into a split's running sums and
+each split into the result.
+
+**Programs.**  The split kernel runs one program per (key split, batch x key/value
+head) and stacks every query row of the GQA group into one tile: stacked row
+``r = member Lq + i`` is query ``i`` of query head ``kv_head G + member``, so K and
+V of a split are read once per key/value head, not once per query head (up to
+:data:`MAX_STACKED_ROWS` stacked rows; more take a third grid axis of row blocks,
+each reading the split's K and V).  It writes per-split partials in the accumulation
+dtype (float32; float64 for float64 inputs).  The combine kernel runs one program per
+(batch x key/value head, row block) and merges the splits of its rows into ``out``.
+
+**Rules** (those of :mod:`.attention_self_adjusted` and its tests): a row with no
+allowed key gives zeros; a row holding +inf scores gives the limit of the finite
+case (uniform over its +inf keys: factor 1 normalized, +inf plain), taken by a
+second pass over the split's keys, only in splits holding such a row, whose sum is
+stored in the ``B`` slot; a NaN score makes the row NaN.  Masks are an
+:class:`~attnorm.kernels.rules.AttentionMask` read by :mod:`.attention_blocks`: key
+blocks outside every stacked row's interval are skipped.
+
+**Passes and bytes** (``s`` bytes per element, ``G = Hq / Hkv`` query heads per
+key/value head, ``S`` splits):
+
+* per key and key/value head: K and V read once, ``(D + Dv) s`` (256 bytes at
+  ``D = Dv = 64`` in bfloat16), one pass over K and V (two in a split holding a +inf
+  row); a dense (1 byte) or additive (``s``) mask is read per query row and key;
+* per query row: ``q`` read, ``out`` written, ``(D + Dv) s``; the split kernel writes
+  and the combine kernel reads :data:`PARTIAL_STATS` numbers and the two sums
+  ``A``, ``B`` per split, ``S (5 + 2 Dv) 4`` bytes each way (about 2 KiB at ``S = 4``,
+  ``Dv = 64``, against 1 MiB of K and V per key/value head at ``Lk = 4096``).
+
+**Why a combine kernel, not torch ops.**  The partials are
+``S (5 + 2 Dv) 4 G Lq / (Lk (D + Dv) s)`` of the K and V bytes (0.2% above), so bytes
+do not decide it; launches do.  The merge written in torch is about ten elementwise
+ops over the partials, each a launch of a few microseconds, comparable to a whole
+decoding step (8 x 16 heads x 4096 keys of K and V in bfloat16 are 134 MB: 40 us at
+3.35 TB/s); one Triton kernel is one launch and reads the partials once.
+
+**Why only Self-Adjusted has a split-K kernel.**  Entmax/sparsemax find their
+threshold ``tau`` by a search over each row (:mod:`.attention_entmax`: one pass for
+the max, ``I`` bisection or Newton passes, one for the output) and top-k finds its
+k-th score by a radix select (:mod:`.attention_topk`): every pass needs a reduction
+over all of the row's keys before the next can start.  A split-K kernel would have
+to merge across splits after each pass, i.e. a launch (or grid-wide barrier) per
+pass and K re-read once per pass, ``1 + I + 1`` (about 6 to 9) times.  Scores as rows
+(``q k^T``, the row kernel, ``w v``) reads K once, and each later pass rereads only
+the ``Lq x Lk`` float32 scores, ``4 / (D s)`` = 1/32 of K's bytes at ``D = 64`` in
+bfloat16 (1/D in elements), so for those families scores-as-rows *is* the split-K
+design: the matmuls split the keys over the SMs, and the row kernels' passes touch
+a small matrix.  This is reasoning about bytes, not a measurement; the choice per
+family is :data:`attnorm.routes.decoding.DECODING_ROUTES`, and
+``benchmarks/bench_decoding.py`` times both routes.
+
+Tiles: ``tl.dot`` needs 16 rows, so one query against a key/value head of one query
+head fills 1 of 16 rows of the score tile; the wasted products are compute, which
+decoding (bound by the bytes of K and V) has to spare.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from attnorm.kernels import rules
+from attnorm.kernels.rules import AttentionMask
+from attnorm.kernels.triton import launch
+from attnorm.kernels.triton.attention_blocks import key_block_bounds, key_scores, load_tile, mask_arguments
+from attnorm.kernels.triton.attention_launch import dot_operands, head_width, problem
+from attnorm.kernels.triton.self_adjusted import _span
+
+__all__ = [
+    "INTERPRETED_SMS",
+    "MAX_STACKED_ROWS",
+    "PARTIAL_STATS",
+    "PROGRAMS_PER_SM",
+    "self_adjusted_decoding_forward",
+    "split_count",
+]
+
+PARTIAL_STATS = 5
+"""Per-split, per-row stats: ``(m, l, min x, +inf count, NaN count)``; ``m`` and ``min x`` over finite scores."""
+
+MAX_STACKED_ROWS = 128
+"""Most stacked rows ``(Hq / Hkv) Lq`` one program holds (a 128 x 64 score tile, as a flash kernel's); more
+rows take several row blocks, each reading the split's K and V."""
+
+PROGRAMS_PER_SM = 2
+"""Split-kernel programs aimed at per streaming multiprocessor (two resident programs hide each other's loads)."""
+
+INTERPRETED_SMS = 4
+"""Streaming multiprocessors assumed off CUDA (Triton's interpreter), so small tests still get several splits."""
+
+_PARTIAL_WIDTH = tl.constexpr(PARTIAL_STATS)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_count(lk: int, programs: int, block: int, device: torch.device) -> int:
+    """Key splits for ``programs`` programs per split (batch x key/value head x row blocks) over ``lk`` keys.
+
+    ``ceil(PROGRAMS_PER_SM * SMs / programs)``, at most one split per key block of ``block``
+    keys, at least 1: at batch 8 and 16 key/value heads on an H100 (132 SMs) 3 splits;
+    at batch 1 and 8 key/value heads 33 (at most ``Lk / 64``).
+    """
+    sms = _multiprocessors(device) if device.type == "cuda" else INTERPRETED_SMS
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1))
+    return max(1, min(triton.cdiv(lk, block), wanted))
+
+
+# ---- device helpers ------------------------------------------------------------------------
+
+
+@triton.jit
+def _merge(top, total, shifted, plain, other_top, other_total, other_shifted, other_plain):
+    """Merge the sums ``(m, l, A, B)`` of two disjoint key sets (module docstring); ``m = -inf`` for none.
+
+    ``r (m - M)`` is formed before it multiplies ``B``: 0 where ``r`` underflows, never ``0 x inf``.
+    """
+    new_top = tl.maximum(top, other_top)
+    ref = tl.where(new_top > float("-inf"), new_top, 0.0)
+    keep = tl.where(top > float("-inf"), tl.exp(top - ref), 0.0)
+    take = tl.where(other_top > float("-inf"), tl.exp(other_top - ref), 0.0)
+    keep_moved = keep * tl.where(top > float("-inf"), top - ref, 0.0)
+    take_moved = take * tl.where(other_top > float("-inf"), other_top - ref, 0.0)
+    shifted = keep[:, None] * shifted + keep_moved[:, None] * plain
+    shifted += take[:, None] * other_shifted + take_moved[:, None] * other_plain
+    plain = keep[:, None] * plain + take[:, None] * other_plain
+    return new_top, keep * total + take * other_total, shifted, plain
+
+
+@triton.jit
+def _finish(top, total, bottom, shifted, plain, NORMALIZED: tl.constexpr):
+    """``out`` of finite rows from the merged sums: ``(A + m B) / l`` or ``(A + (m - low) B) / (l span)``.
+
+    0 in rows without a finite key.
+    """
+    live = total > 0
+    top = tl.where(live, top, 0.0)
+    low = tl.minimum(tl.where(live, bottom, 0.0), 0.0)
+    high = tl.maximum(top, 0.0)
+    divisor = tl.where(live, total, 1.0)
+    if NORMALIZED:
+        s, span = _span(low, high)
+        out = shifted * s[:, None] + (top * s - low * s)[:, None] * plain
+        out = tl.where((span > 0)[:, None], out / (divisor * tl.where(span > 0, span, 1.0))[:, None], 0.0)
+    else:
+        out = (shifted + top[:, None] * plain) / divisor[:, None]
+    return out
+
+
+@triton.jit
+def _stacked_rows(kv_head, group, lq, row_block, BLOCK_M: tl.constexpr):
+    """Stacked rows of a GQA group's row block: ``(r, head, query)``; padding rows get query ``lq`` (no key)."""
+    r = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = r < group * lq
+    head = kv_head * group + tl.where(live, r // lq, 0)
+    return r, head, tl.where(live, r % lq, lq)
+
+
+@triton.jit
+def _split_scores(q_tile, k_base, sk_n, sk_d, query, offs_n, offs_d, head_dim, rows, scale, batch, head, masking,
+                  HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, ACC: tl.constexpr):
+    """:func:`.attention_blocks.key_scores` of the stacked rows (``rows``: their intervals and ``lk``), no softcap."""
+    row_start, row_stop, lk = rows
+    return key_scores(q_tile, k_base, sk_n, sk_d, query, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                      1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, PART_STATS, PART_SHIFTED, PART_PLAIN,
+    sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    heads, group, lq, lk, head_dim, value_dim, scale, split_keys, splits,
+    key_start, key_stop, range_stride,
+    dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
+):
+    """Keys ``[split split_keys, (split + 1) split_keys)`` of one key/value head for a block of its stacked rows.
+
+    One pass over the split's K and V (a second in a split holding a +inf row); writes the
+    partial stats and sums ``A``, ``B`` (``B``: the +inf keys' mass in rows holding +inf).
+    """
+    split, bh = tl.program_id(0), tl.program_id(1)
+    kv_heads = heads // group
+    batch, kv_head = bh // kv_heads, bh % kv_heads
+    r, head, query = _stacked_rows(kv_head, group, lq, tl.program_id(2), BLOCK_M)
+    head = head[:, None]  # a column: score_tile's mask pointers broadcast it over the keys
+    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
+    q_tile = load_tile(Q + batch * sq_b + head * sq_h, query, offs_d, lq, head_dim, sq_m, sq_d)
+    k_base = K + batch * sk_b + kv_head * sk_h
+    v_base = V + batch * sv_b + kv_head * sv_h
+    row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, query, lq, lk, HAS_RANGE)
+    rows = (row_start, row_stop, lk)
+    first = split * split_keys
+    lo = tl.maximum(lo // BLOCK_N * BLOCK_N, first)
+    hi = tl.minimum(hi, first + split_keys)
+
+    top = tl.full((BLOCK_M,), float("-inf"), ACC)
+    bottom = tl.full((BLOCK_M,), float("inf"), ACC)
+    total = tl.zeros((BLOCK_M,), ACC)
+    posinf_count = tl.zeros((BLOCK_M,), ACC)
+    nan_count = tl.zeros((BLOCK_M,), ACC)
+    shifted = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # A = sum e (x - top) v
+    plain = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # B = sum e v
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x = _split_scores(q_tile, k_base, sk_n, sk_d, query, offs_n, offs_d, head_dim, rows, scale, batch, head,
+                          masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+        finite = (x > float("-inf")) & (x < float("inf"))
+        posinf_count += tl.sum((x == float("inf")).to(ACC), 1)
+        nan_count += tl.sum((x != x).to(ACC), 1)
+        bottom = tl.minimum(bottom, tl.min(tl.where(finite, x, float("inf")), 1))
+        block_top = tl.max(tl.where(finite, x, float("-inf")), 1)
+        xs = tl.where(finite, x - tl.where(block_top > float("-inf"), block_top, 0.0)[:, None], 0.0)
+        e = tl.where(finite, tl.exp(xs), 0.0)
+        v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+        top, total, shifted, plain = _merge(
+            top, total, shifted, plain, block_top, tl.sum(e, 1),
+            tl.dot((e * xs).to(v_tile.dtype), v_tile, out_dtype=ACC), tl.dot(e.to(v_tile.dtype), v_tile, out_dtype=ACC),
+        )
+    if tl.max(posinf_count, 0) > 0:
+        # The limit of the finite case: the softmax mass sits uniformly on the +inf keys.
+        limit = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            x = _split_scores(q_tile, k_base, sk_n, sk_d, query, offs_n, offs_d, head_dim, rows, scale, batch, head,
+                              masking, HAS_DENSE, HAS_ADDITIVE, ACC)
+            if NORMALIZED:
+                mass = tl.where(x == float("inf"), 1.0, 0.0)
+            else:
+                mass = tl.where(x == float("inf"), float("inf"), 0.0)
+            v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+            limit += tl.dot(mass.to(v_tile.dtype), v_tile, out_dtype=ACC)
+        plain = tl.where((posinf_count > 0)[:, None], limit, plain)
+
+    slots = (bh * splits + split) * group * lq + r
+    live = r < group * lq
+    ptrs = PART_STATS + slots * _PARTIAL_WIDTH
+    tl.store(ptrs, top, mask=live)
+    tl.store(ptrs + 1, total, mask=live)
+    tl.store(ptrs + 2, bottom, mask=live)
+    tl.store(ptrs + 3, posinf_count, mask=live)
+    tl.store(ptrs + 4, nan_count, mask=live)
+    sums = slots[:, None] * value_dim + offs_dv[None, :]
+    tile = live[:, None] & (offs_dv < value_dim)[None, :]
+    tl.store(PART_SHIFTED + sums, shifted, mask=tile)
+    tl.store(PART_PLAIN + sums, plain, mask=tile)
+
+
+@triton.jit
+def _combine_kernel(
+    PART_STATS, PART_SHIFTED, PART_PLAIN, OUT, rows, splits, value_dim,
+    NORMALIZED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
+):
+    """One row block of a key/value head: merge its splits' partials into ``out`` (one read of each)."""
+    bh = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    live = r < rows
+    tile = live[:, None] & (offs_dv < value_dim)[None, :]
+    top = tl.full((BLOCK_M,), float("-inf"), ACC)
+    bottom = tl.full((BLOCK_M,), float("inf"), ACC)
+    total = tl.zeros((BLOCK_M,), ACC)
+    posinf_count = tl.zeros((BLOCK_M,), ACC)
+    nan_count = tl.zeros((BLOCK_M,), ACC)
+    shifted = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
+    plain = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
+    limit = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
+    for split in range(splits):
+        slots = (bh * splits + split) * rows + r
+        ptrs = PART_STATS + slots * _PARTIAL_WIDTH
+        split_top = tl.load(ptrs, mask=live, other=float("-inf"))
+        split_posinf = tl.load(ptrs + 3, mask=live, other=0.0)
+        bottom = tl.minimum(bottom, tl.load(ptrs + 2, mask=live, other=float("inf")))
+        posinf_count += split_posinf
+        nan_count += tl.load(ptrs + 4, mask=live, other=0.0)
+        sums = slots[:, None] * value_dim + offs_dv[None, :]
+        split_plain = tl.load(PART_PLAIN + sums, mask=tile, other=0.0)
+        limit += tl.where((split_posinf > 0)[:, None], split_plain, 0.0)
+        top, total, shifted, plain = _merge(
+            top, total, shifted, plain, split_top, tl.load(ptrs + 1, mask=live, other=0.0),
+            tl.load(PART_SHIFTED + sums, mask=tile, other=0.0), split_plain,
+        )
+    out = _finish(top, total, bottom, shifted, plain, NORMALIZED)
+    out = tl.where((posinf_count > 0)[:, None], limit / tl.maximum(posinf_count, 1.0)[:, None], out)
+    out = tl.where((nan_count > 0)[:, None], float("nan"), out)
+    out_rows = bh * rows + r
+    tl.store(OUT + out_rows[:, None] * value_dim + offs_dv[None, :], out.to(OUT.dtype.element_ty), mask=tile)
+
+
+# ---- host function ---------------------------------------------------------------------------
+
+
+def self_adjusted_decoding_forward(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool, splits: int = 0
+) -> Tensor:
+    """Self-Adjusted Softmax attention ``out = (phi(x) softmax(x)) v`` by key splits, forward only.
+
+    Two launches: the split kernel (grid ``(S, B x Hkv, row blocks)``, one pass over K and V
+    per row block) and the combine kernel (grid ``(B x Hkv, row blocks)``); a row block holds
+    up to :data:`MAX_STACKED_ROWS` stacked rows (one block while ``(Hq / Hkv) Lq <= 128``).
+
+    Args:
+        q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, Dv)``; ``Hq % Hkv == 0``, one
+            float dtype.
+        mask: which keys each query row may attend.
+        scale: the score scale.
+        normalized: ``phi(x) = (x - low) / (high - low)`` instead of ``x``.
+        splits: key splits ``S``; 0 chooses :func:`split_count`.  Rounded so every split
+            holds whole key blocks and at least one key.
+
+    Returns:
+        ``out`` ``(B, Hq, Lq, Dv)`` in q's dtype: zero rows where no key is allowed, NaN rows where
+        a score is NaN.
+
+    Raises:
+        ValueError: shapes :func:`.attention_launch.problem` rejects, or ``splits < 0``.
+    """
+    shape = problem(q, k, v)
+    if splits < 0:
+        raise ValueError(f"splits must be >= 0 (0: automatic), got {splits}")
+    out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
+    if out.numel() == 0:
+        return out
+    rows = shape.group * shape.lq
+    block_m = min(MAX_STACKED_ROWS, max(16, triton.next_power_of_2(rows)))
+    programs, row_blocks = shape.batch * shape.kv_heads, triton.cdiv(rows, block_m)
+    blocks = max(1, triton.cdiv(shape.lk, shape.block))
+    splits = min(splits or split_count(shape.lk, programs * row_blocks, shape.block, q.device), blocks)
+    split_blocks = triton.cdiv(blocks, splits)
+    splits = triton.cdiv(blocks, split_blocks)  # no split left without keys
+    acc = rules.accumulation_dtype(q.dtype)
+    part_stats = launch.empty((programs, splits, rows, PARTIAL_STATS), acc, q.device)
+    part_shifted = launch.empty((programs, splits, rows, shape.value_dim), acc, q.device)
+    part_plain = launch.empty((programs, splits, rows, shape.value_dim), acc, q.device)
+    q, k, v = dot_operands(q, k, v)
+    constants = dict(NORMALIZED=bool(normalized), BLOCK_M=block_m, BLOCK_DV=head_width(shape.value_dim), ACC=shape.acc)
+    _split_kernel[(splits, programs, row_blocks)](
+        q, k, v, part_stats, part_shifted, part_plain, *q.stride(), *k.stride(), *v.stride(),
+        *shape.sizes, float(scale), split_blocks * shape.block, splits,
+        **mask_arguments(mask, shape.score_shape, q.device),
+        BLOCK_N=shape.block, BLOCK_D=head_width(shape.head_dim), **constants,
+    )
+    _combine_kernel[(programs, row_blocks)](
+        part_stats, part_shifted, part_plain, out, rows, splits, shape.value_dim, **constants,
+    )
+    return out

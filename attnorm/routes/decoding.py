@@ -1,0 +1,128 @@
+"""Decoding route: a few query rows against a long KV cache, the route chosen per normalizer family.
+
+:func:`attnorm.attention` treats ``q`` with at most ``attnorm.attention.DECODING_ROWS``
+rows as decoding.  Three designs read K and V once:
+
+* ``"sdpa"``: the logit scalings (softmax with temperature, Scalable-Softmax) are one
+  ``scaled_dot_product_attention`` call (:mod:`.sdpa`), itself flash-decoding on CUDA;
+* ``"split_k"``: a flash-decoding kernel (key splits in parallel, partial results
+  merged): :mod:`attnorm.kernels.triton.attention_decoding`, written for the
+  families whose forward is one pass with mergeable state (Self-Adjusted);
+* ``"rows"``: scores as rows, the materialised route (``q k^T``, the row kernel,
+  ``w v``), for the multi-pass families.
+
+:data:`DECODING_ROUTES` gives each family its route; :func:`use_route` (or the
+``ATTNORM_DECODING_ROUTE`` environment variable, read at import) overrides it for
+benchmarks.  :func:`supports` says whether the split-K kernel takes a call;
+every other decoding call stays on the route :func:`attnorm.attention` already has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from attnorm.kernels.decoding_ops import self_adjusted_decoding
+from attnorm.routes.common import kernel_mask
+from attnorm.routes.fused import _runs_triton
+
+__all__ = ["DECODING_ROUTES", "ROUTES", "SPLIT_K_KERNELS", "attention", "get_route", "route", "supports", "use_route"]
+
+DECODING_ROUTES = {
+    "softmax": "sdpa",
+    "scalable_softmax": "sdpa",
+    "self_adjusted_softmax": "split_k",
+    "sparsemax": "rows",
+    "entmax": "rows",
+    "topk_softmax": "rows",
+}
+"""Decoding route per normalizer kernel name (others, without a fused kernel: ``"rows"``).
+
+The bytes argument, at ``D = 64`` in bfloat16: any route reads each key and value once
+per key/value head, 256 bytes.  Split-K adds nothing per key (its partials are per row
+and split).  Scores as rows add, per key and query row, the float32 score's write, the
+row kernel's passes over it and the weight's read by ``w v``: 16 bytes for a one-pass
+normalizer (1.06x the bytes of split-K at one query row per key/value head, 2x at 16),
+about 40 for entmax's threshold search or top-k's radix select (``1 + I + 1`` reads).
+A split-K kernel for those multi-pass families would re-read K (128 bytes per key)
+once per pass instead, so for sparsemax, entmax and top-k scores as rows is the
+cheaper design (:mod:`attnorm.kernels.triton.attention_decoding` explains it).
+Self-Adjusted is one pass: split-K saves the rows route's 16 bytes per row and its
+three launches.  These are byte counts, not timings: ``benchmarks/bench_decoding.py``
+times ``rows`` against ``split_k`` for every family that has both, to confirm or flip
+the table."""
+
+ROUTES = ("auto", "rows", "split_k")
+"""Overrides :func:`use_route` takes: ``"auto"`` follows :data:`DECODING_ROUTES`."""
+
+SPLIT_K_KERNELS = frozenset(kernel for kernel, chosen in DECODING_ROUTES.items() if chosen == "split_k")
+"""Normalizer kernels with a split-K kernel (the only ones ``use_route("split_k")`` can move)."""
+
+
+def _checked(name: str, what: str = "decoding route") -> str:
+    if name not in ROUTES:
+        raise ValueError(f"{what} must be one of {ROUTES}, got {name!r}")
+    return name
+
+
+_route = _checked(os.environ.get("ATTNORM_DECODING_ROUTE", "auto"), "ATTNORM_DECODING_ROUTE")
+
+
+def get_route() -> str:
+    """The decoding route override in force: ``"auto"``, ``"rows"`` or ``"split_k"``."""
+    return _route
+
+
+@contextlib.contextmanager
+def use_route(name: str) -> Iterator[None]:
+    """Decode with route ``name`` inside the block: ``"auto"``, ``"rows"`` or ``"split_k"``.
+
+    ``"rows"``: scores as rows for every family; ``"split_k"``: the split-K kernel wherever
+    one exists (other families keep their route); ``"auto"``: :data:`DECODING_ROUTES`.
+
+    Raises:
+        ValueError: ``name`` not in :data:`ROUTES`.
+    """
+    global _route
+    previous, _route = _route, _checked(name)
+    try:
+        yield
+    finally:
+        _route = previous
+
+
+def route(normalizer) -> str:
+    """The decoding route ``normalizer``'s family takes under the current override (before shape checks)."""
+    kernel = getattr(normalizer, "kernel", None)
+    chosen = DECODING_ROUTES.get(kernel, "rows")
+    if chosen == "sdpa" or _route == "auto":
+        return chosen
+    return "split_k" if _route == "split_k" and kernel in SPLIT_K_KERNELS else "rows"
+
+
+def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, dropout_p: float,
+             softcap: float | None = None, sinks: Tensor | None = None) -> bool:
+    """True when the split-K kernel computes this decoding call (:func:`attention`).
+
+    It does when the family's route is ``"split_k"``, Triton runs the normalizer's backend
+    on ``q``'s device, the inputs are ``(B, H, L, D)``, and there is no dropout,
+    soft-capping, sink or gradient to compute (the kernel is forward only).
+    """
+    if route(normalizer) != "split_k" or dropout_p > 0 or softcap is not None or sinks is not None:
+        return False
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return False
+    inputs = (q, k, v) if additive is None else (q, k, v, additive)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return False
+    return _runs_triton(normalizer, q)
+
+
+def attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float) -> Tensor:
+    """The split-K kernel's attention ``(B, Hq, Lq, Dv)``; call only when :func:`supports` says so."""
+    masks = kernel_mask(mask, additive, q, k.shape[-2])
+    return self_adjusted_decoding(q, k, v, masks, scale, normalizer.normalized)

@@ -1,0 +1,272 @@
+"""Split-K Self-Adjusted Softmax decoding against a float64 attention written from the definition.
+
+The reference builds the ``(Lq, Lk)`` scores in float64, masks them and applies
+``phi(x) softmax(x)`` over each row's allowed keys (``torch.softmax``; ``phi = x``, or
+``(x - low) / (high - low)`` with ``low = min(min x, 0)``, ``high = max(max x, 0)``),
+with the rules of :mod:`attnorm.kernels.rules`: zeros for a row with no allowed key,
+the +inf limit (uniform over the +inf keys: ``v``'s mean normalized, ``inf`` weights
+plain), NaN for a NaN score.  Every kernel output, the per-split partials included,
+is poisoned with NaN before the kernels run (``launch.empty`` is patched).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+import attnorm
+from attnorm.kernels.rules import AttentionMask
+from tests.kernels.test_attention_self_adjusted import (  # noqa: F401 (poisoned_outputs: an autouse fixture)
+    MASKS,
+    TOLERANCES,
+    make_qkv,
+    masked_scores,
+    poisoned_outputs,
+)
+
+pytest.importorskip("triton")
+
+from attnorm.kernels import decoding_ops  # noqa: E402
+from attnorm.kernels.triton import attention_decoding as split_k  # noqa: E402
+from attnorm.routes import decoding  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked-off lanes
+
+F64 = torch.float64
+SCALE = 0.35
+LK = 70  # not a multiple of the interpreter's 16-key block: 5 blocks, the last one partial
+DECODING_MASKS = ("none", "bottom-right", "padding", "window", "dense", "additive")
+
+
+def reference(q, k, v, mask: AttentionMask, scale, normalized):
+    """``(phi(x) softmax(x)) v`` in float64, with the zero, +inf and NaN row rules."""
+    q, k, v = (t.to(F64) for t in (q, k, v))
+    x, allowed = masked_scores(q, k, mask, scale)
+    v = v.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    finite = allowed & x.isfinite()
+    any_finite = finite.any(-1, keepdim=True)
+    weights = torch.softmax(torch.where(finite, x, -math.inf).masked_fill(~any_finite, 0.0), -1)
+    weights = torch.where(finite, weights, 0.0)
+    xs = torch.where(finite, x, 0.0)
+    if normalized:
+        low = torch.where(finite, x, math.inf).amin(-1, keepdim=True).clamp(max=0).masked_fill(~any_finite, 0.0)
+        high = torch.where(finite, x, -math.inf).amax(-1, keepdim=True).clamp(min=0).masked_fill(~any_finite, 0.0)
+        span = high - low
+        phi = torch.where(span > 0, (xs - low) / torch.where(span > 0, span, 1.0), 0.0)
+    else:
+        phi = xs
+    out = (phi * weights) @ v
+    posinf = allowed & (x == math.inf)
+    count = posinf.sum(-1, keepdim=True)
+    mass = posinf.to(F64) if normalized else torch.where(posinf, math.inf, 0.0).to(F64)
+    out = torch.where(count > 0, (mass @ v) / count.clamp(min=1), out)
+    return torch.where((allowed & x.isnan()).any(-1, keepdim=True), math.nan, out)
+
+
+def check(q, k, v, mask, normalized, splits=3, scale=SCALE):
+    out = split_k.self_adjusted_decoding_forward(q, k, v, mask, scale, normalized, splits)
+    expected = reference(q, k, v, mask, scale, normalized)
+    assert out.shape == expected.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.to(F64), expected, equal_nan=True, **TOLERANCES[q.dtype])
+    return out
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("normalized", [True, False], ids=["normalized", "plain"])
+@pytest.mark.parametrize("kind", DECODING_MASKS)
+@pytest.mark.parametrize("lq", [1, 3, 16])
+def test_every_mask_kind_matches_reference(lq, kind, normalized, device):
+    """Four query heads on two key/value heads, three key splits of two, two and one blocks."""
+    q, k, v = make_qkv(2, 4, 2, lq, LK, 16, 16, torch.float32, device)
+    check(q, k, v, MASKS[kind](2, lq, LK, device), normalized)
+
+
+@pytest.mark.parametrize("lq", [1, 16])
+def test_one_key_value_head_for_all_query_heads(lq, device):
+    """Hkv = 1: the four query heads stack into one tile (64 rows at Lq = 16), K and V read once."""
+    q, k, v = make_qkv(2, 4, 1, lq, LK, 16, 16, torch.float32, device)
+    for normalized in (True, False):
+        check(q, k, v, MASKS["bottom-right"](2, lq, LK, device), normalized)
+
+
+def test_stacked_rows_past_one_row_block(monkeypatch, device):
+    """16-row blocks: 4 query heads x 16 queries take four row blocks per key/value head."""
+    monkeypatch.setattr(split_k, "MAX_STACKED_ROWS", 16)
+    q, k, v = make_qkv(1, 4, 1, 16, LK, 16, 16, torch.float32, device)
+    check(q, k, v, MASKS["dense"](1, 16, LK, device), True)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 100, 0])
+@pytest.mark.parametrize("lk", [5, 17, 80])
+def test_any_split_count_gives_the_same_result(lk, splits, device):
+    """One split, several, one per block, more than blocks (clamped) and automatic, at lengths off the block."""
+    q, k, v = make_qkv(1, 2, 2, 3, lk, 16, 16, torch.float32, device)
+    check(q, k, v, MASKS["bottom-right"](1, 3, lk, device), True, splits=splits)
+
+
+def test_head_dims_padded_and_strided_inputs(device):
+    """Head dim 20, value dim 24 (padded to 32); q, k, v as non-contiguous views."""
+    q, k, v = make_qkv(2, 4, 2, 3, LK, 20, 24, torch.float32, device)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not k.is_contiguous()
+    check(q, k, v, MASKS["padding"](2, 3, LK, device), False)
+
+
+def test_fully_masked_rows_give_zeros(device):
+    """Batch 1 has no key at all, and a dense mask empties one more row: zeros, never NaN."""
+    q, k, v = make_qkv(2, 2, 2, 3, LK, 16, 16, torch.float32, device)
+    start, stop = attnorm.key_padding_mask(torch.tensor([LK, 0])).key_range(2, 3, LK, device)
+    dense = torch.ones(1, 1, 3, LK, dtype=torch.bool)
+    dense[..., 1, :] = False
+    mask = AttentionMask(start, stop, dense.to(device))
+    for normalized in (True, False):
+        out = check(q, k, v, mask, normalized)
+        assert (out[1] == 0).all() and (out[0, :, 1] == 0).all()
+
+
+def test_posinf_rows_follow_the_limit_across_splits(device):
+    """+inf keys in two splits of row 1 and in one split of row 2, finite keys elsewhere; a NaN row."""
+    q, k, v = make_qkv(1, 1, 1, 3, LK, 16, 16, torch.float64, device)
+    additive = torch.zeros(3, LK, dtype=F64)
+    additive[1, [2, 60]] = math.inf
+    additive[2, 40] = math.inf
+    additive[0, 33] = math.nan
+    mask = AttentionMask(additive=additive.to(device))
+    normalized = check(q, k, v, mask, True)
+    torch.testing.assert_close(normalized[0, 0, 1], v[0, 0, [2, 60]].mean(0))
+    torch.testing.assert_close(normalized[0, 0, 2], v[0, 0, 40])
+    assert normalized[0, 0, 0].isnan().all()
+    check(q, k, v, mask, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_dtypes(dtype, device):
+    q, k, v = make_qkv(2, 4, 2, 3, LK, 32, 32, dtype, device)
+    for normalized in (True, False):
+        check(q, k, v, MASKS["bottom-right"](2, 3, LK, device), normalized, scale=32**-0.5)
+
+
+def test_split_count_fills_the_machine(monkeypatch):
+    """Two programs per SM on an H100's 132, at most one split per key block, at least one split."""
+    monkeypatch.setattr(split_k, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert split_k.split_count(65536, 8 * 16, 64, cuda) == 3  # 128 programs x 3 splits >= 264
+    assert split_k.split_count(4096, 1 * 8, 64, cuda) == 33
+    assert split_k.split_count(100, 1, 64, cuda) == 2
+    assert split_k.split_count(0, 1, 64, cuda) == 1
+    assert split_k.split_count(80, 2, 16, torch.device("cpu")) == split_k.PROGRAMS_PER_SM * split_k.INTERPRETED_SMS // 2
+
+
+def test_negative_splits_are_rejected(device):
+    q, k, v = make_qkv(1, 1, 1, 1, 16, 16, 16, torch.float32, device)
+    with pytest.raises(ValueError, match="splits must be >= 0"):
+        split_k.self_adjusted_decoding_forward(q, k, v, AttentionMask(), SCALE, True, -1)
+
+
+# ---- the op and the route --------------------------------------------------------------------
+
+
+def route_inputs(device, lq=2, seed=0):
+    q, k, v = make_qkv(2, 4, 2, lq, 40, 16, 16, torch.float32, device, seed=seed)
+    return q, k, v
+
+
+def test_op_passes_opcheck_and_is_forward_only(device):
+    q, k, v = route_inputs(device)
+    start, stop = attnorm.causal_mask(40 - 2).key_range(2, 2, 40, device)
+    torch.library.opcheck(torch.ops.attnorm.self_adjusted_decoding_fwd, (q, k, v, start, stop, None, None, 0.25,
+                                                                         True, 0),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    out = decoding_ops.self_adjusted_decoding(q.requires_grad_(), k, v, AttentionMask(start, stop), 0.25, True)
+    with pytest.raises(RuntimeError, match="forward only"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("mask", ["causal", "padding", "bool", "additive"])
+def test_route_equals_the_rows_route(mask, device):
+    """decoding.attention (split-K) and attention()'s scores-as-rows give the same output."""
+    q, k, v = route_inputs(device)
+    attn_mask = {
+        "causal": attnorm.causal_mask(40 - 2),
+        "padding": attnorm.key_padding_mask(torch.tensor([40, 9])) & attnorm.causal_mask(40 - 2),
+        "bool": torch.rand(2, 1, 2, 40, generator=torch.Generator().manual_seed(1)).to(device) > 0.3,
+        "additive": torch.randn(2, 40, generator=torch.Generator().manual_seed(2), dtype=torch.float32).to(device),
+    }[mask]
+    mask_part, additive = (None, attn_mask) if mask == "additive" else (attn_mask, None)
+    for normalized in (True, False):
+        normalizer = attnorm.SelfAdjustedSoftmax(normalized, backend="triton")
+        assert decoding.supports(normalizer, q, k, v, mask_part, additive, 0.0)
+        out = decoding.attention(normalizer, q, k, v, mask_part, additive, 16**-0.5)
+        with decoding.use_route("rows"):
+            rows = attnorm.attention(q, k, v, normalizer, attn_mask=attn_mask)
+        torch.testing.assert_close(out, rows, atol=2e-5, rtol=1e-4)
+
+
+def test_route_choice(device):
+    q, k, v = route_inputs(device)
+    sa = attnorm.SelfAdjustedSoftmax(backend="triton")
+    assert decoding.supports(sa, q, k, v, None, None, 0.0)
+    assert not decoding.supports(attnorm.SelfAdjustedSoftmax(), q.cpu(), k.cpu(), v.cpu(), None, None, 0.0)  # native
+    assert not decoding.supports(sa, q, k, v, None, None, 0.1)  # dropout
+    assert not decoding.supports(sa, q, k, v, None, None, 0.0, softcap=30.0)
+    assert not decoding.supports(sa, q, k, v, None, None, 0.0, sinks=torch.zeros(4))
+    assert not decoding.supports(sa, q[0], k[0], v[0], None, None, 0.0)  # (H, L, D)
+    assert not decoding.supports(sa, q.requires_grad_(), k, v, None, None, 0.0)  # forward only
+    with torch.no_grad():
+        assert decoding.supports(sa, q, k, v, None, None, 0.0)
+    q = q.detach()
+    assert not decoding.supports(attnorm.Sparsemax(backend="triton"), q, k, v, None, None, 0.0)  # rows
+    with decoding.use_route("rows"):
+        assert not decoding.supports(sa, q, k, v, None, None, 0.0)
+        assert decoding.route(sa) == "rows" and decoding.route(attnorm.Softmax()) == "sdpa"
+    with decoding.use_route("split_k"):
+        assert decoding.route(attnorm.Entmax(1.5)) == "rows"  # no split-K kernel: keeps its route
+        assert decoding.route(sa) == "split_k"
+    assert decoding.get_route() == "auto"
+    with pytest.raises(ValueError, match="decoding route must be one of"), decoding.use_route("fastest"):
+        pass
+    assert set(decoding.DECODING_ROUTES.values()) == {"sdpa", "rows", "split_k"}
+
+
+def test_environment_variable_sets_the_override(monkeypatch):
+    try:
+        monkeypatch.setenv("ATTNORM_DECODING_ROUTE", "rows")
+        assert importlib.reload(decoding).get_route() == "rows"
+        monkeypatch.setenv("ATTNORM_DECODING_ROUTE", "fastest")
+        with pytest.raises(ValueError, match="ATTNORM_DECODING_ROUTE must be one of"):
+            importlib.reload(decoding)
+    finally:
+        monkeypatch.delenv("ATTNORM_DECODING_ROUTE")
+        importlib.reload(decoding)
+    assert decoding.get_route() == "auto"
+
+
+def test_route_compiles_without_graph_breaks(device):
+    q, k, v = route_inputs(device)
+    normalizer = attnorm.SelfAdjustedSoftmax(backend="triton")
+    mask = attnorm.causal_mask(40 - 2)
+
+    def run(q, k, v):
+        assert decoding.supports(normalizer, q, k, v, mask, None, 0.0)
+        return decoding.attention(normalizer, q, k, v, mask, None, 0.25)
+
+    explanation = torch._dynamo.explain(run)(q, k, v)
+    assert explanation.graph_break_count == 0
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), run(q, k, v))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", [*DECODING_MASKS, "causal"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 1), (8, 8)])
+def test_larger_grid(heads, kv_heads, kind, dtype, device):
+    for lq in (1, 5, 16):
+        q, k, v = make_qkv(2, heads, kv_heads, lq, 150, 64, 64, dtype, device)
+        for normalized in (True, False):
+            check(q, k, v, MASKS[kind](2, lq, 150, device), normalized, splits=0, scale=64**-0.5)
