@@ -3,10 +3,23 @@
 Generation runs attention with ``Lq`` = 1 (or a few, with speculative decoding) query
 rows against the whole cache, bottom-right causal (``attnorm.causal_mask(Lk - Lq)``).
 For each KV length and normalizer this times ``attnorm.attention`` (its decoding route:
-the scaled SDPA call for temperature and Scalable-Softmax; for the others the scores of
-the few rows normalised as rows by the row kernels, see ``attnorm.attention.DECODING_ROWS``)
-and ``scaled_dot_product_attention`` on the same ``(B, H, Lq, D)`` / ``(B, H, Lk, D)``
+the scaled SDPA call for temperature and Scalable-Softmax; for the others the route
+:data:`attnorm.routes.decoding.DECODING_ROUTES` gives their family) and
+``scaled_dot_product_attention`` on the same ``(B, H, Lq, D)`` / ``(B, H, Lk, D)``
 tensors, forward only (inference), as a ratio measured in the same run.
+
+**Route choice.**  Every normalizer whose family has a split-K kernel (Self-Adjusted,
+both variants) gets two more providers, each timing one route function alone (no
+``attention()`` argument handling, so neither pays for it):
+
+* ``<spec>[rows]``: scores as rows, ``attnorm.routes.blocked.materialised_attention``;
+* ``<spec>[split_k]``: the split-K kernel, ``attnorm.routes.decoding.attention``.
+
+The second table gives ``split_k / rows`` per KV length: below 1 split-K is faster,
+and the family's entry in ``DECODING_ROUTES`` should be ``"split_k"``.  On CPU the
+split-K kernel runs only under Triton's interpreter (``TRITON_INTERPRET=1``, the
+normalizer on ``backend="triton"``; its timings then say nothing about a GPU):
+without it the route providers are left out, with a note saying why.
 
 Goals (H100, bf16, batch 8, 16 heads, head dim 64, KV 4k-64k): every normalizer <= 2x
 SDPA's decoding time, the logit scalings <= 1.1x.
@@ -20,6 +33,7 @@ Usage::
     python benchmarks/bench_decoding.py                         # CUDA: KV 4k..64k, batch 8, bf16
     python benchmarks/bench_decoding.py --device cpu            # KV 1k..8k, batch 2, float32
     python benchmarks/bench_decoding.py --device cpu --quick    # seconds
+    python benchmarks/bench_decoding.py --specs sa_softmax sa_softmax:normalized=false   # the route choice
 
 Writes ``bench_decoding_<device>.csv`` and ``.md`` into ``--out`` (default ``benchmarks/results/``).
 """
@@ -27,6 +41,7 @@ Writes ``bench_decoding_<device>.csv`` and ``.md`` into ``--out`` (default ``ben
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -38,9 +53,14 @@ from reporting import error_text, markdown_table, percentiles, versions, write_c
 from torch.nn.attention.bias import causal_lower_right
 
 import attnorm
+from attnorm.routes import decoding
+from attnorm.routes.blocked import materialised_attention
 
 SPECS = ("softmax", "softmax:temperature=0.5", "ssmax", "ssmax:learnable=true,num_heads={heads}", "sparsemax",
-         "entmax:alpha=1.5", "entmax:alpha=1.3", "topk:k=64", "topk:k=0.06", "sa_softmax")
+         "entmax:alpha=1.5", "entmax:alpha=1.3", "topk:k=64", "topk:k=0.06", "sa_softmax",
+         "sa_softmax:normalized=false")
+ROUTES = ("rows", "split_k")
+"""The decoding routes timed head to head for families that have both (``<spec>[route]`` providers)."""
 COLUMNS = ("normalizer", "kv_length", "queries", "batch", "heads", "head_dim", "dtype", "device", "median_ms",
            "p20_ms", "p80_ms", "ratio_vs_sdpa", "goal", "error", "versions")
 SETTINGS = {  # device: (kv lengths, batch, heads, head dim, dtype, rounds)
@@ -57,6 +77,46 @@ def attend_with(spec: str, device: str, lq: int, lk: int) -> Callable[..., torch
     normalizer = attnorm.make(spec).to(device)
     mask = attnorm.causal_mask(lk - lq)
     return lambda q, k, v: attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+
+
+def route_with(spec: str, route: str, device: str, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """One decoding route's function alone (module docstring), under the same mask as :func:`attend_with`.
+
+    Raises:
+        RuntimeError: ``route`` is ``"split_k"`` and the split-K kernel cannot run these tensors.
+    """
+    normalizer = attnorm.make(spec).to(device)
+    lq, lk = q.shape[-2], k.shape[-2]
+    mask, scale, groups = attnorm.causal_mask(lk - lq), q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
+    if route == "rows":
+        return lambda q, k, v: materialised_attention(normalizer, q, k, v, mask, None, scale, 0.0, groups)[0]
+    if device == "cpu":
+        normalizer.backend = "triton"  # the interpreter: the only way Triton runs CPU tensors
+    with decoding.use_route("split_k"):
+        if not decoding.supports(normalizer, q, k, v, mask, None, 0.0):
+            raise RuntimeError(f"the split-K route does not take {spec} on {device}")
+    return lambda q, k, v: decoding.attention(normalizer, q, k, v, mask, None, scale)
+
+
+def has_split_k(spec: str) -> bool:
+    """True when ``spec``'s family has a split-K decoding kernel (a spec that does not build: False)."""
+    try:
+        kernel = getattr(attnorm.make(spec), "kernel", None)
+    except Exception:  # its own provider reports the error
+        return False
+    return kernel in decoding.SPLIT_K_KERNELS
+
+
+def split_k_unavailable(device: str) -> str | None:
+    """Why the split-K kernel cannot run on ``device`` (None when it can)."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "split-K runs CPU tensors only under TRITON_INTERPRET=1 (Triton's interpreter)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "split-K needs triton (pip install triton)"
+    return None
 
 
 def sdpa_with(lq: int, lk: int) -> Callable[..., torch.Tensor]:
@@ -101,6 +161,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     lengths = args.lengths or ((256, 512) if args.quick else lengths)
     rounds = 2 if args.quick else rounds
     specs = [spec.format(heads=heads) for spec in args.specs or SPECS]
+    routed = [spec for spec in specs if has_split_k(spec)]
+    if routed and (reason := split_k_unavailable(args.device)):
+        print(f"route providers left out: {reason}")
+        routed = []
     stamp = versions(args.device)
     rows = []
     for lk in lengths:
@@ -113,6 +177,12 @@ def run(args: argparse.Namespace) -> list[dict]:
                 calls[spec] = attend_with(spec, args.device, args.queries, lk)
             except Exception as error:
                 errors[spec] = error_text(error)
+        for spec in routed:
+            for route in ROUTES:
+                try:
+                    calls[f"{spec}[{route}]"] = route_with(spec, route, args.device, q, k, v)
+                except Exception as error:
+                    errors[f"{spec}[{route}]"] = error_text(error)
         samples = time_providers(calls, (q, k, v), args.device, rounds, errors)
         base = samples.get("sdpa")
         for name in [*calls, *[spec for spec in errors if spec not in calls]]:
@@ -148,6 +218,24 @@ def report(rows: list[dict]) -> str:
     return markdown_table(["normalizer", *[f"KV {length}" for length in lengths]], body)
 
 
+def route_report(rows: list[dict]) -> str | None:
+    """``split_k / rows`` median time per routed spec and KV length (below 1: split-K is faster); None without any."""
+    cell = {(row["normalizer"], row["kv_length"]): row for row in rows if "median_ms" in row}
+    lengths = sorted({row["kv_length"] for row in rows})
+    specs = list(dict.fromkeys(row["normalizer"].removesuffix("[split_k]") for row in rows
+                               if row["normalizer"].endswith("[split_k]")))
+    if not specs:
+        return None
+    body = []
+    for spec in specs:
+        entries = []
+        for length in lengths:
+            split, whole = cell.get((f"{spec}[split_k]", length)), cell.get((f"{spec}[rows]", length))
+            entries.append(f"{split['median_ms'] / whole['median_ms']:.2f}" if split and whole else "error")
+        body.append([spec, *entries])
+    return markdown_table(["split_k / rows", *[f"KV {length}" for length in lengths]], body)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
@@ -171,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = f"bench_decoding_{args.device}"
     write_csv(args.out / f"{name}.csv", rows, COLUMNS)
     table = report(rows)
+    routes = route_report(rows)
+    if routes:
+        table += f"\n\nRoute choice: split-K time over scores-as-rows time (below 1: split-K is faster).\n\n{routes}"
     (args.out / f"{name}.md").write_text(
         f"Decoding, {args.queries} query row(s), forward only; SDPA in ms, the rest as a ratio to it.\n\n"
         f"{table}\n\n{rows[0]['versions'] if rows else ''}\n"

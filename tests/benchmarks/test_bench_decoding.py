@@ -26,3 +26,28 @@ def test_decoding_rows_for_every_spec_and_kv_length(tmp_path):
     assert not [row for row in rows if row["error"]]
     assert all(float(row["ratio_vs_sdpa"]) > 0 for row in rows)
     assert "KV 96" in (tmp_path / "bench_decoding_cpu.md").read_text()
+
+
+def read_rows(out):
+    with open(out / "bench_decoding_cpu.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_route_providers_time_both_decoding_routes(tmp_path):
+    """A family with a split-K kernel gets [rows] and [split_k] providers (the interpreter here) and a choice table."""
+    spec = "sa_softmax:normalized=false"
+    assert bench_decoding.main(["--device", "cpu", "--quick", "--lengths", "40", "--specs", spec,
+                                "--out", str(tmp_path)]) == 0
+    rows = read_rows(tmp_path)
+    assert {row["normalizer"] for row in rows} == {"sdpa", spec, f"{spec}[rows]", f"{spec}[split_k]"}
+    assert not [row for row in rows if row["error"]]
+    report = (tmp_path / "bench_decoding_cpu.md").read_text()
+    assert "split_k / rows" in report and f"| {spec} |" in report
+
+
+def test_route_providers_are_left_out_without_the_interpreter(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert bench_decoding.main(["--device", "cpu", "--quick", "--lengths", "40", "--specs", "sa_softmax",
+                                "--out", str(tmp_path)]) == 0
+    assert {row["normalizer"] for row in read_rows(tmp_path)} == {"sdpa", "sa_softmax"}
+    assert "route providers left out: split-K runs CPU tensors only under TRITON_INTERPRET=1" in capsys.readouterr().out
