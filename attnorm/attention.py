@@ -13,9 +13,12 @@ a query row with no allowed key gives a zero output row, never NaN).
    (SDPA has neither: those calls take the fused softmax when Triton runs, else route 4 or 5);
 3. **fused** Triton kernels (:mod:`attnorm.routes.fused`) for the normalizers that have
    them, on CUDA (or with ``backend="triton"``), softcap and sinks computed in the kernels;
-4. **materialised**: the whole ``(Lq x Lk)`` weights, when ``return_weights=True``, for
-   decoding (at most :data:`DECODING_ROWS` query rows: the scores are rows for the row
-   kernels), when they fit the blocked route's budget anyway, and under ``torch.compile``;
+4. **decoding** (:mod:`attnorm.routes.decoding`): at most :data:`DECODING_ROWS` query rows
+   against a KV cache, the design chosen per family: SDPA for the logit scalings, the
+   split-K kernel for Self-Adjusted Softmax (inference, Triton), and otherwise the scores
+   as rows for the row kernels (the materialised route);
+   **materialised**: the whole ``(Lq x Lk)`` weights, when ``return_weights=True``, for
+   decoding, when they fit the blocked route's budget anyway, and under ``torch.compile``;
 5. **blocked** (:mod:`attnorm.routes.blocked`) otherwise: blocks of query rows,
    recomputed in the backward, so memory stays bounded at any length.
 """
@@ -30,6 +33,7 @@ from torch import Tensor
 from attnorm.masks import StructuredMask, causal_mask
 from attnorm.normalizers import Normalizer, Softmax
 from attnorm.normalizers.registry import make
+from attnorm.routes import decoding as decoding_route
 from attnorm.routes import fused
 from attnorm.routes.blocked import block_rows, blocked_attention, materialised_attention
 from attnorm.routes.sdpa import logit_multiplier, scaled_sdpa
@@ -37,12 +41,11 @@ from attnorm.routes.sdpa import logit_multiplier, scaled_sdpa
 __all__ = ["DECODING_ROWS", "attention"]
 
 DECODING_ROWS = 16
-"""Up to this many query rows (generation against a KV cache) the scores are normalised as
-rows by the row kernels: a flash kernel's query block would be mostly empty, while the
-``(Lq, Lk)`` scores of so few rows are small.  Per key and head, decoding must read the
-key and the value (``2 D`` elements: 256 bytes in bf16 at ``D = 64``); scores as rows add
-the score's write, the row kernel's read and write and the weight's read (16 bytes in
-float32), so this route moves about 1.06x the bytes of a fused split-K kernel."""
+"""Up to this many query rows (generation against a KV cache) a call is decoding: a flash
+kernel's query block would be mostly empty, while the ``(Lq, Lk)`` scores of so few rows
+are small.  :mod:`attnorm.routes.decoding` says which design each family takes and why
+(bytes per key and row)."""
+
 
 def attention(
     q: Tensor,
@@ -119,6 +122,8 @@ def attention(
                 return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
         elif not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive, modified):
             return fused.attention(normalizer, q, k, v, mask, additive, scale, softcap, sinks)
+        elif decoding and decoding_route.supports(normalizer, q, k, v, mask, additive, dropout_p, softcap, sinks):
+            return decoding_route.attention(normalizer, q, k, v, mask, additive, scale)
         rows = block_rows(q, k, v)
         if rows < q.shape[-2] and not torch.compiler.is_compiling():
             return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows, softcap,

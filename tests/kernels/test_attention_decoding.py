@@ -270,3 +270,27 @@ def test_larger_grid(heads, kv_heads, kind, dtype, device):
         q, k, v = make_qkv(2, heads, kv_heads, lq, 150, 64, 64, dtype, device)
         for normalized in (True, False):
             check(q, k, v, MASKS[kind](2, lq, 150, device), normalized, splits=0, scale=64**-0.5)
+
+
+def test_attention_takes_split_k_for_inference_and_rows_for_training(device, monkeypatch):
+    """attention() on one query row: split-K without grad; with grad the rows route, gradients included."""
+    q, k, v = route_inputs(device, lq=1)
+    mask = attnorm.causal_mask(40 - 1)
+    taken = []
+    original = decoding.attention
+    monkeypatch.setattr(decoding, "attention", lambda *args: taken.append(1) or original(*args))
+    normalizer = attnorm.SelfAdjustedSoftmax(backend="triton")
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+    assert taken == [1]
+    expected = reference(q.double(), k.double(), v.double(), AttentionMask(*mask.key_range(2, 1, 40, device)),
+                         16**-0.5, True)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    trained = attnorm.attention(q64, k64, v64, normalizer, attn_mask=mask)
+    assert taken == [1]  # a call that needs gradients stays on the rows route
+    torch.testing.assert_close(trained, expected, atol=1e-10, rtol=1e-10)
+    grads = torch.autograd.grad(trained.sum(), (q64, k64, v64))
+    q_ref, k_ref, v_ref = (t.detach().clone().requires_grad_() for t in (q64, k64, v64))
+    expected_out = reference(q_ref, k_ref, v_ref, AttentionMask(*mask.key_range(2, 1, 40, device)), 16**-0.5, True)
+    for got, want in zip(grads, torch.autograd.grad(expected_out.sum(), (q_ref, k_ref, v_ref)), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
