@@ -11,14 +11,20 @@ CUDA or with ``backend="triton"``.
 op                                  outputs                                    per-row stats
 =================================== ========================================== ==============
 ``entmax_attention_fwd``            out, stats                                 ``(m, tau, N)``
-``entmax_attention_bwd``            dq, dk, dv, d alpha per head ``(Hq,)``
+``entmax_attention_bwd``            dq, dk, dv, d alpha per head ``(Hq,)``,
+                                    d sinks and d logit_scale per row
+                                    ``(B, Hq, Lq)``
 ``self_adjusted_attention_fwd``     out, stats                                 7 numbers
-``self_adjusted_attention_bwd``     dq, dk, dv
+``self_adjusted_attention_bwd``     dq, dk, dv, d sinks per row ``(B, Hq, Lq)``
 ``topk_attention_fwd``              out, stats                                 5 numbers
-``topk_attention_bwd``              dq, dk, dv
+``topk_attention_bwd``              dq, dk, dv, d sinks per row
 =================================== ========================================== ==============
 
-Masks travel as the four fields of :class:`~attnorm.kernels.rules.AttentionMask`.
+Masks travel as the four fields of :class:`~attnorm.kernels.rules.AttentionMask`; every
+op takes ``float? softcap`` and ``Tensor? sinks`` (each row's sink score, broadcastable to
+``(B, Hq, Lq)``), the entmax op also ``Tensor? logit_scale`` (a per-row multiplier of the
+logits after the cap).  A per-row gradient comes back as ``(B, Hq, Lq)`` (empty when not
+computed) and the autograd Functions sum it to the shape the input had.
 The autograd Functions save ``q``, ``k``, ``v``, ``out`` and the per-row stats: nothing
 of size ``Lq x Lk``.  Their backward is not differentiable again.
 """
@@ -172,25 +178,40 @@ def entmax_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale
     return _EntmaxAttention.apply(q, k, v, *mask, scale, alpha, alpha_heads, softcap, sinks, logit_scale)[0]
 
 
-# ---- Self-Adjusted Softmax and top-k: forward (out, stats), backward (dq, dk, dv) -----------------
+# ---- Self-Adjusted Softmax and top-k: forward (out, stats), backward (dq, dk, dv, d sinks) -------
+
+
+def _split_modifiers(values: tuple, count: int) -> tuple[tuple, float | None, Tensor | None]:
+    """``(family parameters, softcap, sinks)`` of an op's trailing arguments (trailing defaults may be dropped)."""
+    extra = values[count:] + (None, None)
+    return values[:count], extra[0], extra[1]
 
 
 def _define_family(family: str, params: str, stats: int) -> None:
     """``attnorm::<family>_attention_{fwd,bwd}`` over ``triton/attention_<family>.py``'s two functions."""
     module = f"attention_{family}"
+    count = len(params.split(","))
 
     def forward(q, k, v, start, stop, dense, additive, scale, *values):
         function = getattr(_module(module), f"{family}_attention_forward")
-        return function(q, k, v, AttentionMask(start, stop, dense, additive), scale, *values)
+        family_params, softcap, sinks = _split_modifiers(values, count)
+        return function(q, k, v, AttentionMask(start, stop, dense, additive), scale, *family_params, softcap, sinks)
 
     def backward(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, *values):
         function = getattr(_module(module), f"{family}_attention_backward")
-        return function(q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive), scale, *values)
+        family_params, softcap, sinks = _split_modifiers(values, count)
+        dq, dk, dv, d_sinks = function(q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive),
+                                       scale, *family_params, softcap, sinks)
+        return dq, dk, dv, _row_grad(q, None) if d_sinks is None else d_sinks
 
-    _define(f"{family}_attention_fwd", f"({_QKV}, {_MASK}, float scale, {params}) -> (Tensor, Tensor)", forward,
-            _fake_forward(stats))
-    _define(f"{family}_attention_bwd", f"({_BWD}, {_MASK}, float scale, {params}) -> (Tensor, Tensor, Tensor)",
-            backward, lambda q, k, v, *rest: _grads_like(q, k, v))
+    def fake_backward(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, *values):
+        return *_grads_like(q, k, v), _row_grad(q, _split_modifiers(values, count)[2])
+
+    _define(f"{family}_attention_fwd", f"({_QKV}, {_MASK}, float scale, {params}, {_MODIFIERS}) -> (Tensor, Tensor)",
+            forward, _fake_forward(stats))
+    _define(f"{family}_attention_bwd",
+            f"({_BWD}, {_MASK}, float scale, {params}, {_MODIFIERS}) -> (Tensor, Tensor, Tensor, Tensor)",
+            backward, fake_backward)
 
 
 _define_family("self_adjusted", "bool normalized", 7)
@@ -198,36 +219,43 @@ _define_family("topk", "float k_keep, bool is_fraction, float temperature", 5)
 
 
 class _FamilyAttention(torch.autograd.Function):
-    """Forward op, then the backward op on the saved ``q, k, v``, mask, ``out`` and stats (no ``Lq x Lk``)."""
+    """Forward op, then the backward op on the saved ``q, k, v``, mask, sinks, ``out`` and stats (no ``Lq x Lk``)."""
 
     @staticmethod
-    def forward(family, q, k, v, start, stop, dense, additive, scale, *params):
+    def forward(family, q, k, v, start, stop, dense, additive, sinks, scale, softcap, *params):
         forward_op = getattr(torch.ops.attnorm, f"{family}_attention_fwd")
-        return forward_op(q, k, v, start, stop, dense, additive, scale, *params)
+        return forward_op(q, k, v, start, stop, dense, additive, scale, *params, softcap, sinks)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.family, q, k, v, start, stop, dense, additive, *ctx.params = inputs
-        ctx.save_for_backward(q, k, v, start, stop, dense, additive, *output)
+        ctx.family, q, k, v, start, stop, dense, additive, sinks, ctx.scale, ctx.softcap, *ctx.params = inputs
+        ctx.save_for_backward(q, k, v, start, stop, dense, additive, sinks, *output)
         ctx.mark_non_differentiable(output[1])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, _grad_stats):
-        q, k, v, start, stop, dense, additive, out, stats = ctx.saved_tensors
+        q, k, v, start, stop, dense, additive, sinks, out, stats = ctx.saved_tensors
         backward_op = getattr(torch.ops.attnorm, f"{ctx.family}_attention_bwd")
-        dq, dk, dv = backward_op(q, k, v, out, grad_out.contiguous(), stats, start, stop, dense, additive, *ctx.params)
-        return None, dq, dk, dv, None, None, None, None, *([None] * len(ctx.params))
+        dq, dk, dv, d_sinks = backward_op(q, k, v, out, grad_out.contiguous(), stats, start, stop, dense, additive,
+                                          ctx.scale, *ctx.params, ctx.softcap, sinks)
+        return (None, dq, dk, dv, None, None, None, None, _input_grad(ctx, 8, d_sinks, sinks), None, None,
+                *([None] * len(ctx.params)))
 
 
-def self_adjusted_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float,
-                            normalized: bool) -> Tensor:
-    """Fused Self-Adjusted Softmax attention (both variants)."""
-    return _FamilyAttention.apply("self_adjusted", q, k, v, *mask, scale, normalized)[0]
+def self_adjusted_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,
+                            softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    """Fused Self-Adjusted Softmax attention (both variants); ``softcap``, ``sinks`` as :func:`entmax_attention`'s."""
+    return _FamilyAttention.apply("self_adjusted", q, k, v, *mask, sinks, scale, softcap, normalized)[0]
 
 
 def topk_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, k_keep: float,
-                   temperature: float) -> Tensor:
-    """Fused exact top-k attention: ``k_keep`` keys per row (a fraction of the allowed keys when in (0, 1))."""
+                   temperature: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    """Fused exact top-k attention: ``k_keep`` keys per row (a fraction of the allowed keys when in (0, 1)).
+
+    ``softcap`` and ``sinks`` as :func:`entmax_attention`'s; a sink may take one of the
+    ``k_keep`` slots but is not one of the allowed keys a fraction counts.
+    """
     is_fraction = isinstance(k_keep, float) and 0 < k_keep < 1
-    return _FamilyAttention.apply("topk", q, k, v, *mask, scale, float(k_keep), is_fraction, float(temperature))[0]
+    return _FamilyAttention.apply("topk", q, k, v, *mask, sinks, scale, softcap, float(k_keep), is_fraction,
+                                  float(temperature))[0]

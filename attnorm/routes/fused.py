@@ -8,7 +8,7 @@ Sparsemax, Entmax            ``attention_entmax``         alpha in [1, 2] as a n
                                                           shared)
 Softmax (temperature),       ``attention_entmax`` at      T; s and bias (numbers, per head,  yes
 ScalableSoftmax              alpha = 1                    learnable)
-SelfAdjustedSoftmax          ``attention_self_adjusted``  both variants                      no (blocked)
+SelfAdjustedSoftmax          ``attention_self_adjusted``  both variants                      yes
 TopKSoftmax                  ``attention_topk``           k (count or fraction), a number T  no (blocked)
 ============================ ============================ ================================== ===============
 
@@ -51,7 +51,7 @@ from attnorm.routes.sdpa import Multiplier, sdpa_mask_kind
 __all__ = ["attention", "scaled_softmax", "supports", "supports_scaled_softmax"]
 
 _FAMILIES = ("sparsemax", "entmax", "self_adjusted_softmax", "topk_softmax")
-_MODIFIED_FAMILIES = ("sparsemax", "entmax")
+_MODIFIED_FAMILIES = ("sparsemax", "entmax", "self_adjusted_softmax")
 
 
 def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, additive: Tensor | None,
@@ -80,7 +80,8 @@ def attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tenso
     kernel_masks = kernel_mask(mask, additive, q, k.shape[-2])
     sinks = None if sinks is None else sinks.reshape(-1, 1)  # (Hq, 1): one sink logit per head, every row
     if normalizer.kernel == "self_adjusted_softmax":
-        return attention_ops.self_adjusted_attention(q, k, v, kernel_masks, scale, normalizer.normalized)
+        return attention_ops.self_adjusted_attention(q, k, v, kernel_masks, scale, normalizer.normalized, softcap,
+                                                     sinks)
     if normalizer.kernel == "topk_softmax":
         params = normalizer.kernel_params()
         return attention_ops.topk_attention(q, k, v, kernel_masks, scale, params["k"], params["temperature"])

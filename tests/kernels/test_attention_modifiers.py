@@ -86,6 +86,20 @@ def _ssmax(x, allowed, n, params):
     return _softmax(x, allowed, s * torch.log(n.clamp_min(1).double()) + bias)
 
 
+def _self_adjusted(x, allowed, normalized):
+    """``phi(x) softmax(x)``, ``phi = x`` or ``(x - low) / (high - low)`` (0 without a span).
+
+    ``low = min(min x, 0)`` and ``high = max(max x, 0)`` over the allowed entries.
+    """
+    weights = _softmax(x, allowed, 1.0)
+    if not normalized:
+        return x * weights
+    low = torch.where(allowed, x, math.inf).amin(-1, keepdim=True).clamp_max(0)
+    high = torch.where(allowed, x, -math.inf).amax(-1, keepdim=True).clamp_min(0)
+    span = high - low
+    return torch.where(span > 0, (x - low) / torch.where(span > 0, span, 1.0), 0.0) * weights
+
+
 FAMILIES = {
     # name: (the normalizer on the fused route, reference(x, allowed, n, params) over the extended row)
     "sparsemax": (lambda: attnorm.Sparsemax(backend="triton"), _entmax(2)),
@@ -99,6 +113,10 @@ FAMILIES = {
               lambda x, allowed, n, params: _softmax(x, allowed, 0.5 * torch.log(n.clamp_min(1).double()) + 0.2)),
     "ssmax_learnable": (lambda: attnorm.ScalableSoftmax(s=0.5, bias=0.2, learnable=True, num_heads=H,
                                                         backend="triton"), _ssmax),
+    "sa_plain": (lambda: attnorm.SelfAdjustedSoftmax(normalized=False, backend="triton"),
+                 lambda x, allowed, n, params: _self_adjusted(x, allowed, False)),
+    "sa_normalized": (lambda: attnorm.SelfAdjustedSoftmax(backend="triton"),
+                      lambda x, allowed, n, params: _self_adjusted(x, allowed, True)),
 }
 
 # ---- masks ------------------------------------------------------------------------------------------
@@ -194,7 +212,7 @@ def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4
 
 
 MODIFIERS = {"softcap": (SOFTCAP, None), "sinks": (None, SINKS), "both": (SOFTCAP, SINKS)}
-SWEPT_BY_DEFAULT = ("sparsemax", "softmax_T")  # one family per kernel path; the others' sweeps are slow tests
+SWEPT_BY_DEFAULT = ("sparsemax", "softmax_T", "sa_normalized")  # a family per kernel path; the others: slow
 
 
 def mask_sweep():

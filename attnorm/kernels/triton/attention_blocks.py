@@ -58,6 +58,7 @@ __all__ = [
     "row_values",
     "score_tile",
     "score_tile_slope",
+    "sink_scores",
     "stable_tanh",
 ]
 
@@ -179,6 +180,17 @@ def row_values(values, s_b, s_h, s_m, batch, head, offs_m, lq, other, ACC: tl.co
     """Per-row values of rows ``offs_m`` (:func:`row_arguments`) in ``ACC``; ``other`` past ``lq``."""
     ptrs = values + batch * s_b + head * s_h + offs_m * s_m
     return tl.load(ptrs, mask=offs_m < lq, other=other).to(ACC)
+
+
+@triton.jit
+def sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SINK: tl.constexpr,
+                BLOCK_M: tl.constexpr, ACC: tl.constexpr):
+    """Each row's sink score in ``ACC``; -inf (no key) without sinks and past ``lq``."""
+    if HAS_SINK:
+        scores = row_values(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, float("-inf"), ACC)
+    else:
+        scores = tl.full((BLOCK_M,), float("-inf"), ACC)
+    return scores
 
 
 @triton.jit

@@ -68,6 +68,20 @@ a power of 2, at least 16).  A row with no allowed key gives a zero output and z
 gradients; a NaN or +inf score at an allowed key makes its row NaN (output and
 gradients).
 
+**Softcap, sinks and a logit multiplier.**  The logits are
+``c_i (cap tanh(scale q k^T / cap) + additive)`` with the cap under ``SOFTCAP`` (one
+``exp`` per score more, in every pass) and ``c_i`` a per-row multiplier under
+``HAS_LOGIT_SCALE`` (temperature, Scalable-Softmax: softmax at alpha = 1); a sink is a
+per-row logit ``sigma_i`` (``HAS_SINK``), one more allowed key of value zero: it starts
+pass 1 (``m``, ``n``, ``sum (s - m)``), each Newton pass's sums, and, in the backward,
+``sum g`` (and ``sum T`` for alpha) of the row pass; no pass over K or V is added.  The
+backward chains ``dS = c G (1 - tanh^2)`` with ``G = g (dP - delta)`` the gradient of a
+logit, and the dq kernel writes per row the sink's logit gradient ``-g_sink delta`` and
+the multiplier's ``sum_j G_ij s_ij``: 4 bytes per row each (8 for float64), read back
+by torch (summed over batch and rows for a sink per head).  A row whose keys are all
+masked but which has a sink puts its whole weight on the sink: a zero output, zero
+gradients.
+
 Block size, shape checks and operands: :mod:`.attention_launch`; mask arguments,
 key-block bounds and tiles: :mod:`.attention_blocks`.
 """
@@ -92,6 +106,7 @@ from attnorm.kernels.triton.attention_blocks import (
     query_program,
     row_arguments,
     row_values,
+    sink_scores,
 )
 from attnorm.kernels.triton.attention_launch import dot_operands, head_width, problem
 from attnorm.kernels.triton.entmax import _power
@@ -209,10 +224,7 @@ def _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
                    batch, head, offs_m, lq, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
                    BLOCK_M: tl.constexpr, ACC: tl.constexpr):
     """Per row: the sink's logit (-inf without a sink, and past ``lq``) and the logit multiplier (1 without)."""
-    if HAS_SINK:
-        sink_logit = row_values(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, float("-inf"), ACC)
-    else:
-        sink_logit = tl.full((BLOCK_M,), float("-inf"), ACC)
+    sink_logit = sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SINK, BLOCK_M, ACC)
     if HAS_LOGIT_SCALE:
         row_scale = row_values(logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm, batch, head, offs_m, lq,
                                1.0, ACC)

@@ -45,6 +45,15 @@ Bytes per query row beyond q, k, v, out and their gradients: the forward writes
 :data:`STATS` stats of 4 bytes (8 for float64); the backward reads them and writes
 and reads two per-row sums (``P``, ``Q``).
 
+**Softcap and sinks.**  Under ``SOFTCAP`` the scores are ``cap tanh(scale q k^T / cap)
++ additive`` (one ``exp`` more per score, in every pass) and the backward multiplies
+each ``ds`` by the cap's slope ``1 - tanh^2``.  A sink (``HAS_SINK``: a score per row,
+value zero) is one more allowed key: it starts the forward's running max, min, tie
+counts and ``l`` (``A`` and ``B`` have no term for it), so it enters ``low``, ``high``
+and the softmax; in the backward its ``g`` is 0, so ``P`` and ``Q`` are unchanged and
+its own ``ds`` (the formulas above with ``g = 0``) is written per row by the dq kernel
+(4 bytes per row, 8 for float64) for torch to sum.  No pass is added.
+
 Block size, shape checks, operands and the ``P`` pre-pass: :mod:`.attention_launch`;
 mask arguments, key-block bounds and tiles: :mod:`.attention_blocks`.
 """
@@ -55,15 +64,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.attention_blocks import (
     key_block_bounds,
     key_program,
     key_scores,
+    key_scores_slope,
     load_tile,
     mask_arguments,
+    modifier_arguments,
     query_program,
+    sink_scores,
 )
 from attnorm.kernels.triton.attention_launch import Problem, dot_operands, problem, row_dot
 from attnorm.kernels.triton.self_adjusted import _factor, _span
@@ -160,7 +173,9 @@ def _self_adjusted_forward_kernel(
     heads, group, lq, lk, head_dim, value_dim, scale,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block: online max/sum/min/tie counts and the sums ``A``, ``B`` in one pass (module docstring)."""
@@ -172,20 +187,24 @@ def _self_adjusted_forward_kernel(
     v_base = V + batch * sv_b + kv_head * sv_h
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     lo = lo // BLOCK_N * BLOCK_N  # aligned tiles: the backward recomputes the very same ones
+    softcap = tl.load(softcap_ptr)
 
-    top = tl.full((BLOCK_M,), float("-inf"), ACC)
-    bottom = tl.full((BLOCK_M,), float("inf"), ACC)
-    top_count = tl.zeros((BLOCK_M,), ACC)
-    bottom_count = tl.zeros((BLOCK_M,), ACC)
-    total = tl.zeros((BLOCK_M,), ACC)
-    posinf_count = tl.zeros((BLOCK_M,), ACC)
-    nan_count = tl.zeros((BLOCK_M,), ACC)
+    # The sink, an allowed key of value zero, starts the row's max, min, counts and sum.
+    sink_logit = sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SINK, BLOCK_M, ACC)
+    sink_finite = (sink_logit > float("-inf")) & (sink_logit < float("inf"))
+    top = tl.where(sink_finite, sink_logit, float("-inf"))
+    bottom = tl.where(sink_finite, sink_logit, float("inf"))
+    top_count = sink_finite.to(ACC)
+    bottom_count = sink_finite.to(ACC)
+    total = sink_finite.to(ACC)
+    posinf_count = (sink_logit == float("inf")).to(ACC)
+    nan_count = (sink_logit != sink_logit).to(ACC)
     shifted_sum = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # A = sum e (x - top) v
     plain_sum = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # B = sum e v
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                       1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
+                       softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
         finite = (x > float("-inf")) & (x < float("inf"))
         posinf_count += tl.sum((x == float("inf")).to(ACC), 1)
         nan_count += tl.sum((x != x).to(ACC), 1)
@@ -228,7 +247,7 @@ def _self_adjusted_forward_kernel(
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
-                           scale, 1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
+                           scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
             if NORMALIZED:
                 mass = tl.where(x == float("inf"), 1.0, 0.0)
             else:
@@ -258,12 +277,14 @@ def _self_adjusted_forward_kernel(
 
 @triton.jit
 def _self_adjusted_dq_kernel(
-    Q, K, V, DO, TOTAL, STATS_PTR, DQ, WEIGHTED,
+    Q, K, V, DO, TOTAL, STATS_PTR, DQ, WEIGHTED, D_SINK,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
     heads, group, lq, lk, head_dim, value_dim, scale,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks.
@@ -271,6 +292,8 @@ def _self_adjusted_dq_kernel(
     Plain: ``P`` comes from the pre-pass.  Normalized: a first loop sums ``P = sum g y``
     and ``Q = sum g w`` from the very ``g`` the dk/dv kernel sees (``P`` from the rounded
     ``out`` would not cancel ``g w`` in rows with a tiny span) and writes them for it.
+    With softcap ``ds`` is multiplied by the cap's slope; with sinks, each row's sink
+    (``g = 0``: its value is zero) gets its ``ds`` from the same formula, written to ``D_SINK``.
     """
     bh = tl.program_id(1)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
@@ -283,6 +306,7 @@ def _self_adjusted_dq_kernel(
     c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     lo = lo // BLOCK_N * BLOCK_N
+    softcap = tl.load(softcap_ptr)
 
     if NORMALIZED:
         total = tl.zeros((BLOCK_M,), ACC)
@@ -291,7 +315,7 @@ def _self_adjusted_dq_kernel(
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                           1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
+                           softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
             xs, w, used, _ = _weights(x, c0, c1, state)
             w = tl.where((state == 1)[:, None], w, 0.0)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
@@ -308,16 +332,25 @@ def _self_adjusted_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                       1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
+        x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
+                                    lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
         xs, w, used, _ = _weights(x, c0, c1, state)
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
         ds = _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NORMALIZED)
+        if SOFTCAP:
+            ds = ds * slope
         k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
         dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
+    if HAS_SINK:
+        sink_logit = sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SINK, BLOCK_M, ACC)
+        sink_xs, sink_w, sink_used, _ = _weights(sink_logit[:, None], c0, c1, state)
+        no_value = tl.zeros((BLOCK_M, 1), ACC)
+        sink_ds = _score_grad(sink_xs, sink_w, sink_used, no_value, low, high, state, total, low_term, high_term,
+                              NORMALIZED)
+        tl.store(D_SINK + rows, tl.sum(sink_ds, 1), mask=offs_m < lq)
 
 
 @triton.jit
@@ -327,7 +360,9 @@ def _self_adjusted_dkdv_kernel(
     heads, group, lq, lk, head_dim, value_dim, scale,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One key block of one key/value head: ``dv = sum y^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
@@ -336,6 +371,7 @@ def _self_adjusted_dkdv_kernel(
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     k_base = K + batch * sk_b + kv_head * sk_h
     v_tile = load_tile(V + batch * sv_b + kv_head * sv_h, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+    softcap = tl.load(softcap_ptr)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
     for member in range(group):
@@ -350,8 +386,9 @@ def _self_adjusted_dkdv_kernel(
                 rows = (batch * heads + head) * lq + offs_m
                 c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
                 total = tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0)
-                x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
-                               scale, 1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
+                x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start,
+                                            row_stop, lk, scale, softcap, batch, head, masking, HAS_DENSE,
+                                            HAS_ADDITIVE, SOFTCAP, ACC)
                 xs, w, used, posinf = _weights(x, c0, c1, state)
                 if NORMALIZED:
                     s, span = _span(low, high)
@@ -365,6 +402,8 @@ def _self_adjusted_dkdv_kernel(
                 dv += tl.dot(tl.trans(y.to(do_tile.dtype)), do_tile, out_dtype=ACC)
                 g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
                 ds = _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NORMALIZED)
+                if SOFTCAP:
+                    ds = ds * slope
                 dk += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, out_dtype=ACC)
     key_rows = bh * lk + offs_n
     tl.store(DK + key_rows[:, None] * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
@@ -376,17 +415,22 @@ def _self_adjusted_dkdv_kernel(
 # ---- host functions ------------------------------------------------------------------------
 
 
-def _common(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> tuple:
-    """The launch arguments every kernel takes: strides of q, k, v; sizes and scale; the mask's keywords."""
+def _common(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float,
+            softcap: float | None, sinks: Tensor | None) -> tuple:
+    """The launch arguments every kernel takes: strides of q, k, v; sizes and scale; mask and modifier keywords."""
     strides = (*q.stride(), *k.stride(), *v.stride())
     sizes = (*shape.sizes, float(scale))
-    return strides, sizes, mask_arguments(mask, shape.score_shape, q.device)
+    acc = rules.accumulation_dtype(q.dtype)
+    keywords = dict(**mask_arguments(mask, shape.score_shape, q.device),
+                    **modifier_arguments(softcap, sinks, shape.score_shape, acc, q.device))
+    return strides, sizes, keywords
 
 
 def self_adjusted_attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,
+    softcap: float | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Self-Adjusted Softmax attention: ``out = (phi(x) softmax(x)) v``, ``x = scale q k^T + additive``.
+    """Self-Adjusted Softmax attention: ``out = (phi(x) softmax(x)) v``, ``x = cap(scale q k^T) + additive``.
 
     One pass over K and V per query block (two in query blocks holding a row with a +inf
     score); writes ``out`` and :data:`STATS` per-row stats.
@@ -397,11 +441,14 @@ def self_adjusted_attention_forward(
         mask: which keys each query row may attend.
         scale: the score scale.
         normalized: ``phi(x) = (x - low) / (high - low)`` instead of ``x``.
+        softcap: None, or the cap ``> 0``: ``cap(s) = softcap tanh(s / softcap)``.
+        sinks: None, or each row's sink score, broadcastable to ``(B, Hq, Lq)``: one more key
+            of value zero, inside the softmax, ``low`` and ``high``, its weight dropped.
 
     Returns:
         ``(out, stats)``: ``(B, Hq, Lq, Dv)`` in q's dtype (zero rows where no key is allowed,
         NaN rows where a score is NaN); ``(B, Hq, Lq, 7)`` in the accumulation dtype, laid out as
-        :data:`STATS` says.
+        :data:`STATS` says (the sink counted as a key).
     """
     shape = problem(q, k, v)
     out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
@@ -409,17 +456,17 @@ def self_adjusted_attention_forward(
     if out.numel() == 0 and stats.numel() == 0:
         return out, stats
     q, k, v = dot_operands(q, k, v)
-    strides, sizes, masking = _common(shape, q, k, v, mask, scale)
+    strides, sizes, keywords = _common(shape, q, k, v, mask, scale, softcap, sinks)
     _self_adjusted_forward_kernel[shape.query_grid](
-        q, k, v, out, stats, *strides, *sizes, **masking, NORMALIZED=bool(normalized), **shape.constants,
+        q, k, v, out, stats, *strides, *sizes, **keywords, NORMALIZED=bool(normalized), **shape.constants,
     )
     return out, stats
 
 
 def self_adjusted_attention_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
-    scale: float, normalized: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+    scale: float, normalized: bool, softcap: float | None = None, sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of :func:`self_adjusted_attention_forward` by recomputation (formulas in the module docstring).
 
     Plain: a pre-pass ``P = rowsum(dO * out)`` (no K/V), the dq kernel (one pass over K
@@ -430,7 +477,9 @@ def self_adjusted_attention_backward(
     ``dv``.
 
     Returns:
-        ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``.
+        ``(dq, dk, dv, d_sinks)``: shaped and typed like ``q``, ``k``, ``v``; the score
+        gradient of each row's sink ``(B, Hq, Lq)`` in the accumulation dtype, or None
+        without ``sinks``.
     """
     shape = problem(q, k, v)
     stats = stats.contiguous()
@@ -440,16 +489,18 @@ def self_adjusted_attention_backward(
     # Plain: P = rowsum(dO * out) before the kernels; normalized: the dq kernel sums P itself.
     total = shape.row_tensor(like=q) if normalized else row_dot(shape, out, grad_out)
     weighted = shape.row_tensor(like=q)
+    d_sinks = None if sinks is None else shape.row_tensor(like=q)
     q, k, v, grad_out = dot_operands(q, k, v, grad_out)
-    strides, sizes, masking = _common(shape, q, k, v, mask, scale)
+    strides, sizes, keywords = _common(shape, q, k, v, mask, scale, softcap, sinks)
     arguments = (*strides, *grad_out.stride(), *sizes)
-    constants = dict(**masking, NORMALIZED=bool(normalized), **shape.constants)
+    constants = dict(**keywords, NORMALIZED=bool(normalized), **shape.constants)
     if dq.numel():
         _self_adjusted_dq_kernel[shape.query_grid](
-            q, k, v, grad_out, total, stats, dq, weighted, *arguments, **constants,
+            q, k, v, grad_out, total, stats, dq, weighted, weighted if d_sinks is None else d_sinks, *arguments,
+            **constants,
         )
     if dk.numel() or dv.numel():
         _self_adjusted_dkdv_kernel[shape.key_grid](
             q, k, v, grad_out, total, stats, weighted, dk, dv, *arguments, **constants,
         )
-    return dq, dk, dv
+    return dq, dk, dv, d_sinks

@@ -379,7 +379,7 @@ def _arguments(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionM
 
 def topk_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, k_keep: float, is_fraction: bool,
-    temperature: float,
+    temperature: float, softcap: float | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact top-k attention: ``out = softmax(x / temperature over the kept keys) v``, ``x = scale q k^T + additive``.
 
@@ -420,8 +420,9 @@ def topk_attention_forward(
 
 def topk_attention_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
-    scale: float, k_keep: float, is_fraction: bool, temperature: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+    scale: float, k_keep: float, is_fraction: bool, temperature: float, softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of :func:`topk_attention_forward` by recomputation with the forward's threshold and tie cut.
 
     ``ds = p (dP - delta) / temperature`` on the kept keys (``delta = rowsum(dO * out)``);
@@ -449,4 +450,4 @@ def topk_attention_backward(
         _topk_dkdv_kernel[shape.key_grid](
             q, k, v, grad_out, delta, stats, dk, dv, *arguments, **constants,
         )
-    return dq, dk, dv
+    return dq, dk, dv, None
