@@ -36,7 +36,7 @@ from attnorm.normalizers.registry import make
 from attnorm.routes import decoding as decoding_route
 from attnorm.routes import fused
 from attnorm.routes.blocked import block_rows, blocked_attention, materialised_attention
-from attnorm.routes.sdpa import logit_multiplier, scaled_sdpa
+from attnorm.routes.sdpa import logit_multiplier, scaled_sdpa, sdpa_mask_kind
 
 __all__ = ["DECODING_ROWS", "attention"]
 
@@ -103,6 +103,8 @@ def attention(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     mask, additive = _split_mask(attn_mask, is_causal)
+    if isinstance(mask, StructuredMask) and sdpa_mask_kind(mask, q.shape[-2], k.shape[-2]) == "none":
+        mask = None  # e.g. a decoding step's causal mask: every row may attend every key
     softcap, sinks = _check_modifiers(softcap, sinks, q)
     modified = softcap is not None or sinks is not None
     own_route = getattr(normalizer, "attend", None)
@@ -120,7 +122,7 @@ def attention(
                 return fused.scaled_softmax(q, k, v, multiplier, mask, scale, additive, softcap, sinks)
             if not modified:  # SDPA has neither softcap nor sinks
                 return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
-        elif not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive, modified):
+        elif not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive):
             return fused.attention(normalizer, q, k, v, mask, additive, scale, softcap, sinks)
         elif decoding and decoding_route.supports(normalizer, q, k, v, mask, additive, dropout_p, softcap, sinks):
             return decoding_route.attention(normalizer, q, k, v, mask, additive, scale)

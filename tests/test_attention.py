@@ -367,3 +367,29 @@ def test_errors_name_the_argument():
         attnorm.attention(q, k, v, torch.softmax)
     with pytest.raises(ValueError, match="key_lengths"):
         attnorm.attention(q, k, v, "ssmax", attn_mask=key_padding_mask(torch.tensor([4, 4, 4])))
+
+
+@pytest.mark.parametrize("spec", ["sparsemax", "topk:k=3", "sa_softmax"])
+def test_a_decoding_step_mask_that_allows_every_key_builds_nothing(spec):
+    """causal_mask(Lk - 1) on one query row allows every key: no interval or bool mask is built."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 9, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    normalizer = attnorm.make(spec)
+    with Ops() as ops:
+        out = attnorm.attention(q, k, v, normalizer, attn_mask=causal_mask(9 - 1))
+    built = [name for name in ops.names if name.split(".")[0] in ("arange", "ge", "lt", "le", "full", "minimum")]
+    assert not built, built
+    kr, vr = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    torch.testing.assert_close(out, normalizer(q @ kr.transpose(-2, -1) / math.sqrt(8)) @ vr)
