@@ -136,9 +136,7 @@ def test_route_choice():
     assert not fused.supports(attnorm.Entmax(3.0, backend="triton"), q, k, v, 0.0, None)  # alpha > 2
     assert not fused.supports(attnorm.Softmax(backend="triton"), q, k, v, 0.0, None)  # SDPA's
     assert fused.supports(attnorm.Entmax(1.2, backend="triton"), q, k, v, 0.0, None)
-    # softcap or sinks: the fused kernels compute them; SDPA cannot, so logit scalings take the fused softmax
-    assert fused.supports(attnorm.Sparsemax(backend="triton"), q, k, v, 0.0, None, modified=True)
-    assert fused.supports(attnorm.SelfAdjustedSoftmax(backend="triton"), q, k, v, 0.0, None, modified=True)
+    # softcap or sinks: SDPA cannot apply them, so logit scalings take the fused softmax
     softmax = attnorm.Softmax(temperature=0.5, backend="triton")
     assert fused.supports_scaled_softmax(softmax, None, q, k, v, 0.0, None, modified=True)
     assert not fused.supports_scaled_softmax(softmax, None, q, k, v, 0.0, None, modified=False)
@@ -167,6 +165,10 @@ def test_ops_pass_opcheck(device):
                           (q, k, v, out, torch.ones_like(out), stats, *args[3:], True, 3.0, sinks),
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.attnorm.topk_attention_fwd, (*args, 3.0, False, 1.0),
+                          test_utils=("test_schema", "test_faketensor"))
+    out, stats = torch.ops.attnorm.topk_attention_fwd(*args, 0.3, True, 0.7, 3.0, sinks)
+    torch.library.opcheck(torch.ops.attnorm.topk_attention_bwd,
+                          (q, k, v, out, torch.ones_like(out), stats, *args[3:], 0.3, True, 0.7, 3.0, sinks),
                           test_utils=("test_schema", "test_faketensor"))
 
 

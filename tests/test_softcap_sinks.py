@@ -2,8 +2,8 @@
 
 A sink is a virtual key per head with score ``sinks[h]`` and value 0: the reference
 appends that score to every row, normalises the extended row with the normalizer's
-independent reference, and drops the sink's weight.  Scalable-Softmax's ``n`` counts
-the real allowed keys only.
+independent reference, and drops the sink's weight.  Scalable-Softmax's ``n`` and top-k's
+fraction count the real allowed keys only.
 """
 
 from __future__ import annotations
@@ -54,7 +54,17 @@ REFERENCES = {
     "sparsemax": lambda x, allowed, sink: _extended(entmax.sparsemax, x, allowed, sink),
     "entmax:alpha=1.5": lambda x, allowed, sink: _extended(entmax.entmax15, x, allowed, sink),
     "sa_softmax": lambda x, allowed, sink: _extended(_self_adjusted, x, allowed, sink),
+    "topk:k=0.3,temperature=0.7": lambda x, allowed, sink: _top_fraction_with_sink(x, allowed, sink, 0.3, 0.7),
 }
+
+
+def _top_fraction_with_sink(x, allowed, sink, fraction, temperature):
+    """softmax(x / T) over the max(1, ceil(fraction n)) largest of the n real keys and the sink (last: loses ties)."""
+    count = torch.ceil(allowed.sum(-1, keepdim=True) * fraction - 1e-9).clamp_min(1)
+    extended = torch.cat([torch.where(allowed, x, -math.inf), sink.expand(*x.shape[:-1], 1)], dim=-1)
+    order = torch.argsort(extended.detach(), dim=-1, descending=True, stable=True)
+    kept = torch.argsort(order, dim=-1) < count
+    return torch.softmax(torch.where(kept, extended / temperature, -math.inf), dim=-1)[..., :-1]
 
 
 def _self_adjusted(x, dim=-1):

@@ -30,8 +30,9 @@ them too, :mod:`attnorm.routes.fused`; these routes serve the calls that stay of
   like gpt-oss's ``s_aux``) and whose value is zero.  It takes part in the normalizer
   like a key (scaled by ``1/T`` or the Scalable-Softmax multiplier, able to take a top-k
   slot, inside Self-Adjusted's min and max) but is not one of the ``n`` allowed keys
-  Scalable-Softmax counts; its weight is dropped.  Top-k with a fractional ``k``
-  counts it among the ``n`` keys it takes a fraction of.
+  Scalable-Softmax counts, nor one of those top-k's fractional ``k`` takes a fraction
+  of (``max(1, ceil(k n))`` slots for the ``n`` real keys and the sink, which loses
+  ties to them); its weight is dropped.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from attnorm.kernels.rules import ssmax_multiplier
+from attnorm.kernels.rules import ssmax_multiplier, topk_row_count
 from attnorm.masks import StructuredMask
+from attnorm.normalizers import TopKSoftmax
 from attnorm.routes.common import interval, interval_rows
 
 __all__ = ["BLOCKS_PER_INPUTS", "MIN_BLOCK_BYTES", "block_rows", "blocked_attention", "materialised_attention"]
@@ -158,20 +160,35 @@ def _with_sinks(normalizer, scores: Tensor, mask: Tensor | None, sinks: Tensor) 
     if mask is not None:
         keep = torch.cat([mask.expand(scores.shape), mask.new_ones(sink.shape)], dim=-1)
     kernel = getattr(normalizer, "kernel", None)
+    params = normalizer.kernel_params() if kernel in ("softmax", "scalable_softmax", "topk_softmax") else {}
+    if kernel == "topk_softmax" and isinstance(params["k"], float):
+        # A fraction is of the real allowed keys (the sink is not one); the sink may take one of the slots,
+        # losing ties to the keys (it comes last).  Softmax over the kept entries: top-k keeping all of them.
+        count = topk_row_count(params["k"], True, _allowed(scores, mask).sum(-1, keepdim=True)).clamp_min(1)
+        ranked = extended.detach() if keep is None else extended.detach().masked_fill(~keep, -math.inf)
+        kept = ranked.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1) < count
+        kept &= ranked != -math.inf
+        every = TopKSoftmax(extended.shape[-1], params["temperature"], backend=normalizer.backend)
+        return every(extended, kept)[..., :-1]
     if kernel not in ("softmax", "scalable_softmax"):
         return normalizer(extended, keep)[..., :-1]
     # The multiplier scales the sink too, but Scalable-Softmax's n counts the real keys only.
-    params = normalizer.kernel_params()
     if kernel == "softmax":
         multiplier = 1 / params["temperature"]
     else:
-        allowed = scores != -math.inf if mask is None else mask & (scores != -math.inf)
+        allowed = _allowed(scores, mask)
         multiplier = ssmax_multiplier(allowed.sum(-1, keepdim=True).to(sink.dtype), params["s"], params["bias"])
     compute = extended.float() if extended.dtype in (torch.float16, torch.bfloat16) else extended
     masked = compute.isneginf() if keep is None else compute.isneginf() | ~keep
     logits = (compute * multiplier).masked_fill(masked, -math.inf)
     weights = torch.where(masked.all(-1, keepdim=True), 0.0, torch.softmax(logits, dim=-1))
     return weights[..., :-1].to(scores.dtype)
+
+
+def _allowed(scores: Tensor, mask: Tensor | None) -> Tensor:
+    """The real keys a row may attend: allowed by the mask, score not -inf."""
+    finite = scores != -math.inf
+    return finite if mask is None else mask & finite
 
 
 def _rng_state(device: torch.device) -> Tensor:

@@ -9,7 +9,7 @@ Sparsemax, Entmax            ``attention_entmax``         alpha in [1, 2] as a n
 Softmax (temperature),       ``attention_entmax`` at      T; s and bias (numbers, per head,  yes
 ScalableSoftmax              alpha = 1                    learnable)
 SelfAdjustedSoftmax          ``attention_self_adjusted``  both variants                      yes
-TopKSoftmax                  ``attention_topk``           k (count or fraction), a number T  no (blocked)
+TopKSoftmax                  ``attention_topk``           k (count or fraction), a number T  yes
 ============================ ============================ ================================== ===============
 
 Softmax with temperature and Scalable-Softmax (a logit multiplier ``c`` per row) take the
@@ -51,16 +51,12 @@ from attnorm.routes.sdpa import Multiplier, sdpa_mask_kind
 __all__ = ["attention", "scaled_softmax", "supports", "supports_scaled_softmax"]
 
 _FAMILIES = ("sparsemax", "entmax", "self_adjusted_softmax", "topk_softmax")
-_MODIFIED_FAMILIES = ("sparsemax", "entmax", "self_adjusted_softmax")
 
 
-def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, additive: Tensor | None,
-             modified: bool = False) -> bool:
-    """True when a fused kernel computes ``normalizer``'s attention for these inputs (``modified``: softcap, sinks)."""
+def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, additive: Tensor | None) -> bool:
+    """True when a fused kernel computes ``normalizer``'s attention for these inputs (softcap and sinks included)."""
     kernel = getattr(normalizer, "kernel", None)
     if kernel not in _FAMILIES or dropout_p > 0 or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        return False
-    if modified and kernel not in _MODIFIED_FAMILIES:
         return False
     if additive is not None and additive.requires_grad or not _runs_triton(normalizer, q):
         return False
@@ -84,7 +80,8 @@ def attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tenso
                                                      sinks)
     if normalizer.kernel == "topk_softmax":
         params = normalizer.kernel_params()
-        return attention_ops.topk_attention(q, k, v, kernel_masks, scale, params["k"], params["temperature"])
+        return attention_ops.topk_attention(q, k, v, kernel_masks, scale, params["k"], params["temperature"], softcap,
+                                            sinks)
     if normalizer.kernel == "sparsemax":
         return attention_ops.entmax_attention(q, k, v, kernel_masks, scale, 2.0, None, softcap, sinks)
     alpha = normalizer.kernel_params()["alpha"]

@@ -100,6 +100,22 @@ def _self_adjusted(x, allowed, normalized):
     return torch.where(span > 0, (x - low) / torch.where(span > 0, span, 1.0), 0.0) * weights
 
 
+def _top_k(keep, temperature):
+    """softmax(x / T) over the ``keep`` largest allowed entries (ties: the lower index, so the sink loses them).
+
+    A fraction ``keep < 1`` keeps ``max(1, ceil(keep n))`` with ``n`` the real allowed keys;
+    never more than the allowed entries, the sink included.
+    """
+    def normalize(x, allowed, n, params):
+        count = torch.ceil(n * keep - 1e-9).clamp_min(1) if keep < 1 else torch.full_like(n, keep)
+        count = torch.minimum(count, allowed.sum(-1, keepdim=True))
+        order = torch.argsort(torch.where(allowed, x, -math.inf).detach(), dim=-1, descending=True, stable=True)
+        kept = allowed & (torch.argsort(order, dim=-1) < count)
+        return _softmax(x, kept, 1 / temperature)
+
+    return normalize
+
+
 FAMILIES = {
     # name: (the normalizer on the fused route, reference(x, allowed, n, params) over the extended row)
     "sparsemax": (lambda: attnorm.Sparsemax(backend="triton"), _entmax(2)),
@@ -117,6 +133,8 @@ FAMILIES = {
                  lambda x, allowed, n, params: _self_adjusted(x, allowed, False)),
     "sa_normalized": (lambda: attnorm.SelfAdjustedSoftmax(backend="triton"),
                       lambda x, allowed, n, params: _self_adjusted(x, allowed, True)),
+    "topk_int": (lambda: attnorm.TopKSoftmax(3, temperature=0.7, backend="triton"), _top_k(3, 0.7)),
+    "topk_frac": (lambda: attnorm.TopKSoftmax(0.3, temperature=0.7, backend="triton"), _top_k(0.3, 0.7)),
 }
 
 # ---- masks ------------------------------------------------------------------------------------------
@@ -177,12 +195,17 @@ def reference(normalize, params, q, k, v, attn_mask, softcap, sinks):
     return weights[..., :LK] @ v
 
 
-def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4, seed=0):
-    """The fused route's output and gradients (q, k, v, sinks, parameters) equal the float64 reference's."""
+def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4, seed=0, integer=False):
+    """The fused route's output and gradients (q, k, v, sinks, parameters) equal the float64 reference's.
+
+    ``integer``: q and k in {-1, 0, 1}, so scores are multiples of ``SCALE`` and tie (with the sinks too).
+    """
     build, normalize = FAMILIES[family]
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, LQ, D, generator=gen, dtype=torch.float64) * 2
     k = torch.randn(B, HKV, LK, D, generator=gen, dtype=torch.float64)
+    if integer:
+        q, k = q.clamp(-1, 1).round(), k.round().clamp(-1, 1)
     v = torch.randn(B, HKV, LK, D, generator=gen, dtype=torch.float64)
     cotangent = torch.randn(B, H, LQ, D, generator=gen, dtype=torch.float64)
     sinks = None if sinks is None else torch.tensor(sinks, dtype=torch.float64)
@@ -212,7 +235,7 @@ def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4
 
 
 MODIFIERS = {"softcap": (SOFTCAP, None), "sinks": (None, SINKS), "both": (SOFTCAP, SINKS)}
-SWEPT_BY_DEFAULT = ("sparsemax", "softmax_T", "sa_normalized")  # a family per kernel path; the others: slow
+SWEPT_BY_DEFAULT = ("sparsemax", "softmax_T", "sa_normalized", "topk_frac")  # a family per kernel; others: slow
 
 
 def mask_sweep():
@@ -233,6 +256,12 @@ def test_each_modifier_under_a_causal_mask(family, modifier):
 @pytest.mark.parametrize("family,mask", list(mask_sweep()))
 def test_softcap_and_sinks_under_every_mask(family, mask):
     check(family, MASKS[mask](), SOFTCAP, SINKS)
+
+
+@pytest.mark.parametrize("family", ["topk_int", "topk_frac"])
+def test_top_k_ties_between_keys_and_the_sink_go_to_the_keys(family):
+    out = check(family, MASKS["causal"](), None, (2 * SCALE, SCALE), integer=True)
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("family", ["sparsemax", "ssmax"])

@@ -36,6 +36,16 @@ One pass over K and V per query block for dq, one over q and dO per key block fo
 Bytes per query row beyond q, k, v, out and their gradients: :data:`STATS` stats of
 4 bytes (8 for float64) written by the forward, read by the backward with one per-row
 ``delta``.
+
+**Softcap and sinks.**  Under ``SOFTCAP`` the scores are ``cap tanh(scale q k^T / cap)
++ additive`` (one ``exp`` more per score, in every pass) and ``ds`` is multiplied by the
+cap's slope ``1 - tanh^2``.  A sink (``HAS_SINK``: a score per row, value zero) is a
+candidate of every selection pass, counted like a key (no extra pass); it is key index
+``Lk``, after every real key, so it loses ties (``last_tie = Lk`` records a kept sink
+tie); a fraction ``k`` keeps ``max(1, ceil(k n))`` with ``n`` the real allowed keys, of
+``n + 1`` candidates.  The kept sink joins the online softmax after the last key block;
+the backward's dq kernel writes each row's sink score gradient ``-p_sink delta / T``
+(4 bytes per row, 8 for float64).
 """
 
 from __future__ import annotations
@@ -47,15 +57,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.attention_blocks import (
     key_block_bounds,
     key_program,
     key_scores,
+    key_scores_slope,
     load_tile,
     mask_arguments,
+    modifier_arguments,
     query_program,
+    sink_scores,
 )
 from attnorm.kernels.triton.attention_launch import Problem, dot_operands, problem, row_dot
 from attnorm.kernels.triton.topk import _keep_count, _key_value, _order_keys
@@ -86,20 +100,23 @@ def _sortable(x, allowed, KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.co
 
 @triton.jit
 def _candidate_counts(
-    q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, batch, head,
-    masking, prefix, shift,
-    HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, FIRST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+    q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, softcap, batch,
+    head, masking, prefix, shift, sink_key,
+    HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
+    FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr,
 ):
     """One selection pass: per row, the keys ``>= prefix | d << shift`` for each digit ``d``, ``(BLOCK_M, 2^RADIX)``.
 
-    The ``FIRST`` pass also returns each row's allowed, +inf and NaN key counts and its
-    largest finite score (zeros and -inf otherwise).
+    The sink (``sink_key``, a candidate of every row) is counted with the keys.  The
+    ``FIRST`` pass also returns each row's allowed, +inf and NaN key counts (real keys
+    only) and its largest finite score (zeros and -inf otherwise).
     """
     digits = tl.arange(0, 1 << RADIX).to(UKEY)
     candidates = prefix[:, None] | (digits[None, :] << shift.to(UKEY))
     counts = tl.zeros((BLOCK_M, 1 << RADIX), tl.int32)
+    if HAS_SINK:
+        counts += (sink_key[:, None] >= candidates).to(tl.int32)
     allowed_count = tl.zeros((BLOCK_M,), tl.int32)
     posinf_count = tl.zeros((BLOCK_M,), tl.int32)
     nan_count = tl.zeros((BLOCK_M,), tl.int32)
@@ -107,7 +124,7 @@ def _candidate_counts(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                       1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
+                       softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
         allowed = x != float("-inf")
         keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
         counts += tl.sum((keys[:, :, None] >= candidates[:, None, :]).to(tl.int32), 1)
@@ -153,7 +170,9 @@ def _topk_forward_kernel(
     heads, group, lq, lk, head_dim, value_dim, scale, inv_temperature,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
-    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, IS_FRACTION: tl.constexpr,
+    softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
+    HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, IS_FRACTION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr,
 ):
@@ -166,27 +185,39 @@ def _topk_forward_kernel(
     v_base = V + batch * sv_b + kv_head * sv_h
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     lo = lo // BLOCK_N * BLOCK_N  # aligned tiles: the backward recomputes the very same ones
+    softcap = tl.load(softcap_ptr)
+    sink_score = sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SINK, BLOCK_M, ACC)
+    sink_allowed = sink_score != float("-inf")
+    sink_key = _sortable(sink_score, sink_allowed, KEY, UKEY, KEY_BITS)
+    sinks_here = sink_allowed.to(tl.int32)
 
     # Selection, most significant digit first; the first pass also counts the allowed keys.
     prefix = tl.zeros((BLOCK_M,), UKEY)
     above = tl.zeros((BLOCK_M,), tl.int32)
     shift = tl.full((), KEY_BITS - RADIX, tl.int32)
     counts, allowed_count, posinf_count, nan_count, _ = _candidate_counts(
-        q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, batch, head,
-        masking, prefix, shift, HAS_DENSE, HAS_ADDITIVE, True, BLOCK_M, BLOCK_N, ACC, KEY, UKEY, KEY_BITS, RADIX,
+        q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, softcap, batch,
+        head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, True, BLOCK_M, BLOCK_N,
+        ACC, KEY, UKEY, KEY_BITS, RADIX,
     )
-    keep = _keep_count(allowed_count, tl.load(K_PARAM), IS_FRACTION)
+    # A fraction is of the real allowed keys; the sink may take one of the slots.
+    if IS_FRACTION:
+        keep = tl.maximum(_keep_count(allowed_count, tl.load(K_PARAM), IS_FRACTION), sinks_here)
+    else:
+        keep = _keep_count(allowed_count + sinks_here, tl.load(K_PARAM), IS_FRACTION)
+    posinf_count += (sink_score == float("inf")).to(tl.int32)
+    nan_count += (sink_score != sink_score).to(tl.int32)
     posinf_row = posinf_count > 0
     keep = tl.where(posinf_row, tl.minimum(keep, posinf_count), keep)
     prefix, above = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
-    every = keep >= allowed_count
+    every = keep >= allowed_count + sinks_here
     passes = tl.where(tl.min(every.to(tl.int32), 0) > 0, 1, KEY_BITS // RADIX)
     for level in range(1, passes):
         shift = KEY_BITS - RADIX * (level + 1)
         counts, _, _, _, _ = _candidate_counts(
-            q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, batch,
-            head, masking, prefix, shift, HAS_DENSE, HAS_ADDITIVE, False, BLOCK_M, BLOCK_N, ACC, KEY, UKEY,
-            KEY_BITS, RADIX,
+            q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, softcap,
+            batch, head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, False,
+            BLOCK_M, BLOCK_N, ACC, KEY, UKEY, KEY_BITS, RADIX,
         )
         prefix, above = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
     # Rows keeping every allowed key: threshold below all of them (key 0), no ties.
@@ -202,7 +233,7 @@ def _topk_forward_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                       1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
+                       softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
         allowed = x != float("-inf")
         keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
         ties = allowed & (keys == threshold_key[:, None])
@@ -220,6 +251,20 @@ def _topk_forward_kernel(
             total = total * rescale + tl.sum(p, 1)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
             acc = acc * rescale[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, out_dtype=ACC)
+    if HAS_SINK:
+        # The sink, key index lk, comes after every real key: the last tie; its value is zero.
+        sink_tie = sink_allowed & (sink_key == threshold_key)
+        kept_sink_tie = sink_tie & (ties_before + 1 <= tie_slots)
+        sink_kept = (sink_allowed & (sink_key > threshold_key)) | kept_sink_tie
+        last_tie = tl.where(kept_sink_tie, lk, last_tie)
+        sink_kept = sink_kept & (state > 0)
+        sink_z = tl.sum(_logits(sink_score[:, None], state, inv_temperature), 1)
+        new_top = tl.maximum(top, tl.where(sink_kept, sink_z, float("-inf")))
+        rescale = tl.where(top > float("-inf"), tl.exp(top - new_top), 0.0)
+        sink_p = tl.where(sink_kept, tl.exp(sink_z - tl.where(new_top > float("-inf"), new_top, 0.0)), 0.0)
+        top = new_top
+        total = total * rescale + sink_p
+        acc = acc * rescale[:, None]
 
     live = state > 0
     out = tl.where(live[:, None], acc / tl.where(live, total, 1.0)[:, None], 0.0)
@@ -265,16 +310,18 @@ def _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_
 
 @triton.jit
 def _topk_dq_kernel(
-    Q, K, V, DO, DELTA, STATS_PTR, DQ,
+    Q, K, V, DO, DELTA, STATS_PTR, DQ, D_SINK,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
     heads, group, lq, lk, head_dim, value_dim, scale, inv_temperature,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
-    """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks."""
+    """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks; the sinks' ``ds`` per row (``D_SINK``)."""
     bh = tl.program_id(1)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
@@ -287,21 +334,31 @@ def _topk_dq_kernel(
     delta = tl.load(DELTA + rows, mask=offs_m < lq, other=0.0)
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     lo = lo // BLOCK_N * BLOCK_N
+    softcap = tl.load(softcap_ptr)
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
-                       1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
+        x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
+                                    lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
         p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
                            KEY, UKEY, KEY_BITS)
         if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
             g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
             ds = tl.where((state == 1)[:, None] & (p > 0), p * (g - delta[:, None]) * inv_temperature, 0.0)
+            if SOFTCAP:
+                ds = ds * slope
             k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
             dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
+    if HAS_SINK:
+        # The sink is key lk (its value is zero: dP = 0): ds = -p delta / temperature.
+        sink_score = sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SINK, BLOCK_M, ACC)
+        sink_p = _probabilities(sink_score[:, None], tl.full((1,), lk, tl.int32), top, log_sum, threshold_key,
+                                last_tie, state, inv_temperature, KEY, UKEY, KEY_BITS)
+        sink_ds = tl.where((state == 1)[:, None], -sink_p * delta[:, None] * inv_temperature, 0.0)
+        tl.store(D_SINK + rows, tl.sum(sink_ds, 1), mask=offs_m < lq)
 
 
 @triton.jit
@@ -311,7 +368,9 @@ def _topk_dkdv_kernel(
     heads, group, lq, lk, head_dim, value_dim, scale, inv_temperature,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
+    softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
@@ -321,6 +380,7 @@ def _topk_dkdv_kernel(
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     k_base = K + batch * sk_b + kv_head * sk_h
     v_tile = load_tile(V + batch * sv_b + kv_head * sv_h, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+    softcap = tl.load(softcap_ptr)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
     for member in range(group):
@@ -335,8 +395,9 @@ def _topk_dkdv_kernel(
                 top, log_sum, threshold_key, last_tie, state = _load_stats(
                     STATS_PTR, rows, offs_m, lq, ACC, KEY, UKEY, KEY_BITS
                 )
-                x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
-                               scale, 1.0, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, False, ACC)
+                x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start,
+                                            row_stop, lk, scale, softcap, batch, head, masking, HAS_DENSE,
+                                            HAS_ADDITIVE, SOFTCAP, ACC)
                 p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
                                    KEY, UKEY, KEY_BITS)
                 if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
@@ -345,6 +406,8 @@ def _topk_dkdv_kernel(
                     dv += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, out_dtype=ACC)
                     g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
                     ds = tl.where((state == 1)[:, None] & (p > 0), p * (g - delta[:, None]) * inv_temperature, 0.0)
+                    if SOFTCAP:
+                        ds = ds * slope
                     dk += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, out_dtype=ACC)
     key_rows = bh * lk + offs_n
     tl.store(DK + key_rows[:, None] * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
@@ -366,12 +429,14 @@ def _check(k_keep: float, is_fraction: bool, temperature: float) -> None:
 
 
 def _arguments(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float,
-               temperature: float) -> tuple[tuple, dict]:
-    """Strides of q, k, v; sizes, scale and ``1 / temperature``; the mask's keywords and the key constants."""
+               temperature: float, softcap: float | None, sinks: Tensor | None) -> tuple[tuple, dict]:
+    """Strides of q, k, v; sizes, scale and ``1 / temperature``; mask and modifier keywords, the key constants."""
     wide = q.dtype == torch.float64
     strides = (*q.stride(), *k.stride(), *v.stride())
     sizes = (*shape.sizes, float(scale), 1.0 / float(temperature))
-    constants = dict(**mask_arguments(mask, shape.score_shape, q.device), **shape.constants,
+    acc = rules.accumulation_dtype(q.dtype)
+    constants = dict(**mask_arguments(mask, shape.score_shape, q.device),
+                     **modifier_arguments(softcap, sinks, shape.score_shape, acc, q.device), **shape.constants,
                      KEY=tl.int64 if wide else tl.int32, UKEY=tl.uint64 if wide else tl.uint32,
                      KEY_BITS=64 if wide else 32)
     return strides, sizes, constants
@@ -381,7 +446,7 @@ def topk_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, k_keep: float, is_fraction: bool,
     temperature: float, softcap: float | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Exact top-k attention: ``out = softmax(x / temperature over the kept keys) v``, ``x = scale q k^T + additive``.
+    """Exact top-k attention: ``out = softmax(x / T over the kept keys) v``, ``x = cap(scale q k^T) + additive``.
 
     ``32 / RADIX_BITS`` passes over K (``64 / RADIX_BITS`` for float64) select each row's
     k-th score, one pass over K and V accumulates the output (module docstring).
@@ -395,10 +460,15 @@ def topk_attention_forward(
             score: the lowest key index wins.
         is_fraction: read ``k_keep`` as a fraction.
         temperature: softmax temperature, ``> 0``.
+        softcap: None, or the cap ``> 0``: ``cap(s) = softcap tanh(s / softcap)``.
+        sinks: None, or each row's sink score, broadcastable to ``(B, Hq, Lq)``: a key of value
+            zero after every real key (it loses ties), which may take one of the ``k_keep``
+            slots (``n + 1`` keys to keep from) but is not among the ``n`` a fraction counts.
 
     Returns:
         ``(out, stats)``: ``(B, Hq, Lq, Dv)`` in q's dtype; ``(B, Hq, Lq, 5)`` in the
-        accumulation dtype, laid out as :data:`STATS` says.
+        accumulation dtype, laid out as :data:`STATS` says (``last_tie = Lk``: the sink is a
+        kept tie).
 
     Raises:
         ValueError: bad shapes, ``k_keep`` or ``temperature``.
@@ -411,7 +481,7 @@ def topk_attention_forward(
         return out, stats
     k_param = torch.full((1,), float(k_keep), dtype=torch.float64, device=q.device)
     q, k, v = dot_operands(q, k, v)
-    strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature)
+    strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     _topk_forward_kernel[shape.query_grid](
         q, k, v, out, stats, k_param, *strides, *sizes, IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, **constants,
     )
@@ -425,12 +495,15 @@ def topk_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of :func:`topk_attention_forward` by recomputation with the forward's threshold and tie cut.
 
-    ``ds = p (dP - delta) / temperature`` on the kept keys (``delta = rowsum(dO * out)``);
-    rows in state 0 or 2 get no score gradient (+inf rows still pass their weights to dv).
-    ``k_keep`` and ``is_fraction`` are not needed (the stats hold the kept set).
+    ``ds = p (dP - delta) / temperature`` on the kept keys (``delta = rowsum(dO * out)``;
+    times the cap's slope with ``softcap``); rows in state 0 or 2 get no score gradient
+    (+inf rows still pass their weights to dv).  ``k_keep`` and ``is_fraction`` are not
+    needed (the stats hold the kept set).
 
     Returns:
-        ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``.
+        ``(dq, dk, dv, d_sinks)``: shaped and typed like ``q``, ``k``, ``v``; each row's sink
+        score gradient ``-p_sink delta / temperature`` ``(B, Hq, Lq)`` in the accumulation
+        dtype, or None without ``sinks``.
     """
     _check(k_keep, is_fraction, temperature)
     shape = problem(q, k, v)
@@ -438,16 +511,17 @@ def topk_attention_backward(
     dq = launch.empty(tuple(q.shape), q.dtype, q.device)
     dk = launch.empty(tuple(k.shape), k.dtype, k.device)
     dv = launch.empty(tuple(v.shape), v.dtype, v.device)
+    d_sinks = None if sinks is None else shape.row_tensor(like=q)
     delta = row_dot(shape, out, grad_out)
     q, k, v, grad_out = dot_operands(q, k, v, grad_out)
-    strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature)
+    strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     arguments = (*strides, *grad_out.stride(), *sizes)
     if dq.numel():
         _topk_dq_kernel[shape.query_grid](
-            q, k, v, grad_out, delta, stats, dq, *arguments, **constants,
+            q, k, v, grad_out, delta, stats, dq, delta if d_sinks is None else d_sinks, *arguments, **constants,
         )
     if dk.numel() or dv.numel():
         _topk_dkdv_kernel[shape.key_grid](
             q, k, v, grad_out, delta, stats, dk, dv, *arguments, **constants,
         )
-    return dq, dk, dv, None
+    return dq, dk, dv, d_sinks
