@@ -86,7 +86,7 @@ def attention(
         sinks: attention sinks ``(Hq,)``: a virtual key per query head with score ``sinks[h]``
             (after ``scale``) and a zero value, which takes part in the normalizer but not in
             the output (gpt-oss's ``s_aux``; a sink of 0 with softmax is softmax_1).  Not counted
-            in Scalable-Softmax's ``n``.
+            in Scalable-Softmax's ``n`` nor in the ``n`` a fractional top-k ``k`` takes a fraction of.
 
     Returns:
         ``out`` of shape ``(..., Hq, Lq, Dv)``, or ``(out, weights)``.

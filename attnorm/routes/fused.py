@@ -116,7 +116,9 @@ def scaled_softmax(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask
     come after the cap and the additive mask, so the kernel multiplies each row's logits
     by it (``logit_scale``) and returns its gradient.  A sink's logit is ``c sinks[h]``.
     """
-    rows = multiplier[..., 0] if isinstance(multiplier, Tensor) else None  # (B | 1, Hq | 1, Lq | 1) or fewer dims
+    rows = None
+    if isinstance(multiplier, Tensor):  # (..., 1) -> (B | 1, Hq | 1, Lq | 1) or fewer dims; 0-dim: one for all
+        rows = multiplier.squeeze(-1) if multiplier.ndim else multiplier
     sink_logits = None
     if sinks is not None:
         sink_logits = sinks.reshape(-1, 1) * (multiplier if rows is None else rows)

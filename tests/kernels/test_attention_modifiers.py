@@ -11,6 +11,10 @@ stable sort for top-k), the sink's column dropped, then ``@ v``; Scalable-Softma
 and top-k's fraction count the real allowed keys only.  Gradients of q, k, v, the sinks
 and the learnable parameters come from ``torch.autograd`` through it.  Every buffer the
 kernels allocate is poisoned with NaN first.
+
+By default every family meets each modifier under a causal mask, and one family per
+kernel path meets every mask; the other families' mask sweeps, and compiling every
+modified kernel for sm_90 (no GPU needed), are slow tests.
 """
 
 from __future__ import annotations
@@ -129,6 +133,7 @@ FAMILIES = {
               lambda x, allowed, n, params: _softmax(x, allowed, 0.5 * torch.log(n.clamp_min(1).double()) + 0.2)),
     "ssmax_learnable": (lambda: attnorm.ScalableSoftmax(s=0.5, bias=0.2, learnable=True, num_heads=H,
                                                         backend="triton"), _ssmax),
+    "ssmax_shared": (lambda: attnorm.ScalableSoftmax(s=0.5, bias=0.2, learnable=True, backend="triton"), _ssmax),
     "sa_plain": (lambda: attnorm.SelfAdjustedSoftmax(normalized=False, backend="triton"),
                  lambda x, allowed, n, params: _self_adjusted(x, allowed, False)),
     "sa_normalized": (lambda: attnorm.SelfAdjustedSoftmax(backend="triton"),
@@ -247,10 +252,21 @@ def mask_sweep():
             yield pytest.param(family, mask, marks=marks, id=f"{family}-{mask}")
 
 
-@pytest.mark.parametrize("modifier", list(MODIFIERS))
-@pytest.mark.parametrize("family", list(FAMILIES))
+def modifier_grid():
+    for family in FAMILIES:
+        for modifier in MODIFIERS:
+            marks = pytest.mark.slow if family == "ssmax_shared" else ()
+            yield pytest.param(family, modifier, marks=marks, id=f"{family}-{modifier}")
+
+
+@pytest.mark.parametrize("family,modifier", list(modifier_grid()))
 def test_each_modifier_under_a_causal_mask(family, modifier):
     check(family, MASKS["causal"](), *MODIFIERS[modifier])
+
+
+def test_one_learnable_multiplier_shared_by_every_row():
+    """Scalable-Softmax with one learnable ``s`` and no mask: ``c`` is a 0-dim tensor."""
+    check("ssmax_shared", MASKS["none"](), SOFTCAP, SINKS)
 
 
 @pytest.mark.parametrize("family,mask", list(mask_sweep()))
@@ -273,3 +289,61 @@ def test_a_fully_masked_row_attends_only_its_sink(family):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(dtype):
     check("entmax15", MASKS["causal"](), SOFTCAP, SINKS, dtype=dtype, tolerance=5e-2)
+
+
+COMPILE_PROGRAM = r"""
+import torch
+
+import attnorm
+from attnorm.kernels.rules import AttentionMask
+from attnorm.kernels.triton import attention_entmax, attention_self_adjusted, attention_topk
+
+B, H, HKV, L, D = 2, 4, 2, 40, 32
+for dtype in (torch.float32, torch.float16, torch.float64):
+    q, k, v = (torch.randn(B, h, L, D).to(dtype) for h in (H, HKV, HKV))
+    start, stop = attnorm.causal_mask().key_range(B, L, L, "cpu")
+    dense = torch.ones(B, 1, L, L, dtype=torch.bool)
+    for mask in (AttentionMask(start, stop), AttentionMask(dense=dense, additive=torch.zeros(L, L))):
+        for softcap, sinks, rows in ((None, None, None), (5.0, None, None), (None, torch.randn(H, 1), None),
+                                     (5.0, torch.randn(H, 1), torch.rand(B, H, L))):
+            out, stats = attention_entmax.entmax_attention_forward(q, k, v, mask, 0.3, 1.5, None, softcap, sinks,
+                                                                   rows)
+            attention_entmax.entmax_attention_backward(q, k, v, out, out, stats, mask, 0.3, 1.5, None, True,
+                                                       softcap, sinks, rows)
+            for normalized in (True, False):
+                out, stats = attention_self_adjusted.self_adjusted_attention_forward(q, k, v, mask, 0.3, normalized,
+                                                                                     softcap, sinks)
+                attention_self_adjusted.self_adjusted_attention_backward(q, k, v, out, out, stats, mask, 0.3,
+                                                                         normalized, softcap, sinks)
+            for keep, fraction in ((3.0, False), (0.3, True)):
+                out, stats = attention_topk.topk_attention_forward(q, k, v, mask, 0.3, keep, fraction, 0.7, softcap,
+                                                                   sinks)
+                attention_topk.topk_attention_backward(q, k, v, out, out, stats, mask, 0.3, keep, fraction, 0.7,
+                                                       softcap, sinks)
+assert len(compiled) == 11, sorted(compiled)
+"""
+
+
+@pytest.mark.slow
+def test_modified_kernels_compile_for_nvidia_gpus(tmp_path):
+    """The kernels, without and with softcap, sinks and the logit multiplier, compile to a cubin for sm_90 (no GPU).
+
+    The stand-in driver and the compile-instead-of-launch patch are test_triton_compile's.
+    """
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    from tests.kernels.test_triton_compile import PROGRAM
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("triton's NVIDIA backend (ptxas) is not installed")
+    setup = PROGRAM[: PROGRAM.index("from attnorm.kernels import triton as kernels")]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    result = subprocess.run([sys.executable, "-c", setup + COMPILE_PROGRAM, "90"], env=env, capture_output=True,
+                            text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
