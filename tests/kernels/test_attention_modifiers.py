@@ -223,12 +223,12 @@ def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4
     wrt = leaves + ([fused_sinks] if sinks is not None else []) + params
     got = torch.autograd.grad(out, wrt, cotangent.to(dtype))
 
-    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_leaves = [t.to(dtype).double().requires_grad_() for t in (q, k, v)]  # the inputs the kernels get
     ref_sinks = None if sinks is None else sinks.clone().requires_grad_()
     ref_params = [p.detach().double().clone().requires_grad_() for p in params]
     expected = reference(normalize, ref_params, *ref_leaves, attn_mask, softcap, ref_sinks)
     ref_wrt = ref_leaves + ([ref_sinks] if sinks is not None else []) + ref_params
-    wanted = torch.autograd.grad(expected, ref_wrt, cotangent)
+    wanted = torch.autograd.grad(expected, ref_wrt, cotangent.to(dtype).double())
 
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), expected.detach(), atol=tolerance, rtol=tolerance)
@@ -286,9 +286,10 @@ def test_a_fully_masked_row_attends_only_its_sink(family):
     assert (out[:, :, 3] == 0).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision(dtype):
-    check("entmax15", MASKS["causal"](), SOFTCAP, SINKS, dtype=dtype, tolerance=5e-2)
+@pytest.mark.parametrize("family,dtype", [("entmax15", torch.float16), ("ssmax_learnable", torch.bfloat16),
+                                          ("sa_normalized", torch.float16), ("topk_frac", torch.bfloat16)])
+def test_half_precision(family, dtype):
+    check(family, MASKS["bool"](), SOFTCAP, SINKS, dtype=dtype, tolerance=5e-2)
 
 
 COMPILE_PROGRAM = r"""
