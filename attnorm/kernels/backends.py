@@ -29,7 +29,6 @@ silently running another one.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -82,9 +81,12 @@ def native_available() -> bool:
     return build.usable()
 
 
-@functools.cache
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up once, at import (not imported)
+
+
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    # A module constant, not a cached call: torch.compile (2.11) will not trace find_spec.
+    return _TRITON_INSTALLED
 
 
 @torch.compiler.assume_constant_result
