@@ -88,7 +88,7 @@ from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.attention_blocks import key_block_bounds, key_scores, load_tile, mask_arguments
 from attnorm.kernels.triton.attention_launch import dot_operands, head_width, problem
-from attnorm.kernels.triton.self_adjusted import _span
+from attnorm.kernels.triton.attention_self_adjusted import finish, posinf_mass
 
 __all__ = [
     "INTERPRETED_SMS",
@@ -151,26 +151,6 @@ def _merge(top, total, shifted, plain, other_top, other_total, other_shifted, ot
     shifted += take[:, None] * other_shifted + take_moved[:, None] * other_plain
     plain = keep[:, None] * plain + take[:, None] * other_plain
     return new_top, keep * total + take * other_total, shifted, plain
-
-
-@triton.jit
-def _finish(top, total, bottom, shifted, plain, NORMALIZED: tl.constexpr):
-    """``out`` of finite rows from the merged sums: ``(A + m B) / l`` or ``(A + (m - low) B) / (l span)``.
-
-    0 in rows without a finite key.
-    """
-    live = total > 0
-    top = tl.where(live, top, 0.0)
-    low = tl.minimum(tl.where(live, bottom, 0.0), 0.0)
-    high = tl.maximum(top, 0.0)
-    divisor = tl.where(live, total, 1.0)
-    if NORMALIZED:
-        s, span = _span(low, high)
-        out = shifted * s[:, None] + (top * s - low * s)[:, None] * plain
-        out = tl.where((span > 0)[:, None], out / (divisor * tl.where(span > 0, span, 1.0))[:, None], 0.0)
-    else:
-        out = (shifted + top[:, None] * plain) / divisor[:, None]
-    return out
 
 
 @triton.jit
@@ -255,12 +235,8 @@ def _split_kernel(
             offs_n = start + tl.arange(0, BLOCK_N)
             x = _split_scores(q_tile, k_base, sk_n, sk_d, query, offs_n, offs_d, head_dim, rows, scale, batch, head,
                               masking, HAS_DENSE, HAS_ADDITIVE, ACC)
-            if NORMALIZED:
-                mass = tl.where(x == float("inf"), 1.0, 0.0)
-            else:
-                mass = tl.where(x == float("inf"), float("inf"), 0.0)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            limit += tl.dot(mass.to(v_tile.dtype), v_tile, out_dtype=ACC)
+            limit += tl.dot(posinf_mass(x, NORMALIZED).to(v_tile.dtype), v_tile, out_dtype=ACC)
         plain = tl.where((posinf_count > 0)[:, None], limit, plain)
 
     slots = (bh * splits + split) * group * lq + r
@@ -311,7 +287,7 @@ def _combine_kernel(
             top, total, shifted, plain, split_top, tl.load(ptrs + 1, mask=live, other=0.0),
             tl.load(PART_SHIFTED + sums, mask=tile, other=0.0), split_plain,
         )
-    out = _finish(top, total, bottom, shifted, plain, NORMALIZED)
+    out, _, _, _, _ = finish(top, total, bottom, shifted, plain, NORMALIZED)
     out = tl.where((posinf_count > 0)[:, None], limit / tl.maximum(posinf_count, 1.0)[:, None], out)
     out = tl.where((nan_count > 0)[:, None], float("nan"), out)
     out_rows = bh * rows + r

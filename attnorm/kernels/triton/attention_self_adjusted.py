@@ -150,6 +150,39 @@ def _span_terms(total, weighted, low, high, low_count, high_count, state):
 
 
 @triton.jit
+def finish(top, total, bottom, shifted, plain, NORMALIZED: tl.constexpr):
+    """``out`` of finite rows from the sums ``A``, ``B`` (module docstring): ``(A + m B) / l`` or
+    ``(A + (m - low) B) / (l span)``, 0 in rows without a finite key.
+
+    Returns ``(out, top, low, high, divisor)``, the last four as the stats store them
+    (``top`` 0 and ``divisor`` 1 in rows without a finite key).  Shared with the split-K
+    decoding kernel's combine step.
+    """
+    live = total > 0
+    top = tl.where(live, top, 0.0)
+    low = tl.minimum(tl.where(live, bottom, 0.0), 0.0)
+    high = tl.maximum(top, 0.0)
+    divisor = tl.where(live, total, 1.0)
+    if NORMALIZED:
+        s, span = _span(low, high)
+        out = shifted * s[:, None] + (top * s - low * s)[:, None] * plain
+        out = tl.where((span > 0)[:, None], out / (divisor * tl.where(span > 0, span, 1.0))[:, None], 0.0)
+    else:
+        out = (shifted + top[:, None] * plain) / divisor[:, None]
+    return out, top, low, high, divisor
+
+
+@triton.jit
+def posinf_mass(x, NORMALIZED: tl.constexpr):
+    """The weight of each score in a row holding +inf, before dividing by their count: the limit
+    of the finite case puts the softmax mass uniformly on the +inf keys, with factor 1
+    (normalized) or +inf (plain)."""
+    if NORMALIZED:
+        return tl.where(x == float("inf"), 1.0, 0.0)
+    return tl.where(x == float("inf"), float("inf"), 0.0)
+
+
+@triton.jit
 def _load_stats(STATS_PTR, rows, offs_m, lq, ACC: tl.constexpr):
     ptrs = STATS_PTR + rows * _STATS_WIDTH
     live = offs_m < lq
@@ -229,17 +262,8 @@ def _self_adjusted_forward_kernel(
         shifted_sum += tl.dot((e * xs).to(v_tile.dtype), v_tile, out_dtype=ACC)
         plain_sum = rescale[:, None] * plain_sum + tl.dot(e.to(v_tile.dtype), v_tile, out_dtype=ACC)
 
+    out, top, low, high, divisor = finish(top, total, bottom, shifted_sum, plain_sum, NORMALIZED)
     live = total > 0
-    top = tl.where(live, top, 0.0)
-    low = tl.minimum(tl.where(live, bottom, 0.0), 0.0)
-    high = tl.maximum(top, 0.0)
-    divisor = tl.where(live, total, 1.0)
-    if NORMALIZED:
-        s, span = _span(low, high)
-        out = shifted_sum * s[:, None] + (top * s - low * s)[:, None] * plain_sum
-        out = tl.where((span > 0)[:, None], out / (divisor * tl.where(span > 0, span, 1.0))[:, None], 0.0)
-    else:
-        out = (shifted_sum + top[:, None] * plain_sum) / divisor[:, None]
     posinf_row = posinf_count > 0
     if tl.max(posinf_count, 0) > 0:
         # The limit of the finite case: the softmax mass sits uniformly on the +inf keys.
@@ -248,12 +272,8 @@ def _self_adjusted_forward_kernel(
             offs_n = start + tl.arange(0, BLOCK_N)
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
                            scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-            if NORMALIZED:
-                mass = tl.where(x == float("inf"), 1.0, 0.0)
-            else:
-                mass = tl.where(x == float("inf"), float("inf"), 0.0)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            limit += tl.dot(mass.to(v_tile.dtype), v_tile, out_dtype=ACC)
+            limit += tl.dot(posinf_mass(x, NORMALIZED).to(v_tile.dtype), v_tile, out_dtype=ACC)
         out = tl.where(posinf_row[:, None], limit / tl.maximum(posinf_count, 1.0)[:, None], out)
     nan_row = nan_count > 0
     out = tl.where(nan_row[:, None], float("nan"), out)
