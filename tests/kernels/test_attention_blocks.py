@@ -161,3 +161,12 @@ def test_stable_tanh_saturates_without_overflow(device):
     out = torch.full_like(x, 7.0)
     _tanh[(1,)](x, out, x.numel(), BLOCK=16)
     torch.testing.assert_close(out, torch.tanh(x), atol=2e-7, rtol=0, equal_nan=True)
+
+
+def test_cuda_blocks_shrink_for_wide_rows():
+    """64 up to 256-byte rows (bf16 at head dim 128, float32 at 64), halved per doubling past it (sm_90's shared memory)."""
+    from attnorm.kernels.triton.attention_launch import block_size
+
+    cuda = torch.device("cuda")
+    assert [block_size(cuda, row) for row in (128, 256, 512, 1024, 4096)] == [64, 64, 32, 16, 16]
+    assert block_size(torch.device("cpu"), 4096) == 16  # the interpreter's block, whatever the row

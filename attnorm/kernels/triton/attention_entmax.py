@@ -591,8 +591,8 @@ def _check_alpha(heads: int, alpha: float, alpha_heads: Tensor | None) -> None:
 class _Launch:
     """One entmax call: the shared :func:`.attention_launch.problem`, its alphas and scale, warps and stages.
 
-    On CUDA the block of :func:`.attention_launch.block_size` is halved for float64 and
-    head dims above 128; warps and pipeline stages as the Triton tutorial picks them.
+    The block is :func:`.attention_launch.block_size`'s (smaller for wide float32/float64
+    rows); on CUDA, warps and pipeline stages as the Triton tutorial picks them.
     """
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float,
@@ -608,8 +608,6 @@ class _Launch:
             alpha_values, alpha_stride = alpha_heads.detach().to(device=q.device, dtype=acc).contiguous(), 1
         width = max(head_width(shape.head_dim), head_width(shape.value_dim))
         if q.device.type == "cuda":
-            if width > 128 or q.dtype == torch.float64:
-                shape = shape._replace(block=shape.block // 2)
             self.options = dict(num_warps=4 if width <= 64 else 8, num_stages=3 if width <= 64 else 2)
         else:
             self.options = dict(num_warps=4, num_stages=1)

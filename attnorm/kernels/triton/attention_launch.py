@@ -40,9 +40,21 @@ BLOCK_INTERPRETED = 16
 """Query and key block size under Triton's interpreter (``tl.dot``'s smallest; the interpreter runs tiles in numpy)."""
 
 
-def block_size(device: torch.device) -> int:
-    """Query and key block size: :data:`BLOCK_CUDA` on CUDA, :data:`BLOCK_INTERPRETED` elsewhere (interpreter)."""
-    return BLOCK_CUDA if device.type == "cuda" else BLOCK_INTERPRETED
+def block_size(device: torch.device, row_bytes: int = 0) -> int:
+    """Query and key block size: :data:`BLOCK_CUDA` on CUDA, :data:`BLOCK_INTERPRETED` elsewhere (interpreter).
+
+    On CUDA the block halves for each doubling of ``row_bytes`` (a padded q/k/v row in the
+    input dtype) past 256 bytes: ``scripts/compile_check.py`` found the float32 Self-Adjusted
+    dq kernel at head dim 128 (512 bytes a row) needing 352 KiB of shared memory with blocks
+    of 64, over an sm_90 block's 227 KiB; blocks of 32 quarter its tiles.
+    """
+    if device.type != "cuda":
+        return BLOCK_INTERPRETED
+    block = BLOCK_CUDA
+    while row_bytes > 256 and block > BLOCK_INTERPRETED:
+        block //= 2
+        row_bytes //= 2
+    return block
 
 
 def head_width(dim: int) -> int:
@@ -117,7 +129,8 @@ def problem(q: Tensor, k: Tensor, v: Tensor) -> Problem:
         raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({k.shape[1]})")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    return Problem(batch, heads, k.shape[1], lq, k.shape[2], head_dim, v.shape[3], block_size(q.device),
+    row_bytes = max(head_width(head_dim), head_width(v.shape[3])) * q.element_size()
+    return Problem(batch, heads, k.shape[1], lq, k.shape[2], head_dim, v.shape[3], block_size(q.device, row_bytes),
                    launch.compute_dtype(q))
 
 
