@@ -2,9 +2,9 @@
 
 Run from the repository root: ``PYTHONPATH=. python scripts/compile_check.py`` (``--help``;
 ``-k REGEX`` runs only the calls whose label matches, ``--blocks cuda`` skips the
-interpreter's choices).  A first run takes about 40 minutes on two cores (recording
-under the interpreter ~15, compiling ~800 variants ~25); Triton's cache makes a rerun
-mostly recording.  Run it on a tree nobody is editing: the interpreter re-reads the
+interpreter's choices).  A first run takes about 30 minutes on two cores (recording
+under the interpreter ~10, compiling ~630 variants ~20); with Triton's cache a rerun
+takes ~10, mostly recording.  Run it on a tree nobody is editing: the interpreter re-reads the
 kernels' source from disk.
 
 1. **Record.**  A child process runs a representative set of attnorm calls on small CPU
