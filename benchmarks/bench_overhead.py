@@ -285,7 +285,8 @@ def main() -> int:
             f"{args.calls} calls, and the "
             f"median within-round ratio to `{BARE}` (a bare `torch.library.custom_op` around `torch.softmax`, "
             f"with fake kernel and autograd; `{BARE_SCALED}`, the same around Scalable-Softmax's formula "
-            f"with `s` and `bias` as inputs, for the learnable module).  Goal: every module <= {GOAL}x.  Versions: {stamp.replace(';', ', ')}.")
+            f"with `s` and `bias` as inputs, for the learnable module).  Goal: every module <= {GOAL}x.  "
+            f"Versions: {stamp.replace(';', ', ')}.")
     failures = [f"{row['normalizer']} ({row['input']}): {row['error']}" for row in rows if "error" in row]
     if failures:
         note += "\n\nErrors:\n\n" + "\n".join(f"- {failure}" for failure in failures)

@@ -278,6 +278,26 @@ def test_low_precision_inputs(dtype, case):
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lq", [1, 9], ids=["decoding", "prefill"])
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_low_precision_inputs_with_a_float32_additive_mask(case, lq, dtype, blocks):
+    """A float32 additive mask on half-precision q, k, v (SDPA accepts it): added at float32, output in q's dtype."""
+    q, k, v = qkv(lq, 9, dtype=dtype)
+    generator = torch.Generator().manual_seed(3)
+    additive = torch.randn(lq, 9, generator=generator)
+    if case.name.startswith("topk"):
+        # Rounding scores to half precision may reorder near-ties; keys far apart keep the top-k set exact.
+        additive = additive + 16 * torch.stack([torch.randperm(9, generator=generator) for _ in range(lq)])
+    additive = additive.masked_fill(torch.eye(lq, 9, dtype=torch.bool).roll(1, -1), -math.inf).requires_grad_()
+    expected, _ = reference_attention(case, q, k, v, allowed_of(lq, 9), additive.detach())
+    out = attnorm.attention(q, k, v, case.build(), attn_mask=additive)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, rtol=5e-2, atol=5e-2)
+    out.float().square().sum().backward()
+    assert additive.grad.dtype == torch.float32 and additive.grad.isfinite().all()
+
+
 def test_defaults_spec_strings_and_scale():
     q, k, v = qkv(4, 6)
     softmax_case = FAST_CASES[0]

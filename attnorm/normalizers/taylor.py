@@ -109,7 +109,8 @@ class TaylorSoftmax(_LogRatio):
         if lowest is None:
             raise TypeError(f"an additive attn_mask must be a float tensor, got {additive.dtype}")
         excluded = additive <= lowest  # -inf too
-        scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale) + torch.where(excluded, 0.0, additive)
+        scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+        scores = (scores + torch.where(excluded, 0.0, additive)).to(scores.dtype)  # a float32 mask on half scores
         keep = ~excluded
         if mask is not None:
             keep = keep & (mask.materialize(scores.shape, scores.device) if isinstance(mask, StructuredMask) else mask)

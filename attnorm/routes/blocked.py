@@ -136,7 +136,8 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     if additive_rows is not None:
-        scores = scores + additive_rows
+        # Added at the wider precision, then back to the scores' dtype (a float32 mask on bfloat16 scores).
+        scores = (scores + additive_rows).to(scores.dtype)
     if bounds is not None:
         mask = interval_rows(bounds, start, stop, lk)
     else:

@@ -164,7 +164,7 @@ def test_stable_tanh_saturates_without_overflow(device):
 
 
 def test_cuda_blocks_shrink_for_wide_rows():
-    """64 up to 256-byte rows (bf16 at head dim 128, float32 at 64), halved per doubling past it (sm_90's shared memory)."""
+    """64 up to 256-byte rows (bf16 at head dim 128, float32 at 64), halved per doubling past them (sm_90)."""
     from attnorm.kernels.triton.attention_launch import block_size
 
     cuda = torch.device("cuda")
