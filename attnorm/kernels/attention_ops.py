@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from attnorm.kernels import backends
+from attnorm.kernels import backends, inductor
 from attnorm.kernels.rules import AttentionMask, accumulation_dtype, sum_to_shape
 
 __all__ = ["entmax_attention", "self_adjusted_attention", "topk_attention"]
@@ -67,6 +67,7 @@ def _define(name: str, schema: str, kernel: Callable, fake: Callable) -> None:
     _LIBRARY.impl(name, device_kernel, "CPU")
     _LIBRARY.impl(name, device_kernel, "CUDA")
     torch.library.register_fake(f"attnorm::{name}", fake, lib=_LIBRARY)
+    inductor.register(f"attnorm::{name}", kernel, _LIBRARY)
 
 
 def _fake_forward(stats: int) -> Callable:
@@ -92,6 +93,19 @@ def _input_grad(ctx, index: int, grad: Tensor, values: Tensor | None) -> Tensor 
     if values is None or not ctx.needs_input_grad[index]:
         return None
     return sum_to_shape(grad, values.shape).to(values.dtype)
+
+
+def _distinct(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q, k, v`` as distinct tensor objects: Dynamo will not trace an autograd.Function given one tensor twice.
+
+    Self-attention written ``attention(x, x, x)`` passes one tensor three times; an alias
+    (a view, no copy) of each repeat keeps ``torch.compile(fullgraph=True)`` from breaking.
+    """
+    if k is q:
+        k = k.view_as(k)
+    if v is q or v is k:
+        v = v.view_as(v)
+    return q, k, v
 
 
 # ---- entmax / sparsemax ---------------------------------------------------------------------------
@@ -175,6 +189,7 @@ def entmax_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale
     row's sink logit, ``logit_scale`` (likewise) multiplies each row's logits after the cap;
     ``sinks`` and ``logit_scale`` get gradients.
     """
+    q, k, v = _distinct(q, k, v)
     return _EntmaxAttention.apply(q, k, v, *mask, scale, alpha, alpha_heads, softcap, sinks, logit_scale)[0]
 
 
@@ -246,6 +261,7 @@ class _FamilyAttention(torch.autograd.Function):
 def self_adjusted_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,
                             softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Fused Self-Adjusted Softmax attention (both variants); ``softcap``, ``sinks`` as :func:`entmax_attention`'s."""
+    q, k, v = _distinct(q, k, v)
     return _FamilyAttention.apply("self_adjusted", q, k, v, *mask, sinks, scale, softcap, normalized)[0]
 
 
@@ -257,5 +273,6 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: 
     ``k_keep`` slots but is not one of the allowed keys a fraction counts.
     """
     is_fraction = isinstance(k_keep, float) and 0 < k_keep < 1
+    q, k, v = _distinct(q, k, v)
     return _FamilyAttention.apply("topk", q, k, v, *mask, sinks, scale, softcap, float(k_keep), is_fraction,
                                   float(temperature))[0]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnorm.kernels import backends
+from attnorm.kernels import backends, inductor
 from attnorm.kernels.rules import AttentionMask
 
 __all__ = ["self_adjusted_decoding"]
@@ -59,6 +59,7 @@ _LIBRARY.impl(_NAME, _device_kernel, "CPU")
 _LIBRARY.impl(_NAME, _device_kernel, "CUDA")
 torch.library.register_fake(f"attnorm::{_NAME}", _fake, lib=_LIBRARY)
 torch.library.register_autograd(f"attnorm::{_NAME}", _backward, lib=_LIBRARY)
+inductor.register(f"attnorm::{_NAME}", _device_kernel, _LIBRARY)
 
 
 def self_adjusted_decoding(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnorm.kernels import reference, rules
+from attnorm.kernels import inductor, reference, rules
 from attnorm.kernels.cpu import native
 from attnorm.kernels.rules import RowMask
 
@@ -129,6 +129,8 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
     if autocast:
         for device in ("cpu", "cuda"):
             torch.library.register_autocast(qualified, device, torch.float32, lib=_LIBRARY)
+    inductor.register(qualified, lambda *args: body(_kernels("triton"), *args), _LIBRARY,
+                      wants=lambda args: args[-1] == "triton")
     return op
 
 

@@ -173,6 +173,23 @@ def test_compile_attention_has_no_graph_break(normalizer):
     torch.testing.assert_close(out, run(q, k, v))
 
 
+@pytest.mark.skipif(not TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("normalizer", ["sparsemax", "sa_softmax", "topk:k=2"])
+def test_compile_fused_self_attention_given_one_tensor_three_times(normalizer):
+    """``attention(x, x, x)`` on the fused route: Dynamo breaks on an autograd.Function given one tensor twice."""
+    torch._dynamo.reset()
+    module = attnorm.make(normalizer, backend="triton")
+    x = scores(1, 2, 20, 16, requires_grad=True)
+
+    def run(t):
+        return attnorm.attention(t, t, t, module, is_causal=True)
+
+    assert torch._dynamo.explain(run)(x).graph_break_count == 0
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(out, run(x))
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(run(x).sum(), x)[0])
+
+
 # ---- torch.func --------------------------------------------------------------------------------
 
 

@@ -341,13 +341,13 @@ def self_adjusted_decoding_forward(
     part_plain = launch.empty((programs, splits, rows, shape.value_dim), acc, q.device)
     q, k, v = dot_operands(q, k, v)
     constants = dict(NORMALIZED=bool(normalized), BLOCK_M=block_m, BLOCK_DV=head_width(shape.value_dim), ACC=shape.acc)
-    _split_kernel[(splits, programs, row_blocks)](
+    launch.launchable(_split_kernel)[(splits, programs, row_blocks)](
         q, k, v, part_stats, part_shifted, part_plain, *q.stride(), *k.stride(), *v.stride(),
         *shape.sizes, float(scale), split_blocks * shape.block, splits,
         **mask_arguments(mask, shape.score_shape, q.device),
         BLOCK_N=shape.block, BLOCK_D=head_width(shape.head_dim), **constants,
     )
-    _combine_kernel[(programs, row_blocks)](
+    launch.launchable(_combine_kernel)[(programs, row_blocks)](
         part_stats, part_shifted, part_plain, out, rows, splits, shape.value_dim, **constants,
     )
     return out

@@ -625,8 +625,8 @@ class _Launch:
                **constants) -> None:
         if grid[0] * grid[1] == 0:
             return
-        kernel[grid](*pointers, *self.head_args, *self.strides, *extra_strides, *self.shape.sizes, **self.mask_args,
-                     **self.shape.constants, **constants, **self.options)
+        launch.launchable(kernel)[grid](*pointers, *self.head_args, *self.strides, *extra_strides, *self.shape.sizes,
+                                        **self.mask_args, **self.shape.constants, **constants, **self.options)
 
 
 def entmax_attention_forward(

@@ -167,7 +167,7 @@ def row_dot(shape: Problem, out: Tensor, grad_out: Tensor) -> Tensor:
     """``rowsum(dO * out)`` per query row ``(B, Hq, Lq)``, accumulation dtype: the backward pre-pass (no K/V)."""
     result = shape.row_tensor(like=out)
     if result.numel():
-        _row_dot_kernel[shape.query_grid](
+        launch.launchable(_row_dot_kernel)[shape.query_grid](
             out, grad_out, result, *out.stride(), *grad_out.stride(), shape.heads, shape.lq, shape.value_dim,
             BLOCK_M=shape.block, BLOCK_DV=head_width(shape.value_dim), ACC=shape.acc,
         )

@@ -477,7 +477,7 @@ def self_adjusted_attention_forward(
         return out, stats
     q, k, v = dot_operands(q, k, v)
     strides, sizes, keywords = _common(shape, q, k, v, mask, scale, softcap, sinks)
-    _self_adjusted_forward_kernel[shape.query_grid](
+    launch.launchable(_self_adjusted_forward_kernel)[shape.query_grid](
         q, k, v, out, stats, *strides, *sizes, **keywords, NORMALIZED=bool(normalized), **shape.constants,
     )
     return out, stats
@@ -515,12 +515,12 @@ def self_adjusted_attention_backward(
     arguments = (*strides, *grad_out.stride(), *sizes)
     constants = dict(**keywords, NORMALIZED=bool(normalized), **shape.constants)
     if dq.numel():
-        _self_adjusted_dq_kernel[shape.query_grid](
+        launch.launchable(_self_adjusted_dq_kernel)[shape.query_grid](
             q, k, v, grad_out, total, stats, dq, weighted, weighted if d_sinks is None else d_sinks, *arguments,
             **constants,
         )
     if dk.numel() or dv.numel():
-        _self_adjusted_dkdv_kernel[shape.key_grid](
+        launch.launchable(_self_adjusted_dkdv_kernel)[shape.key_grid](
             q, k, v, grad_out, total, stats, weighted, dk, dv, *arguments, **constants,
         )
     return dq, dk, dv, d_sinks

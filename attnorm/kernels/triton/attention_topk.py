@@ -482,7 +482,7 @@ def topk_attention_forward(
     k_param = torch.full((1,), float(k_keep), dtype=torch.float64, device=q.device)
     q, k, v = dot_operands(q, k, v)
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
-    _topk_forward_kernel[shape.query_grid](
+    launch.launchable(_topk_forward_kernel)[shape.query_grid](
         q, k, v, out, stats, k_param, *strides, *sizes, IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, **constants,
     )
     return out, stats
@@ -517,11 +517,11 @@ def topk_attention_backward(
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     arguments = (*strides, *grad_out.stride(), *sizes)
     if dq.numel():
-        _topk_dq_kernel[shape.query_grid](
+        launch.launchable(_topk_dq_kernel)[shape.query_grid](
             q, k, v, grad_out, delta, stats, dq, delta if d_sinks is None else d_sinks, *arguments, **constants,
         )
     if dk.numel() or dv.numel():
-        _topk_dkdv_kernel[shape.key_grid](
+        launch.launchable(_topk_dkdv_kernel)[shape.key_grid](
             q, k, v, grad_out, delta, stats, dk, dv, *arguments, **constants,
         )
     return dq, dk, dv, d_sinks

@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnorm.kernels import rules
+from attnorm.kernels.inductor import launchable
 
 __all__ = [
     "MULTI_PASS_BLOCK",
@@ -32,6 +33,7 @@ __all__ = [
     "block_config",
     "compute_dtype",
     "empty",
+    "launchable",
     "mask_args",
     "per_row_param",
     "prepare",
@@ -101,15 +103,14 @@ def prepare(source: Tensor) -> Launch:
 def run(kernel: Any, launch: Launch, *args: Any, **constants: Any) -> None:
     """Launch ``kernel`` with one program per row.
 
-    A plain Triton launch: the ops of :mod:`attnorm.kernels.ops` are opaque to
-    ``torch.compile`` (which calls them, never traces into them), where
-    :func:`torch.library.wrap_triton` would only add a higher-order-op dispatch to every
-    eager call.  Rows of length 0 or no rows at all launch nothing (the outputs are
-    empty, or per-row outputs of rows with no allowed position, written by the caller).
+    A plain Triton launch in eager mode; wrapped by :func:`torch.library.wrap_triton` when
+    an op decomposes under ``torch.compile`` (:mod:`attnorm.kernels.inductor`).  Rows of
+    length 0 or no rows at all launch nothing (the outputs are empty, or per-row outputs
+    of rows with no allowed position, written by the caller).
     """
     if launch.rows.numel() == 0:
         return
-    kernel[launch.grid](*args, num_warps=launch.config.num_warps, **constants)
+    launchable(kernel)[launch.grid](*args, num_warps=launch.config.num_warps, **constants)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
