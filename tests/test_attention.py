@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from normalizers.references import CASES, Case, reference_masked, scalable_softmax_reference
+from normalizers.references import CASES, Case, reference_masked, scalable_softmax_reference, topk_count
 from torch.profiler import ProfilerActivity, profile
 
 import attnorm
@@ -123,6 +123,25 @@ def test_sdpa_route_matches_float64_reference_under_every_mask(case, lq, lk, blo
         expected, _ = reference_attention(case, q, k, v, allowed, additive)
         out = attnorm.attention(q, k, v, case.build(), **kwargs)
         torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10, msg=f"mask {name}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_scale_zero_gives_uniform_weights_over_allowed_keys_under_every_mask(case, blocks):
+    """``scale=0``: SDPA's own kernels return NaN rows under a mask (0 x -inf); attention must not."""
+    q, k, v = qkv(7, 11, seed=4)
+    q.requires_grad_()
+    for name, kwargs, allowed, additive in mask_kinds(7, 11):
+        expected, _ = reference_attention(case, q.detach(), k, v, allowed, additive, scale=0.0)
+        if case.name.startswith("topk") and additive is None:
+            # Every score ties: top-k keeps the first allowed keys (lowest index wins), uniformly.
+            allowed = allowed.expand(B, H, 7, 11)
+            count = torch.tensor([[[[topk_count(case.build().k, int(n))] for n in row] for row in head]
+                                  for head in allowed.sum(-1)])
+            kept = allowed & (allowed.cumsum(-1) <= count)
+            expected = (kept.double() / kept.sum(-1, keepdim=True).clamp_min(1)) @ v
+        out = attnorm.attention(q, k, v, case.build(), scale=0.0, **kwargs)
+        torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9, msg=f"mask {name}")
+        assert torch.autograd.grad(out.sum(), q)[0].eq(0).all(), f"mask {name}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=repr)
