@@ -20,7 +20,7 @@ kernels' source from disk.
    float16; a few float64 calls, reported apart (not the GPU path).
    The attention launches are recorded with the CUDA choices of the launchers: each
    ``x.device.type == "cuda"`` test of :data:`CUDA_CHOICES` is rewritten to its CUDA
-   branch (blocks of 64, bfloat16 operands, the entmax kernels' warps and stages, an
+   branch (blocks of 64, bfloat16 operands, the fused kernels' warps and stages, an
    H100's 132 SMs for the decoding split count), and again, for the dtype x head dim
    calls, with the choices they make off CUDA (blocks of 16, bfloat16 q/k/v read as
    float32: what the test suite's interpreter runs).  The row kernels choose their
@@ -74,7 +74,7 @@ CUDA_TEST = re.compile(r'\b[\w.]*device\.type (==|!=) "cuda"')
 CUDA_CHOICES = (
     ("attnorm.kernels.triton.attention_launch", "block_size"),
     ("attnorm.kernels.triton.attention_launch", "dot_operands"),
-    ("attnorm.kernels.triton.attention_entmax", "_Launch.__init__"),
+    ("attnorm.kernels.triton.attention_launch", "launch_options"),
     ("attnorm.kernels.triton.attention_decoding", "split_count"),
 )
 """Launcher functions whose device tests are rewritten to their CUDA branch while recording."""

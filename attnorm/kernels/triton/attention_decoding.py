@@ -87,7 +87,7 @@ from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.attention_blocks import key_block_bounds, key_scores, load_tile, mask_arguments
-from attnorm.kernels.triton.attention_launch import dot_operands, head_width, problem
+from attnorm.kernels.triton.attention_launch import dot_operands, head_width, launch_options, problem
 from attnorm.kernels.triton.attention_self_adjusted import finish, posinf_mass
 
 __all__ = [
@@ -345,7 +345,7 @@ def self_adjusted_decoding_forward(
         q, k, v, part_stats, part_shifted, part_plain, *q.stride(), *k.stride(), *v.stride(),
         *shape.sizes, float(scale), split_blocks * shape.block, splits,
         **mask_arguments(mask, shape.score_shape, q.device),
-        BLOCK_N=shape.block, BLOCK_D=head_width(shape.head_dim), **constants,
+        BLOCK_N=shape.block, BLOCK_D=head_width(shape.head_dim), **constants, **launch_options(q.device),
     )
     launch.launchable(_combine_kernel)[(programs, row_blocks)](
         part_stats, part_shifted, part_plain, out, rows, splits, shape.value_dim, **constants,

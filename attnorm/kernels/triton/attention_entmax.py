@@ -108,7 +108,7 @@ from attnorm.kernels.triton.attention_blocks import (
     row_values,
     sink_scores,
 )
-from attnorm.kernels.triton.attention_launch import dot_operands, head_width, problem
+from attnorm.kernels.triton.attention_launch import dot_operands, launch_options, problem
 from attnorm.kernels.triton.entmax import _power
 
 __all__ = ["entmax_attention_backward", "entmax_attention_forward"]
@@ -606,11 +606,7 @@ class _Launch:
             alpha_values, alpha_stride = torch.full((1,), float(alpha), dtype=acc, device=q.device), 0
         else:
             alpha_values, alpha_stride = alpha_heads.detach().to(device=q.device, dtype=acc).contiguous(), 1
-        width = max(head_width(shape.head_dim), head_width(shape.value_dim))
-        if q.device.type == "cuda":
-            self.options = dict(num_warps=4 if width <= 64 else 8, num_stages=3 if width <= 64 else 2)
-        else:
-            self.options = dict(num_warps=4, num_stages=1)
+        self.options = launch_options(q.device)
         self.shape = shape
         self.acc_dtype = acc
         self.head_args = (torch.full((1,), float(scale), dtype=acc, device=q.device), alpha_values, alpha_stride)

@@ -25,10 +25,12 @@ from attnorm.kernels.triton.attention_blocks import load_tile
 __all__ = [
     "BLOCK_CUDA",
     "BLOCK_INTERPRETED",
+    "CUDA_OPTIONS",
     "Problem",
     "block_size",
     "dot_operands",
     "head_width",
+    "launch_options",
     "problem",
     "row_dot",
 ]
@@ -55,6 +57,27 @@ def block_size(device: torch.device, row_bytes: int = 0) -> int:
         block //= 2
         row_bytes //= 2
     return block
+
+
+CUDA_OPTIONS = {"num_warps": 8, "num_stages": 2}
+"""Warps and pipelining stages of the fused attention kernels on CUDA.
+
+Chosen from register spills, not timings (no GPU was lent to measure): compiled for sm_90
+(bfloat16, float16, float32; head dims 64 and 128), Triton's default of 4 warps and 3
+stages leaves the Self-Adjusted, top-k and entmax kernels at 255 registers spilling up to
+1.7 KiB a thread at head dim 128 (the bfloat16 Self-Adjusted forward 1000 B, top-k forward
+624 B).  8 warps and 2 stages spill 0-130 B in every forward and dq kernel and the
+decoding split kernel (Self-Adjusted forward 96 B, top-k 136 B) with at most 112 KiB of
+shared memory; the dk/dv kernels still spill 370-810 B at head dim 128.  Stages change
+nothing for most bfloat16 kernels; 2 keeps K and V loads pipelined.
+"""
+
+
+def launch_options(device: torch.device) -> dict[str, int]:
+    """``num_warps`` and ``num_stages`` of a fused attention launch: :data:`CUDA_OPTIONS` on CUDA."""
+    if device.type == "cuda":
+        return dict(CUDA_OPTIONS)
+    return {"num_warps": 4, "num_stages": 1}  # the interpreter ignores both
 
 
 def head_width(dim: int) -> int:

@@ -78,7 +78,7 @@ from attnorm.kernels.triton.attention_blocks import (
     query_program,
     sink_scores,
 )
-from attnorm.kernels.triton.attention_launch import Problem, dot_operands, problem, row_dot
+from attnorm.kernels.triton.attention_launch import Problem, dot_operands, launch_options, problem, row_dot
 from attnorm.kernels.triton.self_adjusted import _factor, _span
 
 __all__ = ["STATS", "self_adjusted_attention_backward", "self_adjusted_attention_forward"]
@@ -479,6 +479,7 @@ def self_adjusted_attention_forward(
     strides, sizes, keywords = _common(shape, q, k, v, mask, scale, softcap, sinks)
     launch.launchable(_self_adjusted_forward_kernel)[shape.query_grid](
         q, k, v, out, stats, *strides, *sizes, **keywords, NORMALIZED=bool(normalized), **shape.constants,
+        **launch_options(q.device),
     )
     return out, stats
 
@@ -513,7 +514,7 @@ def self_adjusted_attention_backward(
     q, k, v, grad_out = dot_operands(q, k, v, grad_out)
     strides, sizes, keywords = _common(shape, q, k, v, mask, scale, softcap, sinks)
     arguments = (*strides, *grad_out.stride(), *sizes)
-    constants = dict(**keywords, NORMALIZED=bool(normalized), **shape.constants)
+    constants = dict(**keywords, NORMALIZED=bool(normalized), **shape.constants, **launch_options(q.device))
     if dq.numel():
         launch.launchable(_self_adjusted_dq_kernel)[shape.query_grid](
             q, k, v, grad_out, total, stats, dq, weighted, weighted if d_sinks is None else d_sinks, *arguments,

@@ -71,7 +71,7 @@ from attnorm.kernels.triton.attention_blocks import (
     query_program,
     sink_scores,
 )
-from attnorm.kernels.triton.attention_launch import Problem, dot_operands, problem, row_dot
+from attnorm.kernels.triton.attention_launch import Problem, dot_operands, launch_options, problem, row_dot
 from attnorm.kernels.triton.topk import _keep_count, _key_value, _order_keys
 
 __all__ = ["RADIX_BITS", "STATS", "topk_attention_backward", "topk_attention_forward"]
@@ -484,6 +484,7 @@ def topk_attention_forward(
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     launch.launchable(_topk_forward_kernel)[shape.query_grid](
         q, k, v, out, stats, k_param, *strides, *sizes, IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, **constants,
+        **launch_options(q.device),
     )
     return out, stats
 
@@ -516,6 +517,7 @@ def topk_attention_backward(
     q, k, v, grad_out = dot_operands(q, k, v, grad_out)
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     arguments = (*strides, *grad_out.stride(), *sizes)
+    constants.update(launch_options(q.device))
     if dq.numel():
         launch.launchable(_topk_dq_kernel)[shape.query_grid](
             q, k, v, grad_out, delta, stats, dq, delta if d_sinks is None else d_sinks, *arguments, **constants,
