@@ -220,6 +220,34 @@ def test_matches_reference_under_every_mask(case, alpha, device):
     check(q, k, v, grad, mask, keep, additive, alpha)
 
 
+@pytest.mark.parametrize("case", ["causal", "sliding-window", "combined"])
+def test_key_blocks_of_32_with_dkdv_stepping_16_query_rows(case, monkeypatch, device):
+    """Blocks of 32 (CUDA's 64, scaled down): the dk/dv kernel then steps through the queries 16 rows at a time."""
+    from attnorm.kernels.triton import attention_launch
+
+    monkeypatch.setattr(attention_launch, "BLOCK_INTERPRETED", 32)
+    monkeypatch.setattr(attention_launch, "BLOCK_CUDA", 32)
+    lq, lk, build = CASES[case]
+    batch = 2 if case == "combined" else 1
+    q, k, v, grad = inputs(batch, 2, 1, lq, lk, 16, device=device)
+    mask, keep, additive = build(batch, lq, lk, device)
+    blocks = {}
+    plain = launch.launchable
+
+    def recording(kernel):
+        def launcher(grid):
+            def run(*args, **kwargs):
+                blocks[kernel.__name__] = (kwargs["BLOCK_M"], kwargs["BLOCK_N"])
+                return plain(kernel)[grid](*args, **kwargs)
+            return run
+        return type("Recorded", (), {"__getitem__": lambda self, grid: launcher(grid)})()
+
+    monkeypatch.setattr(launch, "launchable", recording)
+    check(q, k, v, grad, mask, keep, additive, 1.5)
+    assert blocks["_entmax_attention_dkdv_kernel"] == (16, 32)
+    assert blocks["_entmax_attention_forward_kernel"] == (32, 32)
+
+
 @pytest.mark.parametrize("alpha", [1.0, 1.25, 1.75])
 def test_other_alphas(alpha, device):
     q, k, v, grad = inputs(1, 2, 2, 24, 40, 16, device=device)

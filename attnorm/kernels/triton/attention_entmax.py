@@ -621,8 +621,9 @@ class _Launch:
                **constants) -> None:
         if grid[0] * grid[1] == 0:
             return
+        constants = {**self.shape.constants, **constants}  # a kernel's own constants win (the dk/dv BLOCK_M)
         launch.launchable(kernel)[grid](*pointers, *self.head_args, *self.strides, *extra_strides, *self.shape.sizes,
-                                        **self.mask_args, **self.shape.constants, **constants, **self.options)
+                                        **self.mask_args, **constants, **self.options)
 
 
 def entmax_attention_forward(
@@ -713,7 +714,13 @@ def entmax_attention_backward(
         dk.zero_()
         dv.zero_()
     else:
-        call.launch(_entmax_attention_dkdv_kernel, shape.key_grid, *common, dk, dv, extra_strides=grad_out.stride())
+        # Half as many query rows per step as the key block: the BLOCK_M x BLOCK_N intermediates hold most of
+        # the registers (on sm_90 at head dim 128 the bf16 kernel spilled 816 B a thread at 64 x 64, 24 B at
+        # 32 x 64).  Safe here, not in the Self-Adjusted or top-k dk/dv kernels: a recomputed score may
+        # differ from the forward's in its last bit with another tile shape, which moves an entmax weight by
+        # about as much, but would drop a key from their min/max or top-k set.
+        call.launch(_entmax_attention_dkdv_kernel, shape.key_grid, *common, dk, dv, extra_strides=grad_out.stride(),
+                    BLOCK_M=max(16, shape.block // 2))
     d_alpha = None
     if alpha_grad:
         d_alpha = d_alpha_rows.sum((0, 2)) if shape.lq else torch.zeros(shape.heads, dtype=call.acc_dtype,

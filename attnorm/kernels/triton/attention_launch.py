@@ -70,6 +70,10 @@ stages leaves the Self-Adjusted, top-k and entmax kernels at 255 registers spill
 decoding split kernel (Self-Adjusted forward 96 B, top-k 136 B) with at most 112 KiB of
 shared memory; the dk/dv kernels still spill 370-810 B at head dim 128.  Stages change
 nothing for most bfloat16 kernels; 2 keeps K and V loads pipelined.
+
+Every kernel of a family uses the same options and the same score-tile shape: the
+Self-Adjusted and top-k backward kernels test recomputed scores for equality with the
+forward's min/max or top-k threshold, which needs the same bits, so the same instructions.
 """
 
 
