@@ -78,9 +78,11 @@ def _tracing() -> Iterator[None]:
 
 
 def _decomposes(args: tuple[Any, ...], kwargs: dict[str, Any], types: tuple[type, ...]) -> bool:
+    if not _ENABLED:
+        return False
     from torch.export._trace import custom_triton_ops_decomposition_disabled
 
-    if not _ENABLED or custom_triton_ops_decomposition_disabled():
+    if custom_triton_ops_decomposition_disabled():
         return False
     known = (torch.Tensor, torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
     if any(not issubclass(kind, known) for kind in types):
