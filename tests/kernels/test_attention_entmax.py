@@ -221,8 +221,8 @@ def test_matches_reference_under_every_mask(case, alpha, device):
 
 
 @pytest.mark.parametrize("case", ["causal", "sliding-window", "combined"])
-def test_key_blocks_of_32_with_dkdv_stepping_16_query_rows(case, monkeypatch, device):
-    """Blocks of 32 (CUDA's 64, scaled down): the dk/dv kernel then steps through the queries 16 rows at a time."""
+def test_key_blocks_of_32_with_backward_steps_of_16(case, monkeypatch, device):
+    """Blocks of 32 (CUDA's 64, scaled down): the backward kernels then step 16 keys (rows, dq) or queries (dk/dv)."""
     from attnorm.kernels.triton import attention_launch
 
     monkeypatch.setattr(attention_launch, "BLOCK_INTERPRETED", 32)
@@ -244,8 +244,9 @@ def test_key_blocks_of_32_with_dkdv_stepping_16_query_rows(case, monkeypatch, de
 
     monkeypatch.setattr(launch, "launchable", recording)
     check(q, k, v, grad, mask, keep, additive, 1.5)
-    assert blocks["_entmax_attention_dkdv_kernel"] == (16, 32)
     assert blocks["_entmax_attention_forward_kernel"] == (32, 32)
+    assert blocks["_entmax_attention_rows_kernel"] == blocks["_entmax_attention_dq_kernel"] == (32, 16)
+    assert blocks["_entmax_attention_dkdv_kernel"] == (16, 32)
 
 
 @pytest.mark.parametrize("alpha", [1.0, 1.25, 1.75])

@@ -705,22 +705,25 @@ def entmax_attention_backward(
     dk = launch.empty(tuple(k.shape), k.dtype, k.device)
     dv = launch.empty(tuple(v.shape), v.dtype, v.device)
     common = (call.q, call.k, call.v, grad_out, stats, delta)
+    # The backward kernels step half a block at a time along the axis they loop over (keys for the rows and
+    # dq kernels, queries for dk/dv), as FlashAttention-2's backward does: the BLOCK_M x BLOCK_N
+    # intermediates hold most of the registers.  On sm_90 at head dim 128 (bfloat16) this cut the spills
+    # of dk/dv from 816 B a thread to 24 B, of dq from 568 to 16 B, of rows from 256 to 8 B.  Safe
+    # here, not in the Self-Adjusted or top-k backward: with another tile shape a recomputed score may
+    # differ from the forward's in its last bit, which moves an entmax weight by about as much but would
+    # drop a key from their min/max or top-k set.
+    step = max(16, shape.block // 2)
     call.launch(_entmax_attention_rows_kernel, shape.query_grid, *common, d_alpha_rows,
-                extra_strides=grad_out.stride(), ALPHA_GRAD=bool(alpha_grad))
+                extra_strides=grad_out.stride(), ALPHA_GRAD=bool(alpha_grad), BLOCK_N=step)
     call.launch(_entmax_attention_dq_kernel, shape.query_grid, *common, dq,
                 delta if d_sinks is None else d_sinks, delta if d_logit_scale is None else d_logit_scale,
-                extra_strides=grad_out.stride())
+                extra_strides=grad_out.stride(), BLOCK_N=step)
     if shape.lq == 0:  # no query attends any key: the key-block programs would write zeros anyway
         dk.zero_()
         dv.zero_()
     else:
-        # Half as many query rows per step as the key block: the BLOCK_M x BLOCK_N intermediates hold most of
-        # the registers (on sm_90 at head dim 128 the bf16 kernel spilled 816 B a thread at 64 x 64, 24 B at
-        # 32 x 64).  Safe here, not in the Self-Adjusted or top-k dk/dv kernels: a recomputed score may
-        # differ from the forward's in its last bit with another tile shape, which moves an entmax weight by
-        # about as much, but would drop a key from their min/max or top-k set.
         call.launch(_entmax_attention_dkdv_kernel, shape.key_grid, *common, dk, dv, extra_strides=grad_out.stride(),
-                    BLOCK_M=max(16, shape.block // 2))
+                    BLOCK_M=step)
     d_alpha = None
     if alpha_grad:
         d_alpha = d_alpha_rows.sum((0, 2)) if shape.lq else torch.zeros(shape.heads, dtype=call.acc_dtype,

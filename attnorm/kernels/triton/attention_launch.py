@@ -62,14 +62,17 @@ def block_size(device: torch.device, row_bytes: int = 0) -> int:
 CUDA_OPTIONS = {"num_warps": 8, "num_stages": 2}
 """Warps and pipelining stages of the fused attention kernels on CUDA.
 
-Chosen from register spills, not timings (no GPU was lent to measure): compiled for sm_90
+Chosen from register spills, not timings (no GPU was lent to measure). Compiled for sm_90
 (bfloat16, float16, float32; head dims 64 and 128), Triton's default of 4 warps and 3
-stages leaves the Self-Adjusted, top-k and entmax kernels at 255 registers spilling up to
-1.7 KiB a thread at head dim 128 (the bfloat16 Self-Adjusted forward 1000 B, top-k forward
-624 B).  8 warps and 2 stages spill 0-130 B in every forward and dq kernel and the
-decoding split kernel (Self-Adjusted forward 96 B, top-k 136 B) with at most 112 KiB of
-shared memory; the dk/dv kernels still spill 370-810 B at head dim 128.  Stages change
-nothing for most bfloat16 kernels; 2 keeps K and V loads pipelined.
+stages left the Self-Adjusted and top-k kernels at 255 registers, spilling up to 1.1 KiB a
+thread at head dim 128 (the bfloat16 Self-Adjusted forward 1000 B, top-k forward 624 B);
+entmax used 4 warps / 3 stages up to head dim 64.  With 8 warps and 2 stages the
+Self-Adjusted and top-k forward and dq kernels spill at most 144 B, the entmax forward 32 B
+and the decoding split kernel nothing, with at most 128 KiB of shared memory; entmax's
+backward kernels step half a block (:func:`.attention_entmax.entmax_attention_backward`)
+and spill at most 24 B.  Still spilling at head dim 128: the Self-Adjusted and top-k
+dk/dv kernels (up to 608 B).  Stages change nothing for most bfloat16 kernels; 2 keeps K
+and V loads pipelined.
 
 Every kernel of a family uses the same options and the same score-tile shape: the
 Self-Adjusted and top-k backward kernels test recomputed scores for equality with the
