@@ -2,7 +2,9 @@
 
 Run from the repository root: ``PYTHONPATH=. python scripts/compile_check.py`` (``--help``;
 ``-k REGEX`` runs only the calls whose label matches, ``--blocks cuda`` skips the
-interpreter's choices).  A first run takes about 30 minutes on two cores (recording
+interpreter's choices, ``--options 4x3,8x2`` compiles every variant at each
+``num_warps x num_stages`` instead of its launcher's and prints a summary per setting:
+how ``attention_launch.CUDA_OPTIONS`` was chosen).  A first run takes about 30 minutes on two cores (recording
 under the interpreter ~10, compiling ~630 variants ~20); with Triton's cache a rerun
 takes ~10, mostly recording.  Run it on a tree nobody is editing: the interpreter re-reads the
 kernels' source from disk.
@@ -60,7 +62,7 @@ import time
 import traceback
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SHARED_LIMITS = {80: 166912, 90: 232448}
 """Bytes of shared memory one block may opt in to, per compute capability (sm_90: 227 KiB); others: not checked."""
@@ -576,6 +578,24 @@ def report(variants: list[Variant], outcomes: list, notes: list[str], arch: int,
 # ---- main ------------------------------------------------------------------------------------------
 
 
+def _warps_stages(text: str) -> list[tuple[int, int]]:
+    try:
+        return [tuple(int(part) for part in item.split("x", 1)) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected num_warps x num_stages pairs like 4x3,8x2, got {text!r}") from None
+
+
+def sweep(launches: list[Launch], options: list[tuple[int, int]], arch: int) -> None:
+    """Compile every distinct variant once per (num_warps, num_stages) and print each option's kernel summary."""
+    for warps, stages in options:
+        chosen = [replace(launch, options={**launch.options, "num_warps": warps, "num_stages": stages})
+                  for launch in launches]
+        variants = [compile_variant(variant, arch) for variant in distinct(chosen)]
+        failed = sum(variant.status != "ok" for variant in variants)
+        print(f"\n== num_warps={warps} num_stages={stages}: {len(variants)} variants, {failed} failed ==")
+        print("\n".join(kernel_summary(variants)), flush=True)
+
+
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability to compile for (default 90)")
@@ -584,6 +604,9 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("-k", "--select", default="", help="regular expression: run only the calls it matches")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only the failed variants and the summary")
     parser.add_argument("--launches", help="also write every recorded launch to this file (one per line)")
+    parser.add_argument("--options", type=_warps_stages, default=[],
+                        help="comma-separated num_warps x num_stages, e.g. 4x3,8x2: compile every variant with each "
+                             "instead of its launcher's choice and print the per-kernel summary of each (a sweep)")
     parser.add_argument("--record", help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -619,6 +642,9 @@ def main() -> int:
         with open(args.launches, "w") as file:
             for launch in launches:
                 print(launch, file=file)
+    if args.options:
+        sweep(launches, args.options, args.arch)
+        return 0
     variants = distinct(launches)
     print(f"compiling {len(variants)} distinct variants for sm_{args.arch}", flush=True)
     for number, variant in enumerate(variants, 1):
