@@ -30,3 +30,34 @@ def force_blocked(monkeypatch) -> None:
 
     monkeypatch.setattr(blocked, "MIN_BLOCK_BYTES", 1)
     monkeypatch.setattr(blocked, "BLOCKS_PER_INPUTS", 10**9)
+
+
+@pytest.fixture
+def blocks_of_32(monkeypatch) -> None:
+    """Fused attention kernels take blocks of 32 on every device (CUDA's 64 scaled down; several blocks per test)."""
+    from attnorm.kernels.triton import attention_launch
+
+    monkeypatch.setattr(attention_launch, "BLOCK_INTERPRETED", 32)
+    monkeypatch.setattr(attention_launch, "BLOCK_CUDA", 32)
+
+
+@pytest.fixture
+def launched_kernels(monkeypatch) -> dict:
+    """Every Triton launch through ``launch.launchable`` from now on: kernel name -> its keyword arguments."""
+    from attnorm.kernels.triton import launch
+
+    seen = {}
+    plain = launch.launchable
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen[self.kernel.__name__] = kwargs
+                return plain(self.kernel)[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(launch, "launchable", Recorded)
+    return seen

@@ -173,29 +173,12 @@ def test_cuda_blocks_shrink_for_wide_rows():
 
 
 @pytest.mark.parametrize("spec", ["sa_softmax", "sa_softmax:normalized=false", "topk:k=3", "topk:k=0.3"])
-def test_every_kernel_of_a_family_tiles_scores_alike(spec, monkeypatch, device):
+def test_every_kernel_of_a_family_tiles_scores_alike(spec, blocks_of_32, launched_kernels, device):
     """Self-Adjusted and top-k backward kernels test recomputed scores for equality with the forward's min/max
     or threshold: forward, dq and dk/dv kernels must share tile shape, warps and stages (so the same bits)."""
-    from attnorm.kernels.triton import attention_launch, launch
-
-    monkeypatch.setattr(attention_launch, "BLOCK_INTERPRETED", 32)
-    monkeypatch.setattr(attention_launch, "BLOCK_CUDA", 32)
-    seen = {}
-    plain = launch.launchable
-
-    class Recorded:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                seen[self.kernel.__name__] = tuple(kwargs.get(key) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_D",
-                                                                               "num_warps", "num_stages"))
-                return plain(self.kernel)[grid](*args, **kwargs)
-            return run
-
-    monkeypatch.setattr(launch, "launchable", Recorded)
     q, k, v = (torch.randn(1, 2, 40, 16, device=device, requires_grad=True) for _ in range(3))
     attnorm.attention(q, k, v, attnorm.make(spec, backend="triton"), is_causal=True).sum().backward()
-    family = {name: options for name, options in seen.items() if name != "_row_dot_kernel"}
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps", "num_stages")
+    family = {name: tuple(kwargs.get(key) for key in keys) for name, kwargs in launched_kernels.items()
+              if name != "_row_dot_kernel"}
     assert len(family) == 3 and len(set(family.values())) == 1, family

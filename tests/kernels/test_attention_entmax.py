@@ -221,29 +221,14 @@ def test_matches_reference_under_every_mask(case, alpha, device):
 
 
 @pytest.mark.parametrize("case", ["causal", "sliding-window", "combined"])
-def test_key_blocks_of_32_with_backward_steps_of_16(case, monkeypatch, device):
+def test_key_blocks_of_32_with_backward_steps_of_16(case, blocks_of_32, launched_kernels, device):
     """Blocks of 32 (CUDA's 64, scaled down): the backward kernels then step 16 keys (rows, dq) or queries (dk/dv)."""
-    from attnorm.kernels.triton import attention_launch
-
-    monkeypatch.setattr(attention_launch, "BLOCK_INTERPRETED", 32)
-    monkeypatch.setattr(attention_launch, "BLOCK_CUDA", 32)
     lq, lk, build = CASES[case]
     batch = 2 if case == "combined" else 1
     q, k, v, grad = inputs(batch, 2, 1, lq, lk, 16, device=device)
     mask, keep, additive = build(batch, lq, lk, device)
-    blocks = {}
-    plain = launch.launchable
-
-    def recording(kernel):
-        def launcher(grid):
-            def run(*args, **kwargs):
-                blocks[kernel.__name__] = (kwargs["BLOCK_M"], kwargs["BLOCK_N"])
-                return plain(kernel)[grid](*args, **kwargs)
-            return run
-        return type("Recorded", (), {"__getitem__": lambda self, grid: launcher(grid)})()
-
-    monkeypatch.setattr(launch, "launchable", recording)
     check(q, k, v, grad, mask, keep, additive, 1.5)
+    blocks = {name: (kwargs["BLOCK_M"], kwargs["BLOCK_N"]) for name, kwargs in launched_kernels.items()}
     assert blocks["_entmax_attention_forward_kernel"] == (32, 32)
     assert blocks["_entmax_attention_rows_kernel"] == blocks["_entmax_attention_dq_kernel"] == (32, 16)
     assert blocks["_entmax_attention_dkdv_kernel"] == (16, 32)

@@ -20,8 +20,8 @@ from attnorm.kernels.rules import AttentionMask, attention_allowed
 
 pytest.importorskip("triton")
 
-from attnorm.kernels.triton import attention_launch, launch  # noqa: E402
 from attnorm.kernels.triton import attention_self_adjusted as fused  # noqa: E402
+from attnorm.kernels.triton import launch  # noqa: E402
 
 # The interpreter evaluates masked-off lanes too (e.g. exp(-inf - -inf)); numpy warns about them.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -238,10 +238,8 @@ def test_decoding_equals_last_row_of_full_causal(normalized, device):
     check(last, k, v, AttentionMask(), normalized)
 
 
-def test_block_size_is_a_patchable_constant(monkeypatch, device):
+def test_block_size_is_a_patchable_constant(blocks_of_32, device):
     """32-row blocks (one query block, two key blocks) give the same results as the default."""
-    monkeypatch.setattr(attention_launch, "BLOCK_INTERPRETED", 32)
-    monkeypatch.setattr(attention_launch, "BLOCK_CUDA", 32)
     q, k, v = make_qkv(1, 2, 1, 20, 40, 16, 16, torch.float32, device)
     check(q, k, v, MASKS["bottom-right"](1, 20, 40, device), True)
 

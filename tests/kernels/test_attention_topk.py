@@ -30,7 +30,6 @@ from tests.kernels.test_attention_self_adjusted import (  # noqa: F401 (poisoned
 
 pytest.importorskip("triton")
 
-from attnorm.kernels.triton import attention_launch  # noqa: E402
 from attnorm.kernels.triton import attention_topk as fused  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -176,9 +175,7 @@ def test_decoding_equals_last_row_of_full_causal(device):
     check(last, k, v, AttentionMask(), 0.1, is_fraction=True)
 
 
-def test_block_size_is_a_patchable_constant(monkeypatch, device):
-    monkeypatch.setattr(attention_launch, "BLOCK_INTERPRETED", 32)
-    monkeypatch.setattr(attention_launch, "BLOCK_CUDA", 32)
+def test_block_size_is_a_patchable_constant(blocks_of_32, device):
     q, k, v = make_qkv(1, 1, 1, 20, 40, 16, 16, torch.float32, device, integer=True)
     check(q, k, v, MASKS["bottom-right"](1, 20, 40, device), 5)
 
