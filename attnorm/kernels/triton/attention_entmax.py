@@ -592,7 +592,7 @@ class _Launch:
     """One entmax call: the shared :func:`.attention_launch.problem`, its alphas and scale, warps and stages.
 
     The block is :func:`.attention_launch.block_size`'s (smaller for wide float32/float64
-    rows); on CUDA, warps and pipeline stages as the Triton tutorial picks them.
+    rows); warps and pipeline stages are :func:`.attention_launch.launch_options`'.
     """
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float,
