@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from attnorm.kernels import backends, ops, reference
-from attnorm.kernels.reference import jacobians
+from attnorm.kernels import backends, ops, reference, rules
+from attnorm.kernels.reference import jacobians, sinks
 from attnorm.kernels.rules import RowMask, sum_to_shape
 
 __all__ = ["entmax", "scalable_softmax", "self_adjusted_softmax", "softmax", "sparsemax", "topk_softmax"]
@@ -50,29 +50,51 @@ def _live(multiplier: Tensor, value: Tensor) -> Tensor:
     return torch.where(multiplier.unsqueeze(-1) == 0, 0.0, value)
 
 
-def _softmax_grads(ctx, grad: Tensor, multiplier: Tensor, m: Tensor, param_grad: int, x: Tensor | None = None):
-    """``dx`` and the per-row parameter gradient of ``y = softmax(m x)``, from the saved output.
+def _extended(row: Tensor, last: Tensor | None) -> Tensor:
+    """``[row, last]``: a row extended by its sink's value (``last`` per row; 0 when None)."""
+    column = row.new_zeros(row.shape[:-1] + (1,)) if last is None else last.reshape(row.shape[:-1] + (1,))
+    return torch.cat([row, column.to(row.dtype)], dim=-1)
+
+
+def _split_sink(dx: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``dx`` over an extended row as the real positions' gradient and the sink's (None without a sink)."""
+    return (dx, None) if sink is None else (dx[..., :-1], dx[..., -1])
+
+
+def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | None, grad: Tensor,
+                   grad_sink_weight: Tensor | None, multiplier: Tensor, m: Tensor, param_grad: int,
+                   x: Tensor | None = None):
+    """``dx``, the per-row parameter gradient and ``dsink`` of ``y = softmax(m x)``, from the saved output.
 
     ``m`` is the multiplier as a differentiable function of the parameters, ``(..., 1)``:
-    only used when autograd records the backward.
+    only used when autograd records the backward (or a double backward sends a gradient
+    to the sink's weight, which the kernels take as 0).
     """
-    y = ctx.saved_tensors[0]
-    if not torch.is_grad_enabled():
-        dx, per_row = ops.softmax_bwd(y, grad, multiplier, x, param_grad, ctx.backend)
-        return dx, per_row if param_grad else None
+    if not torch.is_grad_enabled() and grad_sink_weight is None:
+        dx, per_row, dsink = ops.softmax_bwd(y, grad, multiplier, x, param_grad, sink_weight, sink, ctx.backend)
+        return dx, per_row if param_grad else None, dsink if sink is not None else None
     # Recorded by autograd (double backward, torch.func): the same closed forms, differentiable.
-    dx = jacobians.softmax_vjp(y, grad, m)
+    if sink is not None:
+        y, grad = _extended(y, sink_weight), _extended(grad, grad_sink_weight)
+        x = None if x is None else _extended(x, sink)
+    dx, dsink = _split_sink(jacobians.softmax_vjp(y, grad, m), sink)
+    per_row = None
     if param_grad == _TEMPERATURE_GRAD:
-        return dx, jacobians.temperature_grad(y, grad, m).squeeze(-1)
-    if param_grad == _MULTIPLIER_GRAD:
-        return dx, _live(multiplier, jacobians.multiplier_grad(y, grad, x)).squeeze(-1)
-    return dx, None
+        per_row = jacobians.temperature_grad(y, grad, m).squeeze(-1)
+    elif param_grad == _MULTIPLIER_GRAD:
+        per_row = _live(multiplier, jacobians.multiplier_grad(y, grad, x)).squeeze(-1)
+    return dx, per_row, dsink
 
 
 def _temperature_multiplier(multiplier: Tensor, temperature_rows: Tensor | None) -> Tensor:
     if temperature_rows is None:
         return multiplier.unsqueeze(-1)
     return _live(multiplier, 1 / temperature_rows)
+
+
+def _sink_grad(dsink: Tensor | None, sink: Tensor | None, wanted: bool) -> Tensor | None:
+    """The sink column's gradient from the per-row ``dsink``."""
+    return _param_grad(dsink, sink) if wanted and dsink is not None else None
 
 
 class _RowFunction(Function):
@@ -82,6 +104,10 @@ class _RowFunction(Function):
     the arguments to ``forward``'s signature (ours takes ``*args``: nothing to bind) and
     unwraps dead functorch wrappers on every call, about 5 us; :func:`_call` uses it
     outside ``torch.compile`` and ``torch.func`` transforms, unwrapping itself.
+
+    Every forward op returns the sink's weight last (empty without a sink).  It stays a
+    differentiable output: the backward's closed forms read it, so a double backward
+    sends it a gradient.
     """
 
     generate_vmap_rule = True
@@ -92,6 +118,15 @@ class _RowFunction(Function):
         cls.eager_apply = super(Function, cls).apply  # the C apply that Function.apply ends in
 
 
+def _sink_pair(ctx, sink: Tensor | None, sink_weight: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The sink column and its weight, saved last for the backward (None without a sink).
+
+    Gradients are not materialised: the sink's weight gets one only in a double backward.
+    """
+    ctx.set_materialize_grads(False)
+    return (None, None) if sink is None else (sink, sink_weight)
+
+
 class _Softmax(_RowFunction):
 
     @staticmethod
@@ -100,23 +135,28 @@ class _Softmax(_RowFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        temperature_rows, ctx.backend = inputs[-2:]
-        y, multiplier = output
+        temperature_rows, sink, ctx.backend = inputs[-3:]
+        y, multiplier, sink_weight = output
         ctx.mark_non_differentiable(multiplier)
-        ctx.save_for_backward(y, multiplier, temperature_rows)
+        ctx.save_for_backward(y, multiplier, temperature_rows, *_sink_pair(ctx, sink, sink_weight))
 
     @staticmethod
-    def backward(ctx, grad, _grad_multiplier):
-        return _temperature_backward(ctx, grad, ctx.needs_input_grad[5])
+    def backward(ctx, grad, _grad_multiplier, grad_sink_weight):
+        dx, d_temperature, dsink = _temperature_backward(ctx, grad, grad_sink_weight, ctx.needs_input_grad[5],
+                                                         ctx.needs_input_grad[6])
+        return dx, None, None, None, None, d_temperature, dsink, None
 
 
-def _temperature_backward(ctx, grad: Tensor, wants_temperature: bool) -> tuple[Tensor | None, ...]:
-    """Gradients of ``softmax(x / T)`` over fixed positions: ``(dx, None x 4, dT, None)``."""
-    _, multiplier, temperature_rows = ctx.saved_tensors
+def _temperature_backward(ctx, grad: Tensor | None, grad_sink_weight: Tensor | None, wants_temperature: bool,
+                          wants_sink: bool) -> tuple[Tensor | None, ...]:
+    """Gradients of ``softmax(x / T)`` over fixed positions: ``(dx, dT, dsink)``."""
+    y, multiplier, temperature_rows, sink, sink_weight = ctx.saved_tensors
+    grad = torch.zeros_like(y) if grad is None else grad
     m = _temperature_multiplier(multiplier, temperature_rows)
     param_grad = _TEMPERATURE_GRAD if wants_temperature else _NO_PARAM_GRAD
-    dx, per_row = _softmax_grads(ctx, grad, multiplier, m, param_grad)
-    return dx, None, None, None, None, _param_grad(per_row, temperature_rows) if wants_temperature else None, None
+    dx, per_row, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, grad_sink_weight, multiplier, m, param_grad)
+    d_temperature = _param_grad(per_row, temperature_rows) if wants_temperature else None
+    return dx, d_temperature, _sink_grad(dsink, sink, wants_sink)
 
 
 class _ScalableSoftmax(_RowFunction):
@@ -127,25 +167,28 @@ class _ScalableSoftmax(_RowFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, (ctx.s, s_rows, ctx.bias, bias_rows, ctx.backend) = inputs[0], inputs[4:]
-        y, multiplier, log_count = output
+        x, (ctx.s, s_rows, ctx.bias, bias_rows, sink, ctx.backend) = inputs[0], inputs[4:]
+        y, multiplier, log_count, sink_weight = output
         ctx.mark_non_differentiable(multiplier, log_count)
         wants_params = ((s_rows is not None and s_rows.requires_grad)
                         or (bias_rows is not None and bias_rows.requires_grad))
-        ctx.save_for_backward(y, multiplier, log_count, x if wants_params else None, s_rows, bias_rows)
+        ctx.save_for_backward(y, multiplier, log_count, x if wants_params else None, s_rows, bias_rows,
+                              *_sink_pair(ctx, sink, sink_weight))
 
     @staticmethod
-    def backward(ctx, grad, _grad_multiplier, _grad_log_count):
-        _, multiplier, log_count, x, s_rows, bias_rows = ctx.saved_tensors
+    def backward(ctx, grad, _grad_multiplier, _grad_log_count, grad_sink_weight):
+        y, multiplier, log_count, x, s_rows, bias_rows, sink, sink_weight = ctx.saved_tensors
+        grad = torch.zeros_like(y) if grad is None else grad
         wants_s, wants_bias = ctx.needs_input_grad[5], ctx.needs_input_grad[7]
         s = ctx.s if s_rows is None else s_rows
         bias = ctx.bias if bias_rows is None else bias_rows
         m = _live(multiplier, s * log_count.unsqueeze(-1) + bias)
         param_grad = _MULTIPLIER_GRAD if wants_s or wants_bias else _NO_PARAM_GRAD
-        dx, d_multiplier = _softmax_grads(ctx, grad, multiplier, m, param_grad, x)
+        dx, d_multiplier, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, grad_sink_weight, multiplier, m,
+                                                 param_grad, x)
         d_s = _param_grad(d_multiplier * log_count, s_rows) if wants_s else None
         d_bias = _param_grad(d_multiplier, bias_rows) if wants_bias else None
-        return dx, None, None, None, None, d_s, None, d_bias, None
+        return dx, None, None, None, None, d_s, None, d_bias, _sink_grad(dsink, sink, ctx.needs_input_grad[8]), None
 
 
 class _TopKSoftmax(_RowFunction):
@@ -159,9 +202,10 @@ class _TopKSoftmax(_RowFunction):
         _Softmax.setup_context(ctx, inputs, output)
 
     @staticmethod
-    def backward(ctx, grad, _grad_multiplier):
-        dx, *_, d_temperature, _ = _temperature_backward(ctx, grad, ctx.needs_input_grad[7])
-        return dx, None, None, None, None, None, None, d_temperature, None
+    def backward(ctx, grad, _grad_multiplier, grad_sink_weight):
+        dx, d_temperature, dsink = _temperature_backward(ctx, grad, grad_sink_weight, ctx.needs_input_grad[7],
+                                                         ctx.needs_input_grad[8])
+        return dx, None, None, None, None, None, None, d_temperature, dsink, None
 
 
 class _Entmax(_RowFunction):
@@ -172,22 +216,26 @@ class _Entmax(_RowFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.alpha, alpha_rows, ctx.backend = inputs[4:]
-        y, gate = output
+        ctx.alpha, alpha_rows, sink, ctx.backend = inputs[4:]
+        y, gate, sink_weight = output
         ctx.mark_non_differentiable(gate)
-        ctx.save_for_backward(y, gate, alpha_rows)
+        ctx.save_for_backward(y, gate, alpha_rows, *_sink_pair(ctx, sink, sink_weight))
 
     @staticmethod
-    def backward(ctx, grad, _grad_gate):
-        y, gate, alpha_rows = ctx.saved_tensors
+    def backward(ctx, grad, _grad_gate, grad_sink_weight):
+        y, gate, alpha_rows, sink, sink_weight = ctx.saved_tensors
+        grad = torch.zeros_like(y) if grad is None else grad
         wants = ctx.needs_input_grad[5]
-        if not torch.is_grad_enabled():
-            dx, per_row = ops.entmax_bwd(y, grad, gate, ctx.alpha, alpha_rows, wants, ctx.backend)
+        if not torch.is_grad_enabled() and grad_sink_weight is None:
+            dx, per_row, dsink = ops.entmax_bwd(y, grad, gate, ctx.alpha, alpha_rows, wants, sink_weight, ctx.backend)
         else:
             alpha = ctx.alpha if alpha_rows is None else alpha_rows
-            dx = jacobians.entmax_vjp(y, grad, gate.unsqueeze(-1), alpha)
+            if sink is not None:
+                y, grad = _extended(y, sink_weight), _extended(grad, grad_sink_weight)
+            dx, dsink = _split_sink(jacobians.entmax_vjp(y, grad, gate.unsqueeze(-1), alpha), sink)
             per_row = jacobians.entmax_alpha_grad(y, grad, gate.unsqueeze(-1), alpha).squeeze(-1) if wants else None
-        return dx, None, None, None, None, _param_grad(per_row, alpha_rows) if wants else None, None
+        d_alpha = _param_grad(per_row, alpha_rows) if wants else None
+        return dx, None, None, None, None, d_alpha, _sink_grad(dsink, sink, ctx.needs_input_grad[6]), None
 
 
 class _SelfAdjustedSoftmax(_RowFunction):
@@ -198,21 +246,27 @@ class _SelfAdjustedSoftmax(_RowFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, mask, ctx.diagonal, key_lengths, ctx.normalized, ctx.backend = inputs
-        _, stats = output
-        ctx.mark_non_differentiable(stats)
-        ctx.save_for_backward(x, mask, key_lengths, stats)
+        x, mask, ctx.diagonal, key_lengths, ctx.normalized, sink, ctx.backend = inputs
+        _, stats, sink_weight = output
+        # The backward recomputes from x and the sink: the sink's weight is not read.
+        ctx.mark_non_differentiable(stats, sink_weight)
+        ctx.save_for_backward(x, mask, key_lengths, stats, sink)
 
     @staticmethod
-    def backward(ctx, grad, _grad_stats):
-        x, mask, key_lengths, stats = ctx.saved_tensors
+    def backward(ctx, grad, _grad_stats, _grad_sink_weight):
+        x, mask, key_lengths, stats, sink = ctx.saved_tensors
         if not torch.is_grad_enabled():
-            dx = ops.self_adjusted_softmax_bwd(
-                x, mask, ctx.diagonal, key_lengths, grad, stats, ctx.normalized, ctx.backend
+            dx, dsink = ops.self_adjusted_softmax_bwd(
+                x, mask, ctx.diagonal, key_lengths, grad, stats, ctx.normalized, sink, ctx.backend
             )
+            dsink = dsink if sink is not None else None
         else:
-            dx = jacobians.self_adjusted_vjp(x, RowMask(mask, ctx.diagonal, key_lengths), grad, ctx.normalized)
-        return dx, None, None, None, None, None
+            row_mask = RowMask(mask, ctx.diagonal, key_lengths)
+            if sink is not None:
+                x, row_mask, _ = sinks.extend(x, row_mask, sink)
+                grad = _extended(grad, None)
+            dx, dsink = _split_sink(jacobians.self_adjusted_vjp(x, row_mask, grad, ctx.normalized), sink)
+        return dx, None, None, None, None, _sink_grad(dsink, sink, ctx.needs_input_grad[5]), None
 
 
 # ---- entry points -------------------------------------------------------------------------
@@ -254,57 +308,87 @@ def _implementation(backend: str | None, x: Tensor) -> str:
     return backends.resolve(backend, "cpu" if x.is_cpu else x.device)
 
 
-def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None) -> Tensor:
-    """``softmax(x / T)`` over the allowed positions of each row."""
+def _sink(sink: Tensor | None, x: Tensor) -> Tensor | None:
+    """The sink column ``(..., 1)`` in the precision the kernels compute in."""
+    if sink is None:
+        return None
+    dtype = rules.accumulation_dtype(x.dtype)
+    return sink if sink.dtype == dtype else sink.to(dtype)
+
+
+def _reference_with_sink(kernel: str, x: Tensor, mask: RowMask, sink: Tensor, **params) -> Tensor:
+    return sinks.extended_weights(kernel, x, mask, sink, **params)[..., :-1]
+
+
+def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None, sink: Tensor | None = None) -> Tensor:
+    """``softmax(x / T)`` over the allowed positions of each row (and a sink's, when given)."""
     implementation = _implementation(backend, x)
     if implementation == "reference":
+        if sink is not None:
+            return _reference_with_sink("softmax", x, mask, sink, temperature=temperature)
         return reference.softmax(x, mask, temperature)
     value, rows = _split(temperature)
-    return _call(_Softmax, ops.softmax_fwd, (x, *mask, value, rows, implementation), 5)  # rows: args[5]
+    args = (x, *mask, value, rows, _sink(sink, x), implementation)
+    return _call(_Softmax, ops.softmax_fwd, args, 5, 6)  # rows, sink
 
 
-def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: str | None) -> Tensor:
-    """``softmax((s log n + bias) x)``, ``n`` the allowed positions of each row."""
+def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: str | None,
+                     sink: Tensor | None = None) -> Tensor:
+    """``softmax((s log n + bias) x)``, ``n`` the allowed positions of each row (a sink is not counted)."""
     implementation = _implementation(backend, x)
     if implementation == "reference":
+        if sink is not None:
+            return _reference_with_sink("scalable_softmax", x, mask, sink, s=s, bias=bias)
         return reference.scalable_softmax(x, mask, s, bias)
     s_value, s_rows = _split(s)
     bias_value, bias_rows = _split(bias)
-    args = (x, *mask, s_value, s_rows, bias_value, bias_rows, implementation)
-    return _call(_ScalableSoftmax, ops.scalable_softmax_fwd, args, 5, 7)  # s_rows, bias_rows
+    args = (x, *mask, s_value, s_rows, bias_value, bias_rows, _sink(sink, x), implementation)
+    return _call(_ScalableSoftmax, ops.scalable_softmax_fwd, args, 5, 7, 8)  # s_rows, bias_rows, sink
 
 
-def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, backend: str | None) -> Tensor:
+def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, backend: str | None,
+                 sink: Tensor | None = None) -> Tensor:
     """Softmax of ``x / T`` over the ``k`` largest allowed scores (ties: lowest index), 0 elsewhere."""
     implementation = _implementation(backend, x)
     is_fraction = isinstance(k, float)
     if implementation == "reference":
+        if sink is not None:
+            return _reference_with_sink("topk_softmax", x, mask, sink, k=float(k), is_fraction=is_fraction,
+                                        temperature=temperature)
         return reference.topk_softmax(x, mask, float(k), is_fraction, temperature)
     value, rows = _split(temperature)
-    args = (x, *mask, float(k), is_fraction, value, rows, implementation)
-    return _call(_TopKSoftmax, ops.topk_softmax_fwd, args, 7)  # rows: args[7]
+    args = (x, *mask, float(k), is_fraction, value, rows, _sink(sink, x), implementation)
+    return _call(_TopKSoftmax, ops.topk_softmax_fwd, args, 7, 8)  # rows, sink
 
 
-def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None) -> Tensor:
+def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None, sink: Tensor | None = None) -> Tensor:
     """alpha-entmax (alpha >= 1; 1 is softmax, 2 sparsemax)."""
     implementation = _implementation(backend, x)
     if implementation == "reference":
+        if sink is not None:
+            return _reference_with_sink("entmax", x, mask, sink, alpha=alpha)
         return reference.entmax(x, mask, alpha)
     value, rows = _split(alpha)
-    return _call(_Entmax, ops.entmax_fwd, (x, *mask, value, rows, implementation), 5)  # rows: args[5]
+    return _call(_Entmax, ops.entmax_fwd, (x, *mask, value, rows, _sink(sink, x), implementation), 5, 6)
 
 
-def sparsemax(x: Tensor, mask: RowMask, backend: str | None) -> Tensor:
+def sparsemax(x: Tensor, mask: RowMask, backend: str | None, sink: Tensor | None = None) -> Tensor:
     """Sparsemax, i.e. 2-entmax."""
     implementation = _implementation(backend, x)
     if implementation == "reference":
+        if sink is not None:
+            return _reference_with_sink("sparsemax", x, mask, sink)
         return reference.sparsemax(x, mask)
-    return _call(_Entmax, ops.entmax_fwd, (x, *mask, 2.0, None, implementation))
+    return _call(_Entmax, ops.entmax_fwd, (x, *mask, 2.0, None, _sink(sink, x), implementation), 6)
 
 
-def self_adjusted_softmax(x: Tensor, mask: RowMask, normalized: bool, backend: str | None) -> Tensor:
+def self_adjusted_softmax(x: Tensor, mask: RowMask, normalized: bool, backend: str | None,
+                          sink: Tensor | None = None) -> Tensor:
     """``phi(x) softmax(x)`` (Self-Adjusted Softmax)."""
     implementation = _implementation(backend, x)
     if implementation == "reference":
+        if sink is not None:
+            return _reference_with_sink("self_adjusted_softmax", x, mask, sink, normalized=normalized)
         return reference.self_adjusted_softmax(x, mask, normalized)
-    return _call(_SelfAdjustedSoftmax, ops.self_adjusted_softmax_fwd, (x, *mask, normalized, implementation))
+    args = (x, *mask, normalized, _sink(sink, x), implementation)
+    return _call(_SelfAdjustedSoftmax, ops.self_adjusted_softmax_fwd, args, 5)

@@ -20,19 +20,22 @@ computed in float32).  The ops are not differentiable themselves:
 =============================== ====================================================
 op (``torch.ops.attnorm.*``)     outputs
 =============================== ====================================================
-``softmax_fwd``                 weights, multiplier ``1/T`` per row
-``scalable_softmax_fwd``        weights, multiplier per row, ``log max(n, 1)`` per row
-``topk_softmax_fwd``            weights, multiplier ``1/T`` per row
-``softmax_bwd``                 ``dx``, per-row parameter gradient (shared by the three above)
-``entmax_fwd``                  weights, gate per row (sparsemax is ``alpha = 2``)
-``entmax_bwd``                  ``dx``, per-row alpha gradient
-``self_adjusted_softmax_fwd``   weights, statistics ``(..., 5)`` per row
-``self_adjusted_softmax_bwd``   ``dx``
+``softmax_fwd``                 weights, multiplier ``1/T`` per row, sink weight
+``scalable_softmax_fwd``        weights, multiplier per row, ``log max(n, 1)`` per row, sink weight
+``topk_softmax_fwd``            weights, multiplier ``1/T`` per row, sink weight
+``softmax_bwd``                 ``dx``, per-row parameter gradient (shared by the three above), ``dsink``
+``entmax_fwd``                  weights, gate per row (sparsemax is ``alpha = 2``), sink weight
+``entmax_bwd``                  ``dx``, per-row alpha gradient, ``dsink``
+``self_adjusted_softmax_fwd``   weights, statistics ``(..., 5)`` per row, sink weight
+``self_adjusted_softmax_bwd``   ``dx``, ``dsink``
 =============================== ====================================================
 
 Masks travel as ``(mask, diagonal, key_lengths)``, the fields of
 :class:`attnorm.kernels.rules.RowMask`; a per-row parameter as a number plus an
-optional tensor ``(..., 1)`` that replaces it when given.
+optional tensor ``(..., 1)`` that replaces it when given.  Every op takes an optional
+``sink`` (forwards; ``sink_weight`` too for backwards), a column ``(..., 1)`` of
+per-row scores of a virtual key whose weight is dropped (``kernels/README.md``, "A
+sink per row"); the sink's outputs (its weight, ``dsink``) are empty tensors without one.
 """
 
 from __future__ import annotations
@@ -104,7 +107,8 @@ _LIBRARY = torch.library.Library("attnorm", "DEF")
 
 
 def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[..., Any], *,
-            vmap_kinds: tuple[str | None, ...], optional_output: int | None = None, autocast: bool = False):
+            vmap_kinds: tuple[str | None, ...], optional_outputs: dict[int, int] | None = None,
+            autocast: bool = False):
     """Define ``attnorm::name`` with ``body(kernels, *args)`` as its kernel on every device."""
 
     def device_kernel(*args):
@@ -125,7 +129,7 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
     _LIBRARY.impl(name, lambda *args: body(_kernels("reference"), *args), "CompositeExplicitAutograd")
     torch.library.register_fake(qualified, fake, lib=_LIBRARY)
     op = getattr(torch.ops.attnorm, name).default
-    torch.library.register_vmap(qualified, _vmap_rule(op, vmap_kinds, optional_output), lib=_LIBRARY)
+    torch.library.register_vmap(qualified, _vmap_rule(op, vmap_kinds, optional_outputs or {}), lib=_LIBRARY)
     if autocast:
         for device in ("cpu", "cuda"):
             torch.library.register_autocast(qualified, device, torch.float32, lib=_LIBRARY)
@@ -137,15 +141,16 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
 # ---- vmap: a vmapped dim is one more leading dim of every row tensor -------------------------
 
 
-def _vmap_rule(op, kinds: tuple[str | None, ...], optional_output: int | None):
+def _vmap_rule(op, kinds: tuple[str | None, ...], optional_outputs: dict[int, int]):
     """A vmap rule for a row op whose positional arguments are described by ``kinds``.
 
     ``"x"`` and ``"full"``: tensors shaped like the rows (expanded when not batched);
     ``"bcast"``: tensors broadcast against ``x`` (a unit dim added when not batched);
     ``"lengths"``: key lengths, which index ``x``'s dim 0 and so become a bool mask
     (the ``"bcast"`` argument just before the diagonal) once another dim leads;
-    None: not a tensor.  ``optional_output`` names the flag argument that says whether
-    the second output (a per-row gradient) exists.
+    None: not a tensor.  ``optional_outputs`` maps an output that may be empty (a per-row
+    gradient, a sink's outputs) to the argument that says whether it exists (a flag, or an
+    optional tensor).
     """
 
     def rule(info, in_dims, *args):
@@ -177,8 +182,9 @@ def _vmap_rule(op, kinds: tuple[str | None, ...], optional_output: int | None):
         if isinstance(out, Tensor):
             return out, 0
         dims = [0] * len(out)
-        if optional_output is not None and not args[optional_output]:
-            dims[1] = None
+        for output, flag in optional_outputs.items():
+            if not isinstance(args[flag], Tensor) and not args[flag]:  # None, False or 0
+                dims[output] = None
         return tuple(out), tuple(dims)
 
     return rule
@@ -219,6 +225,21 @@ def _param(value: float, rows: Tensor | None) -> float | Tensor:
     return value if rows is None else rows
 
 
+def _empty(x: Tensor) -> Tensor:
+    """An absent per-row output (no parameter gradient asked, no sink)."""
+    return x.new_empty(0, dtype=rules.accumulation_dtype(x.dtype))
+
+
+def _sink_out(x: Tensor, sink: Tensor | None) -> Tensor:
+    """Fake sink output: one value per row with a sink, empty without."""
+    return _empty(x) if sink is None else _rows(x)
+
+
+def _with_sink(sink: Tensor | None) -> dict[str, Tensor]:
+    """The backend functions' sink keyword: passed only when there is a sink (their outputs then grow by one)."""
+    return {} if sink is None else {"sink": sink}
+
+
 def _row_mask(mask: Tensor | None, diagonal: int | None, key_lengths: Tensor | None) -> RowMask:
     # Building a NamedTuple costs more than the check (a sizeable share of a tiny call).
     if mask is None and diagonal is None and key_lengths is None:
@@ -231,133 +252,163 @@ def _row_mask(mask: Tensor | None, diagonal: int | None, key_lengths: Tensor | N
 _SOFTMAX_KINDS = ("x", "bcast", None, "lengths")
 
 
-def _softmax_fwd(kernels, x, mask, diagonal, key_lengths, temperature, temperature_rows, backend):
-    y, multiplier, _ = kernels.softmax_forward(
-        x, _row_mask(mask, diagonal, key_lengths), 0, _param(temperature, temperature_rows), 0.0
-    )
-    return y, multiplier
+def _softmax_fwd(kernels, x, mask, diagonal, key_lengths, temperature, temperature_rows, sink, backend):
+    mask = _row_mask(mask, diagonal, key_lengths)
+    out = kernels.softmax_forward(x, mask, 0, _param(temperature, temperature_rows), 0.0, **_with_sink(sink))
+    return out[0], out[1], out[3] if sink is not None else _empty(x)
 
 
 softmax_fwd = _define(
     "softmax_fwd",
-    f"(Tensor x, {_MASK}, float temperature, Tensor? temperature_rows, str backend) -> (Tensor, Tensor)",
+    f"(Tensor x, {_MASK}, float temperature, Tensor? temperature_rows, Tensor? sink, str backend)"
+    " -> (Tensor, Tensor, Tensor)",
     _softmax_fwd,
-    lambda x, *args: (torch.empty_like(x), _rows(x)),
-    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None),
+    lambda x, *args: (torch.empty_like(x), _rows(x), _sink_out(x, args[-2])),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", "bcast", None),
+    optional_outputs={2: 6},
     autocast=True,
 )
 
 
-def _scalable_softmax_fwd(kernels, x, mask, diagonal, key_lengths, s, s_rows, bias, bias_rows, backend):
+def _scalable_softmax_fwd(kernels, x, mask, diagonal, key_lengths, s, s_rows, bias, bias_rows, sink, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
-    return kernels.softmax_forward(x, mask, 1, _param(s, s_rows), _param(bias, bias_rows))
+    out = kernels.softmax_forward(x, mask, 1, _param(s, s_rows), _param(bias, bias_rows), **_with_sink(sink))
+    return out[0], out[1], out[2], out[3] if sink is not None else _empty(x)
 
 
 scalable_softmax_fwd = _define(
     "scalable_softmax_fwd",
-    f"(Tensor x, {_MASK}, float s, Tensor? s_rows, float bias, Tensor? bias_rows, str backend)"
-    " -> (Tensor, Tensor, Tensor)",
+    f"(Tensor x, {_MASK}, float s, Tensor? s_rows, float bias, Tensor? bias_rows, Tensor? sink, str backend)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
     _scalable_softmax_fwd,
-    lambda x, *args: (torch.empty_like(x), _rows(x), _rows(x)),
-    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None, "bcast", None),
+    lambda x, *args: (torch.empty_like(x), _rows(x), _rows(x), _sink_out(x, args[-2])),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None, "bcast", "bcast", None),
+    optional_outputs={3: 8},
     autocast=True,
 )
 
 
 def _topk_softmax_fwd(kernels, x, mask, diagonal, key_lengths, k, is_fraction, temperature, temperature_rows,
-                      backend):
+                      sink, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
-    return kernels.topk_forward(x, mask, k, is_fraction, _param(temperature, temperature_rows))
+    out = kernels.topk_forward(x, mask, k, is_fraction, _param(temperature, temperature_rows), **_with_sink(sink))
+    return out[0], out[1], out[2] if sink is not None else _empty(x)
 
 
 topk_softmax_fwd = _define(
     "topk_softmax_fwd",
-    f"(Tensor x, {_MASK}, float k, bool is_fraction, float temperature, Tensor? temperature_rows, str backend)"
-    " -> (Tensor, Tensor)",
+    f"(Tensor x, {_MASK}, float k, bool is_fraction, float temperature, Tensor? temperature_rows, Tensor? sink,"
+    " str backend) -> (Tensor, Tensor, Tensor)",
     _topk_softmax_fwd,
-    lambda x, *args: (torch.empty_like(x), _rows(x)),
-    vmap_kinds=(*_SOFTMAX_KINDS, None, None, None, "bcast", None),
+    lambda x, *args: (torch.empty_like(x), _rows(x), _sink_out(x, args[-2])),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, None, None, "bcast", "bcast", None),
+    optional_outputs={2: 8},
     autocast=True,
 )
 
 
-def _softmax_bwd(kernels, y, grad, multiplier, x, param_grad, backend):
-    dx, per_row = kernels.softmax_backward(y, grad, multiplier, x, param_grad)
-    return dx, per_row if per_row is not None else y.new_empty(0, dtype=multiplier.dtype)
+def _softmax_bwd(kernels, y, grad, multiplier, x, param_grad, sink_weight, sink, backend):
+    if sink_weight is None:
+        dx, per_row = kernels.softmax_backward(y, grad, multiplier, x, param_grad)
+        dsink = _empty(multiplier)
+    else:
+        dx, per_row, dsink = kernels.softmax_backward(y, grad, multiplier, x, param_grad, sink_weight=sink_weight,
+                                                      sink=sink)
+    return dx, per_row if per_row is not None else _empty(multiplier), dsink
 
 
 softmax_bwd = _define(
     "softmax_bwd",
-    "(Tensor y, Tensor grad, Tensor multiplier, Tensor? x, int param_grad, str backend) -> (Tensor, Tensor)",
+    "(Tensor y, Tensor grad, Tensor multiplier, Tensor? x, int param_grad, Tensor? sink_weight, Tensor? sink,"
+    " str backend) -> (Tensor, Tensor, Tensor)",
     _softmax_bwd,
-    lambda y, grad, multiplier, x, param_grad, backend: (
-        torch.empty_like(y), _rows(y) if param_grad else y.new_empty(0, dtype=multiplier.dtype)
+    lambda y, grad, multiplier, x, param_grad, sink_weight, sink, backend: (
+        torch.empty_like(y), _rows(y) if param_grad else _empty(multiplier),
+        _empty(multiplier) if sink_weight is None else _rows(y),
     ),
-    vmap_kinds=("x", "full", "full", "full", None, None),
-    optional_output=4,
+    vmap_kinds=("x", "full", "full", "full", None, "full", "bcast", None),
+    optional_outputs={1: 4, 2: 5},
 )
 
 
 # ---- alpha-entmax (sparsemax at alpha = 2) ------------------------------------------------
 
 
-def _entmax_fwd(kernels, x, mask, diagonal, key_lengths, alpha, alpha_rows, backend):
-    return kernels.entmax_forward(x, _row_mask(mask, diagonal, key_lengths), _param(alpha, alpha_rows))
+def _entmax_fwd(kernels, x, mask, diagonal, key_lengths, alpha, alpha_rows, sink, backend):
+    mask = _row_mask(mask, diagonal, key_lengths)
+    out = kernels.entmax_forward(x, mask, _param(alpha, alpha_rows), **_with_sink(sink))
+    return out[0], out[1], out[2] if sink is not None else _empty(x)
 
 
 entmax_fwd = _define(
     "entmax_fwd",
-    f"(Tensor x, {_MASK}, float alpha, Tensor? alpha_rows, str backend) -> (Tensor, Tensor)",
+    f"(Tensor x, {_MASK}, float alpha, Tensor? alpha_rows, Tensor? sink, str backend) -> (Tensor, Tensor, Tensor)",
     _entmax_fwd,
-    lambda x, *args: (torch.empty_like(x), _rows(x)),
-    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None),
+    lambda x, *args: (torch.empty_like(x), _rows(x), _sink_out(x, args[-2])),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", "bcast", None),
+    optional_outputs={2: 6},
     autocast=True,
 )
 
 
-def _entmax_bwd(kernels, y, grad, gate, alpha, alpha_rows, alpha_grad, backend):
-    dx, per_row = kernels.entmax_backward(y, grad, gate, _param(alpha, alpha_rows), alpha_grad)
-    return dx, per_row if per_row is not None else y.new_empty(0, dtype=gate.dtype)
+def _entmax_bwd(kernels, y, grad, gate, alpha, alpha_rows, alpha_grad, sink_weight, backend):
+    alpha = _param(alpha, alpha_rows)
+    if sink_weight is None:
+        dx, per_row = kernels.entmax_backward(y, grad, gate, alpha, alpha_grad)
+        dsink = _empty(gate)
+    else:
+        dx, per_row, dsink = kernels.entmax_backward(y, grad, gate, alpha, alpha_grad, sink_weight=sink_weight)
+    return dx, per_row if per_row is not None else _empty(gate), dsink
 
 
 entmax_bwd = _define(
     "entmax_bwd",
-    "(Tensor y, Tensor grad, Tensor gate, float alpha, Tensor? alpha_rows, bool alpha_grad, str backend)"
-    " -> (Tensor, Tensor)",
+    "(Tensor y, Tensor grad, Tensor gate, float alpha, Tensor? alpha_rows, bool alpha_grad, Tensor? sink_weight,"
+    " str backend) -> (Tensor, Tensor, Tensor)",
     _entmax_bwd,
-    lambda y, grad, gate, alpha, alpha_rows, alpha_grad, backend: (
-        torch.empty_like(y), _rows(y) if alpha_grad else y.new_empty(0, dtype=gate.dtype)
+    lambda y, grad, gate, alpha, alpha_rows, alpha_grad, sink_weight, backend: (
+        torch.empty_like(y), _rows(y) if alpha_grad else _empty(gate),
+        _empty(gate) if sink_weight is None else _rows(y),
     ),
-    vmap_kinds=("x", "full", "full", None, "bcast", None, None),
-    optional_output=5,
+    vmap_kinds=("x", "full", "full", None, "bcast", None, "full", None),
+    optional_outputs={1: 5, 2: 6},
 )
 
 
 # ---- Self-Adjusted Softmax ----------------------------------------------------------------
 
 
-def _self_adjusted_fwd(kernels, x, mask, diagonal, key_lengths, normalized, backend):
-    return kernels.self_adjusted_forward(x, _row_mask(mask, diagonal, key_lengths), normalized)
+def _self_adjusted_fwd(kernels, x, mask, diagonal, key_lengths, normalized, sink, backend):
+    out = kernels.self_adjusted_forward(x, _row_mask(mask, diagonal, key_lengths), normalized, **_with_sink(sink))
+    return out[0], out[1], out[2] if sink is not None else _empty(x)
 
 
 self_adjusted_softmax_fwd = _define(
     "self_adjusted_softmax_fwd",
-    f"(Tensor x, {_MASK}, bool normalized, str backend) -> (Tensor, Tensor)",
+    f"(Tensor x, {_MASK}, bool normalized, Tensor? sink, str backend) -> (Tensor, Tensor, Tensor)",
     _self_adjusted_fwd,
-    lambda x, *args: (torch.empty_like(x), _rows(x, 5)),
-    vmap_kinds=(*_SOFTMAX_KINDS, None, None),
+    lambda x, *args: (torch.empty_like(x), _rows(x, 5), _sink_out(x, args[-2])),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None),
+    optional_outputs={2: 5},
     autocast=True,
 )
 
 
-def _self_adjusted_bwd(kernels, x, mask, diagonal, key_lengths, grad, stats, normalized, backend):
-    return kernels.self_adjusted_backward(x, _row_mask(mask, diagonal, key_lengths), grad, stats, normalized)
+def _self_adjusted_bwd(kernels, x, mask, diagonal, key_lengths, grad, stats, normalized, sink, backend):
+    mask = _row_mask(mask, diagonal, key_lengths)
+    if sink is None:
+        return kernels.self_adjusted_backward(x, mask, grad, stats, normalized), _empty(x)
+    return kernels.self_adjusted_backward(x, mask, grad, stats, normalized, sink=sink)
 
 
 self_adjusted_softmax_bwd = _define(
     "self_adjusted_softmax_bwd",
-    f"(Tensor x, {_MASK}, Tensor grad, Tensor stats, bool normalized, str backend) -> Tensor",
+    f"(Tensor x, {_MASK}, Tensor grad, Tensor stats, bool normalized, Tensor? sink, str backend)"
+    " -> (Tensor, Tensor)",
     _self_adjusted_bwd,
-    lambda x, *args: torch.empty_like(x),
-    vmap_kinds=(*_SOFTMAX_KINDS, "full", "full", None, None),
+    lambda x, mask, diagonal, key_lengths, grad, stats, normalized, sink, backend: (
+        torch.empty_like(x), _sink_out(x, sink)
+    ),
+    vmap_kinds=(*_SOFTMAX_KINDS, "full", "full", None, "bcast", None),
+    optional_outputs={1: 7},
 )

@@ -21,6 +21,7 @@ from attnorm.kernels.reference.jacobians import (
     temperature_grad,
 )
 from attnorm.kernels.reference.rows import Rows, as_param, finish, masked_softmax, per_row, rows_of, shifted_scaled
+from attnorm.kernels.reference.sinks import extend, extended_weights, sink_column
 from attnorm.kernels.reference.softmax import (
     self_adjusted_parts,
     self_adjusted_softmax,
@@ -61,16 +62,20 @@ def _multiplier(rows: Rows, multiplier: float | Tensor) -> Tensor:
 
 
 def softmax_forward(
-    x: Tensor, mask: rules.RowMask, variant: int, first: float | Tensor, second: float | Tensor
-) -> tuple[Tensor, Tensor, Tensor | None]:
+    x: Tensor, mask: rules.RowMask, variant: int, first: float | Tensor, second: float | Tensor,
+    sink: Tensor | None = None,
+) -> tuple[Tensor, ...]:
     """``y = softmax(m x)`` over the allowed positions; variant 0: ``m = 1 / first``, 1: ``m = first log n + second``.
 
     Returns:
-        ``(y, multiplier, log_count)``: ``log_count = log(max(n, 1))`` for variant 1, None for 0.
+        ``(y, multiplier, log_count)``: ``log_count = log(max(n, 1))`` for variant 1, None for 0;
+        with a ``sink``, its weight per row last.
 
     Raises:
         ValueError: ``variant`` not 0 or 1.
     """
+    if sink is not None:
+        return _sunk_softmax_forward(x, mask, variant, first, second, sink)
     work = _working(x)
     rows = rows_of(work, mask)
     if variant == 0:
@@ -85,13 +90,23 @@ def softmax_forward(
 
 
 def softmax_backward(
-    y: Tensor, grad: Tensor, multiplier: float | Tensor, x: Tensor | None, param_grad: int
-) -> tuple[Tensor, Tensor | None]:
+    y: Tensor, grad: Tensor, multiplier: float | Tensor, x: Tensor | None, param_grad: int,
+    sink_weight: Tensor | None = None, sink: Tensor | None = None,
+) -> tuple[Tensor, ...]:
     """``dx = m y (g - sum(y g))`` and, per ``param_grad``, nothing (0), the temperature's (1) or ``m``'s (2) gradient.
 
+    With ``sink_weight``: the same on ``[y, sink_weight]`` and ``[g, 0]`` (``[x, sink]``), and
+    the sink's gradient per row last.
+
     Raises:
-        ValueError: ``param_grad`` not 0, 1 or 2, or 2 without ``x``.
+        ValueError: ``param_grad`` not 0, 1 or 2, or 2 without ``x`` (or ``sink``).
     """
+    if sink_weight is not None:
+        if param_grad == 2 and (x is None or sink is None):
+            raise ValueError("param_grad 2 with a sink needs x and sink")
+        extended, grad, x = _extended_backward_inputs(y, grad, sink_weight, x, sink)
+        dx, per_row = softmax_backward(extended, grad, multiplier, x, param_grad)
+        return _real(dx, y), per_row, _sink_grad(dx)
     work, grad = _working(y), _working(grad)
     multiplier = _column(multiplier, work)
     dx = softmax_vjp(work, grad, multiplier).to(y.dtype)
@@ -106,13 +121,20 @@ def softmax_backward(
 
 
 def topk_forward(
-    x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor
-) -> tuple[Tensor, Tensor]:
+    x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor,
+    sink: Tensor | None = None,
+) -> tuple[Tensor, ...]:
     """Softmax of ``x / temperature`` over the kept positions (ties: lowest index), exact 0 elsewhere.
 
     Returns:
-        ``(y, multiplier)``, ``multiplier = 1 / temperature`` per row (0 in rows holding +inf).
+        ``(y, multiplier)``, ``multiplier = 1 / temperature`` per row (0 in rows holding +inf);
+        with a ``sink``, its weight per row last.
     """
+    if sink is not None:
+        work, extended, rows, weights = _sunk(x, mask, sink, "topk_softmax", k=k, is_fraction=is_fraction,
+                                              temperature=temperature)
+        multiplier = _multiplier(rows, 1 / as_param(temperature, work))
+        return _real(weights, x), multiplier, _sink_weight(weights)
     work = _working(x)
     rows = rows_of(work, mask)
     keep = topk_keep(work, rows, k, is_fraction)
@@ -121,12 +143,18 @@ def topk_forward(
     return y.to(x.dtype), _multiplier(rows, multiplier)
 
 
-def entmax_forward(x: Tensor, mask: rules.RowMask, alpha: float | Tensor) -> tuple[Tensor, Tensor]:
+def entmax_forward(
+    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None
+) -> tuple[Tensor, ...]:
     """alpha-entmax for any ``alpha >= 1`` per row.
 
     Returns:
-        ``(y, gate)``, ``gate`` 1 per row, 0 in rows holding +inf.
+        ``(y, gate)``, ``gate`` 1 per row, 0 in rows holding +inf; with a ``sink``, its weight per row last.
     """
+    if sink is not None:
+        work, _, rows, weights = _sunk(x, mask, sink, "entmax", alpha=alpha)
+        gate = (~rows.posinf_row).squeeze(-1).to(work.dtype)
+        return _real(weights, x), gate, _sink_weight(weights)
     work = _working(x)
     rows = rows_of(work, mask)
     gate = (~rows.posinf_row).squeeze(-1).to(work.dtype)
@@ -134,9 +162,16 @@ def entmax_forward(x: Tensor, mask: rules.RowMask, alpha: float | Tensor) -> tup
 
 
 def entmax_backward(
-    y: Tensor, grad: Tensor, gate: Tensor, alpha: float | Tensor, alpha_grad: bool
-) -> tuple[Tensor, Tensor | None]:
-    """``dx = gate (s g - s sum(s g) / sum(s))``, ``s = y^(2 - alpha)``; with ``alpha_grad`` also alpha's per row."""
+    y: Tensor, grad: Tensor, gate: Tensor, alpha: float | Tensor, alpha_grad: bool, sink_weight: Tensor | None = None
+) -> tuple[Tensor, ...]:
+    """``dx = gate (s g - s sum(s g) / sum(s))``, ``s = y^(2 - alpha)``; with ``alpha_grad`` also alpha's per row.
+
+    With ``sink_weight``: the same on ``[y, sink_weight]`` and ``[g, 0]``, and the sink's gradient per row last.
+    """
+    if sink_weight is not None:
+        extended, grad, _ = _extended_backward_inputs(y, grad, sink_weight, None, None)
+        dx, per_row = entmax_backward(extended, grad, gate, alpha, alpha_grad)
+        return _real(dx, y), per_row, _sink_grad(dx)
     work, grad = _working(y), _working(grad)
     gate = _column(gate, work)
     alpha = alpha.to(work.dtype) if isinstance(alpha, Tensor) else alpha
@@ -146,19 +181,37 @@ def entmax_backward(
     return dx, _per_row_out(entmax_alpha_grad(work, grad, gate, alpha), work)
 
 
-def self_adjusted_forward(x: Tensor, mask: rules.RowMask, normalized: bool) -> tuple[Tensor, Tensor]:
+def self_adjusted_forward(
+    x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None
+) -> tuple[Tensor, ...]:
     """SA-Softmax ``y = phi(x) softmax(x)`` and its stats ``(..., 5)``: ``(c0, c1, low, high, gate)``.
 
     The softmax weights are ``exp((x - c0) - c1)``; ``gate`` is 0 in rows holding +inf or fully masked.
+    With a ``sink``, the stats are the extended row's and the sink's weight per row comes last.
     """
+    if sink is not None:
+        work, extended, rows, weights = _sunk(x, mask, sink, "self_adjusted_softmax", normalized=normalized)
+        _, low, high = self_adjusted_parts(rows)
+        return _real(weights, x), self_adjusted_stats(rows, low, high), _sink_weight(weights)
     work = _working(x)
     rows = rows_of(work, mask)
     _, low, high = self_adjusted_parts(rows)
     return self_adjusted_softmax(work, mask, normalized).to(x.dtype), self_adjusted_stats(rows, low, high)
 
 
-def self_adjusted_backward(x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool) -> Tensor:
-    """SA-Softmax's ``dx``, recomputing the softmax weights from ``x`` and ``stats`` (NaN rows give NaN)."""
+def self_adjusted_backward(
+    x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool, sink: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    """SA-Softmax's ``dx``, recomputing the softmax weights from ``x`` and ``stats`` (NaN rows give NaN).
+
+    With a ``sink``: the same on ``[x, sink]`` and ``[g, 0]``, returning ``(dx, dsink)``.
+    """
+    if sink is not None:
+        extended, keep, _ = extend(_working(x), mask, sink)
+        grad = _working(grad)
+        grad = torch.cat([grad, grad.new_zeros(grad.shape[:-1] + (1,))], dim=-1)
+        dx = self_adjusted_backward(extended, keep, grad, stats, normalized)
+        return _real(dx, x), _sink_grad(dx)
     work, grad_work = _working(x), _working(grad)
     rows = rows_of(work, mask)
     top, log_sum, low, high, gate = stats.to(work.dtype).unsqueeze(-2).unbind(-1)
@@ -166,3 +219,59 @@ def self_adjusted_backward(x: Tensor, mask: rules.RowMask, grad: Tensor, stats: 
     weights = torch.where(used, torch.exp(torch.where(used, (rows.scores - top) - log_sum, 0.0)), 0.0)
     dx = self_adjusted_vjp_from(rows.scores, rows.active, weights, low, high, gate, grad_work, normalized)
     return finish(dx, rows).to(x.dtype)
+
+
+# ---- a sink per row (kernels/README.md, "A sink per row") ----------------------------------
+
+
+def _sunk(x: Tensor, mask: rules.RowMask, sink: Tensor, kernel: str, **params) -> tuple[Tensor, Tensor, Rows, Tensor]:
+    """``x`` in the accumulation dtype, the extended row, its rows and its weights (the sink's last)."""
+    work = _working(x)
+    params = {name: as_param(value, work) if name in ("temperature", "s", "bias", "alpha") else value
+              for name, value in params.items()}
+    extended, keep, _ = extend(work, mask, sink_column(sink, work))
+    return work, extended, rows_of(extended, keep), extended_weights(kernel, work, mask, sink, **params)
+
+
+def _real(weights: Tensor, x: Tensor) -> Tensor:
+    """The real positions' part of an extended row, laid out like ``x`` (the ops' fake kernels say so)."""
+    return weights[..., :-1].to(x.dtype).contiguous()
+
+
+def _sink_weight(weights: Tensor) -> Tensor:
+    return weights[..., -1].clone()  # a view would alias the weights: ops' outputs may not
+
+
+def _sink_grad(dx: Tensor) -> Tensor:
+    return dx[..., -1].to(rules.accumulation_dtype(dx.dtype), copy=True)
+
+
+def _sunk_softmax_forward(x, mask, variant, first, second, sink) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    work = _working(x)
+    _, keep, count = extend(work, mask, sink_column(sink, work))
+    if variant == 0:
+        kernel, params, log_count = "softmax", {"temperature": as_param(first, work)}, None
+        multiplier = 1 / params["temperature"]
+    elif variant == 1:
+        kernel, params = "scalable_softmax", {"s": as_param(first, work), "bias": as_param(second, work)}
+        log_count = torch.log(count.clamp_min(1).to(work.dtype))
+        multiplier = params["s"] * log_count + params["bias"]
+        log_count = log_count.squeeze(-1)
+    else:
+        raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
+    work, _, rows, weights = _sunk(x, mask, sink, kernel, **params)
+    return _real(weights, x), _multiplier(rows, multiplier), log_count, _sink_weight(weights)
+
+
+def _extended_backward_inputs(y: Tensor, grad: Tensor, sink_weight: Tensor, x: Tensor | None,
+                              sink: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``[y, sink_weight]``, ``[g, 0]`` and ``[x, sink]`` (None without ``x``), in the accumulation dtype."""
+    work = _working(y)
+    column = sink_weight.to(work.dtype).reshape(work.shape[:-1] + (1,))
+    y = torch.cat([work, column], dim=-1)
+    grad = _working(grad)
+    grad = torch.cat([grad, grad.new_zeros(grad.shape[:-1] + (1,))], dim=-1)
+    if x is not None:
+        x = _working(x)
+        x = torch.cat([x, sink_column(sink, x)], dim=-1)
+    return y, grad, x

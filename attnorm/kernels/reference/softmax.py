@@ -78,15 +78,17 @@ def scalable_softmax(
     return finish(masked_softmax(shifted_scaled(rows, multiplier), rows), rows)
 
 
-def topk_keep(x: Tensor, rows: Rows, k: float, is_fraction: bool) -> Tensor:
+def topk_keep(x: Tensor, rows: Rows, k: float, is_fraction: bool, count: Tensor | None = None) -> Tensor:
     """Bool like ``x``: the ``min(k, n)`` largest allowed scores (fraction: ``max(1, ceil(k n - 1e-9))``).
 
     Ranks come from a stable descending sort, so among scores tied at the k-th value
-    the lowest index wins.  +inf positions rank first.
+    the lowest index wins.  +inf positions rank first.  ``count`` ``(..., 1)``, when given,
+    replaces the number of positions kept (a sink's rule, :mod:`.sinks`).
     """
     key = torch.where(rows.allowed, x.detach(), -math.inf)
     rank = key.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-    count = rules.topk_row_count(k, is_fraction, rules.allowed_count(rows.allowed))
+    if count is None:
+        count = rules.topk_row_count(k, is_fraction, rules.allowed_count(rows.allowed))
     return rank < count
 
 
