@@ -45,7 +45,8 @@ Scalar = float | Tensor
 
 
 def softmax(
-    x: Tensor, dim: int = -1, *, temperature: Scalar = 1.0, mask: Mask = None, backend: str | None = None
+    x: Tensor, dim: int = -1, *, temperature: Scalar = 1.0, mask: Mask = None, backend: str | None = None,
+    sink: Scalar | None = None,
 ) -> Tensor:
     """Softmax with temperature: ``a_i = exp(x_i / T) / sum_j exp(x_j / T)`` over allowed positions.
 
@@ -55,6 +56,10 @@ def softmax(
         temperature: T > 0 (float or tensor broadcastable to ``x``, constant along ``dim``).
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
+        sink: score of a virtual key appended to every row whose weight is dropped (an
+            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
+            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
+            in ``n``; see ``kernels/README.md``.
 
     Returns:
         Weights like ``x``; each row with an allowed position sums to 1.
@@ -64,11 +69,12 @@ def softmax(
         TypeError: non-floating ``x``, non-bool mask.
     """
     check_temperature(temperature)
-    return normalize("softmax", x, mask, dim, {"temperature": temperature}, backend)
+    return normalize("softmax", x, mask, dim, {"temperature": temperature}, backend, sink)
 
 
 def scalable_softmax(
-    x: Tensor, dim: int = -1, *, s: Scalar = 0.43, bias: Scalar = 0.0, mask: Mask = None, backend: str | None = None
+    x: Tensor, dim: int = -1, *, s: Scalar = 0.43, bias: Scalar = 0.0, mask: Mask = None, backend: str | None = None,
+    sink: Scalar | None = None,
 ) -> Tensor:
     """Scalable-Softmax (Nakanishi, 2025, arXiv 2501.19399): ``softmax((s log n + bias) x)``.
 
@@ -83,6 +89,10 @@ def scalable_softmax(
         bias: additive term of the multiplier (same rules as ``s``).
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
+        sink: score of a virtual key appended to every row whose weight is dropped (an
+            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
+            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
+            in ``n``; see ``kernels/README.md``.
 
     Returns:
         Weights like ``x``; rows sum to 1.
@@ -92,11 +102,12 @@ def scalable_softmax(
     """
     check_finite("s", s)
     check_finite("bias", bias)
-    return normalize("scalable_softmax", x, mask, dim, {"s": s, "bias": bias}, backend)
+    return normalize("scalable_softmax", x, mask, dim, {"s": s, "bias": bias}, backend, sink)
 
 
 def self_adjusted_softmax(
-    x: Tensor, dim: int = -1, *, normalized: bool = True, mask: Mask = None, backend: str | None = None
+    x: Tensor, dim: int = -1, *, normalized: bool = True, mask: Mask = None, backend: str | None = None,
+    sink: Scalar | None = None,
 ) -> Tensor:
     """Self-Adjusted Softmax (Zheng et al., 2025, arXiv 2502.18277).
 
@@ -111,15 +122,21 @@ def self_adjusted_softmax(
         normalized: use the min-max normalised factor (weights in [0, 1]).
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
+        sink: score of a virtual key appended to every row whose weight is dropped (an
+            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
+            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
+            in ``n``; see ``kernels/README.md``.
 
     Returns:
         Weights like ``x``.
     """
     check_bool("normalized")(normalized)
-    return normalize("self_adjusted_softmax", x, mask, dim, {"normalized": normalized}, backend)
+    return normalize("self_adjusted_softmax", x, mask, dim, {"normalized": normalized}, backend, sink)
 
 
-def sparsemax(x: Tensor, dim: int = -1, *, mask: Mask = None, backend: str | None = None) -> Tensor:
+def sparsemax(
+    x: Tensor, dim: int = -1, *, mask: Mask = None, backend: str | None = None, sink: Scalar | None = None
+) -> Tensor:
     """Sparsemax (Martins & Astudillo, 2016): ``argmin_{p in simplex} ||p - x||^2``.
 
     Solution ``a_i = max(x_i - tau, 0)`` with ``tau`` such that the row sums to 1;
@@ -130,14 +147,21 @@ def sparsemax(x: Tensor, dim: int = -1, *, mask: Mask = None, backend: str | Non
         dim: axis to normalise over.
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
+        sink: score of a virtual key appended to every row whose weight is dropped (an
+            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
+            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
+            in ``n``; see ``kernels/README.md``.
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.
     """
-    return normalize("sparsemax", x, mask, dim, {}, backend)
+    return normalize("sparsemax", x, mask, dim, {}, backend, sink)
 
 
-def entmax(x: Tensor, alpha: Scalar = 1.5, dim: int = -1, *, mask: Mask = None, backend: str | None = None) -> Tensor:
+def entmax(
+    x: Tensor, alpha: Scalar = 1.5, dim: int = -1, *, mask: Mask = None, backend: str | None = None,
+    sink: Scalar | None = None,
+) -> Tensor:
     """alpha-entmax (Peters, Niculae & Martins, 2019, arXiv 1905.05702).
 
     ``argmax_{p in simplex} p.x + H_alpha(p)`` with the Tsallis entropy ``H_alpha``;
@@ -152,6 +176,10 @@ def entmax(x: Tensor, alpha: Scalar = 1.5, dim: int = -1, *, mask: Mask = None, 
         dim: axis to normalise over.
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
+        sink: score of a virtual key appended to every row whose weight is dropped (an
+            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
+            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
+            in ``n``; see ``kernels/README.md``.
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.
@@ -160,7 +188,7 @@ def entmax(x: Tensor, alpha: Scalar = 1.5, dim: int = -1, *, mask: Mask = None, 
         ValueError: alpha < 1 or not finite.
     """
     check_alpha(alpha)
-    return normalize("entmax", x, mask, dim, {"alpha": alpha}, backend)
+    return normalize("entmax", x, mask, dim, {"alpha": alpha}, backend, sink)
 
 
 def topk_softmax(
@@ -171,6 +199,7 @@ def topk_softmax(
     temperature: Scalar = 1.0,
     mask: Mask = None,
     backend: str | None = None,
+    sink: Scalar | None = None,
 ) -> Tensor:
     """Softmax over the ``k`` largest allowed scores of each row, exactly 0 elsewhere.
 
@@ -185,6 +214,10 @@ def topk_softmax(
         temperature: T > 0, as in :func:`softmax`.
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
+        sink: score of a virtual key appended to every row whose weight is dropped (an
+            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
+            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
+            in ``n``; see ``kernels/README.md``.
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.
@@ -194,7 +227,7 @@ def topk_softmax(
     """
     check_k(k)
     check_temperature(temperature)
-    return normalize("topk_softmax", x, mask, dim, {"k": k, "temperature": temperature}, backend)
+    return normalize("topk_softmax", x, mask, dim, {"k": k, "temperature": temperature}, backend, sink)
 
 
 

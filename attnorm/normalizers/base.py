@@ -125,6 +125,7 @@ def normalize(
     dim: int,
     params: dict[str, Any],
     backend: str | None = None,
+    sink: float | Tensor | None = None,
 ) -> Tensor:
     """Apply the row operation ``op`` along ``dim`` under the shared rules.
 
@@ -135,9 +136,16 @@ def normalize(
         dim: the axis to normalise over.
         params: the op's parameters; python numbers or tensors broadcastable to ``scores``.
         backend: one of :data:`attnorm.kernels.backends.BACKENDS`, or None (the global default).
+        sink: the score of a virtual key appended to every row, whose weight is dropped
+            (an attention sink, ``kernels/README.md``): a number, or a tensor broadcastable
+            to ``scores`` and constant along ``dim``; None for no sink.
 
     Returns:
         Weights with the shape and dtype of ``scores``.
+
+    Raises:
+        TypeError: a ``sink`` that is not a number or a floating tensor.
+        ValueError: a ``sink`` on another device, not broadcastable, or varying along ``dim``.
     """
     _check_scores(scores)
     if mask is not None:
@@ -153,10 +161,26 @@ def normalize(
         if isinstance(value, Tensor):
             params = _row_params(params, x, dim)
             break
+    if sink is not None:
+        params = {**params, "sink": _row_sink(sink, x, dim)}
     last = squeeze or dim == ndim - 1  # the common case: no moves
     out = getattr(autograd, op)(x if last else x.movedim(dim, -1), row_mask, **params, backend=backend)
     out = out if last else out.movedim(-1, dim)
     return out.reshape(()) if squeeze else out
+
+
+def _row_sink(sink: float | Tensor, x: Tensor, dim: int) -> Tensor:
+    """The sink as a column ``(..., 1)`` against ``x`` moved to normalise over ``dim=-1``, in the kernels' precision."""
+    dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    if isinstance(sink, (int, float)) and not isinstance(sink, bool):
+        return torch.full((1,) * x.ndim, float(sink), dtype=dtype, device=x.device)
+    if not isinstance(sink, Tensor) or not sink.dtype.is_floating_point:
+        kind = sink.dtype if isinstance(sink, Tensor) else type(sink).__name__
+        raise TypeError(f"sink must be a number or a floating tensor, got {kind}")
+    if sink.device != x.device:
+        raise ValueError(f"sink is on {sink.device} but scores are on {x.device}: put them on one device")
+    sink = broadcast_param("sink", sink, x, dim)
+    return sink if sink.dtype == dtype else sink.to(dtype)
 
 
 def _row_params(params: dict[str, Any], x: Tensor, dim: int) -> dict[str, Any]:
@@ -232,8 +256,10 @@ class Normalizer(nn.Module):
         self.check_state({name: value.detach().cpu() for name, value in incoming.items()})
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def forward(self, scores: Tensor, mask: Tensor | StructuredMask | None = None) -> Tensor:
-        return normalize(self.kernel, scores, mask, self.dim, self.kernel_params(), self.backend)
+    def forward(self, scores: Tensor, mask: Tensor | StructuredMask | None = None, *,
+                sink: float | Tensor | None = None) -> Tensor:
+        """Weights of ``scores`` along ``dim``; ``sink``: a virtual key's score per row, its weight dropped."""
+        return normalize(self.kernel, scores, mask, self.dim, self.kernel_params(), self.backend, sink)
 
     def _repr_fields(self) -> dict[str, Any]:
         return {}

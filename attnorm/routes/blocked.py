@@ -37,16 +37,12 @@ them too, :mod:`attnorm.routes.fused`; these routes serve the calls that stay of
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from attnorm.kernels.rules import ssmax_multiplier, topk_row_count
 from attnorm.masks import StructuredMask
-from attnorm.normalizers import TopKSoftmax
 from attnorm.routes.common import interval, interval_rows
 
 __all__ = ["BLOCKS_PER_INPUTS", "MIN_BLOCK_BYTES", "block_rows", "blocked_attention", "materialised_attention"]
@@ -154,42 +150,19 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
 
 
 def _with_sinks(normalizer, scores: Tensor, mask: Tensor | None, sinks: Tensor) -> Tensor:
-    """Weights of the real keys when each row also holds its head's sink (a last, always allowed key)."""
-    sink = sinks.to(scores.dtype).reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)  # (..., Hq, rows, 1)
+    """Weights of the real keys when each row also holds its head's sink (a last, always allowed key).
+
+    The six normalizers with row kernels take the sink inside their kernels (a per-row
+    argument: no extended score matrix).  Others are applied to the scores extended by
+    the sink's column, which they treat as one more key.
+    """
+    column = sinks.reshape(-1, 1, 1)  # (Hq, 1, 1): one sink per head, every row
+    if getattr(normalizer, "kernel", ""):
+        return normalizer(scores, mask, sink=column.to(scores.device))
+    sink = column.to(scores.dtype).expand(*scores.shape[:-1], 1)  # (..., Hq, rows, 1)
     extended = torch.cat([scores, sink], dim=-1)
-    keep = None
-    if mask is not None:
-        keep = torch.cat([mask.expand(scores.shape), mask.new_ones(sink.shape)], dim=-1)
-    kernel = getattr(normalizer, "kernel", None)
-    params = normalizer.kernel_params() if kernel in ("softmax", "scalable_softmax", "topk_softmax") else {}
-    if kernel == "topk_softmax" and isinstance(params["k"], float):
-        # A fraction is of the real allowed keys (the sink is not one); the sink may take one of the slots,
-        # losing ties to the keys (it comes last).  Softmax over the kept entries: top-k keeping all of them.
-        count = topk_row_count(params["k"], True, _allowed(scores, mask).sum(-1, keepdim=True)).clamp_min(1)
-        ranked = extended.detach() if keep is None else extended.detach().masked_fill(~keep, -math.inf)
-        kept = ranked.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1) < count
-        kept &= ranked != -math.inf
-        every = TopKSoftmax(extended.shape[-1], params["temperature"], backend=normalizer.backend)
-        return every(extended, kept)[..., :-1]
-    if kernel not in ("softmax", "scalable_softmax"):
-        return normalizer(extended, keep)[..., :-1]
-    # The multiplier scales the sink too, but Scalable-Softmax's n counts the real keys only.
-    if kernel == "softmax":
-        multiplier = 1 / params["temperature"]
-    else:
-        allowed = _allowed(scores, mask)
-        multiplier = ssmax_multiplier(allowed.sum(-1, keepdim=True).to(sink.dtype), params["s"], params["bias"])
-    compute = extended.float() if extended.dtype in (torch.float16, torch.bfloat16) else extended
-    masked = compute.isneginf() if keep is None else compute.isneginf() | ~keep
-    logits = (compute * multiplier).masked_fill(masked, -math.inf)
-    weights = torch.where(masked.all(-1, keepdim=True), 0.0, torch.softmax(logits, dim=-1))
-    return weights[..., :-1].to(scores.dtype)
-
-
-def _allowed(scores: Tensor, mask: Tensor | None) -> Tensor:
-    """The real keys a row may attend: allowed by the mask, score not -inf."""
-    finite = scores != -math.inf
-    return finite if mask is None else mask & finite
+    keep = None if mask is None else torch.cat([mask.expand(scores.shape), mask.new_ones(sink.shape)], dim=-1)
+    return normalizer(extended, keep)[..., :-1]
 
 
 def _rng_state(device: torch.device) -> Tensor:
