@@ -13,9 +13,17 @@ Per-row parameters are python numbers or tensors ``(..., 1)`` broadcastable to `
 :func:`attnorm.kernels.rules.accumulation_dtype`, which for the float32 and float64 rows
 C takes is the rows' own dtype.  The functions are plain (no autograd):
 :mod:`attnorm.kernels.ops` wraps them.
+
+A sink per row (``kernels/README.md``, "A sink per row") goes to C as one more per-row
+parameter: its score (-inf, which takes no part, when there is none) for the forwards and
+Self-Adjusted's backward, its weight (0 when there is none) for the other backwards.  C
+returns its weight or gradient per row, and the functions return it last only when the
+sink is given.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -92,6 +100,11 @@ def _per_row(value: float | Tensor, rows: torch.Size, dtype: torch.dtype, name: 
     return 0.0, per_row
 
 
+def _sink(sink: float | Tensor | None, rows: torch.Size, dtype: torch.dtype) -> tuple[float, Tensor | None]:
+    """The sink's score per row as C takes it (:func:`_per_row`); -inf, which takes no part, without a sink."""
+    return (-math.inf, None) if sink is None else _per_row(sink, rows, dtype, "sink")
+
+
 def _address(tensor: Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -114,15 +127,21 @@ def _scores(x: Tensor, mask: rules.RowMask) -> Tensor:
 
 
 def softmax_forward(
-    x: Tensor, mask: rules.RowMask, variant: int, first: float | Tensor, second: float | Tensor
-) -> tuple[Tensor, Tensor, Tensor | None]:
+    x: Tensor,
+    mask: rules.RowMask,
+    variant: int,
+    first: float | Tensor,
+    second: float | Tensor,
+    sink: float | Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None] | tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """Softmax of scaled scores over the allowed positions: ``y = softmax(m x)``.
 
     Variant 0 (temperature): ``m = 1 / first``.  Variant 1 (Scalable-Softmax,
     Nakanishi 2025): ``m = first * log(max(n, 1)) + second`` with ``n`` the allowed
     positions of the row (+inf and NaN positions count, -inf ones do not).  Computed
     as ``exp(m (x - max x)) / sum`` (``m (x - min x)`` for ``m < 0``), so finite scores
-    never overflow.
+    never overflow.  With a sink ``s``: ``[y, w] = softmax(m [x, s])``, ``n`` still the
+    real positions.
 
     Args:
         x: scores ``(..., L)``, float32 or float64.
@@ -130,10 +149,13 @@ def softmax_forward(
         variant: 0 or 1.
         first: temperature (variant 0) or ``s`` (variant 1), per row.
         second: the bias (variant 1; ignored for variant 0), per row.
+        sink: the score of a virtual key after the last position, per row (always
+            allowed), or None.
 
     Returns:
         ``(y, multiplier, log_count)``: ``multiplier`` is ``m`` per row (0 in rows
-        holding +inf), ``log_count = log(max(n, 1))`` for variant 1, None for variant 0.
+        holding +inf), ``log_count = log(max(n, 1))`` for variant 1, None for variant 0;
+        with a sink, its weight per row follows.
 
     Raises:
         ValueError: ``variant`` not 0 or 1, or tensors the kernels cannot take.
@@ -145,23 +167,34 @@ def softmax_forward(
     row_shape, length = shape[:-1], shape[-1]
     first, first_rows = _per_row(first, row_shape, dtype, "first")
     second, second_rows = _per_row(second, row_shape, dtype, "second")
+    sink_score, sink_rows = _sink(sink, row_shape, dtype)
     y = _new(shape, dtype)
     multiplier = _new(row_shape, dtype)
     log_count = _new(row_shape, dtype) if variant == 1 else None
+    sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_softmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, variant,
-            first, _address(first_rows), second, _address(second_rows), multiplier.data_ptr(), _address(log_count))
-    return y, multiplier, log_count
+            first, _address(first_rows), second, _address(second_rows), multiplier.data_ptr(), _address(log_count),
+            sink_score, _address(sink_rows), _address(sink_weight))
+    return (y, multiplier, log_count) if sink is None else (y, multiplier, log_count, sink_weight)
 
 
 def softmax_backward(
-    y: Tensor, grad: Tensor, multiplier: float | Tensor, x: Tensor | None, param_grad: int
-) -> tuple[Tensor, Tensor | None]:
+    y: Tensor,
+    grad: Tensor,
+    multiplier: float | Tensor,
+    x: Tensor | None,
+    param_grad: int,
+    sink_weight: float | Tensor | None = None,
+    sink: float | Tensor | None = None,
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     """Vector-Jacobian product of ``y = softmax(m x)``: ``dx = m y (g - sum(y g))``.
 
     Shared by softmax, Scalable-Softmax and top-k.  With ``dz = y (g - sum(y g))`` summed
     where ``y > 0``: ``param_grad`` 1 also returns ``-m sum(dz log y)`` (the gradient of
     a per-row temperature), 2 returns ``sum(dz x)`` over finite ``x`` (the gradient of
-    ``m``; 0 in rows holding +inf).
+    ``m``; 0 in rows holding +inf).  With a sink of weight ``w``, all of it on the extended
+    row ``[y, w]`` with gradient ``[g, 0]``: ``dx`` is unchanged, the sink receives
+    ``dsink = -m w sum(y g)`` and adds its terms to the per-row sums.
 
     Args:
         y: the forward's weights ``(..., L)``.
@@ -169,16 +202,24 @@ def softmax_backward(
         multiplier: ``m`` per row (the forward's ``multiplier``).
         x: the forward's (masked) scores, needed for ``param_grad`` 2.
         param_grad: 0, 1 or 2.
+        sink_weight: the forward's sink weight per row, or None (no sink).
+        sink: the sink's scores per row, needed for ``param_grad`` 2 with a sink.
 
     Returns:
-        ``(dx, per_row)``, ``per_row`` None for ``param_grad`` 0.
+        ``(dx, per_row)``, ``per_row`` None for ``param_grad`` 0; with a sink, ``dsink``
+        per row follows.
 
     Raises:
-        ValueError: ``param_grad`` not 0, 1 or 2, 2 without ``x``, or mismatched tensors.
+        ValueError: ``param_grad`` not 0, 1 or 2, 2 without ``x`` (or, with a sink,
+            without ``sink``), ``sink`` without ``sink_weight``, or mismatched tensors.
     """
     if param_grad not in (0, 1, 2) or (param_grad == 2 and x is None):
         given = "with x" if x is not None else "without x"
         raise ValueError(f"param_grad must be 0, 1 or 2 (2 needs x), got {param_grad} {given}")
+    if sink_weight is None and sink is not None:
+        raise ValueError("sink needs sink_weight (the forward's weight of the sink), got sink_weight=None")
+    if param_grad == 2 and sink_weight is not None and sink is None:
+        raise ValueError("param_grad 2 with a sink needs sink (its scores), got sink=None")
     _check_rows(y, "y")
     y = y.contiguous()
     grad = _like(grad, y, "grad")
@@ -186,21 +227,33 @@ def softmax_backward(
     shape, dtype = y.shape, y.dtype
     row_shape, length = shape[:-1], shape[-1]
     multiplier, multiplier_rows = _per_row(multiplier, row_shape, dtype, "multiplier")
+    weight, weight_rows = (0.0, None) if sink_weight is None else _per_row(sink_weight, row_shape, dtype, "sink_weight")
+    sink_score, sink_rows = _sink(sink if param_grad == 2 else None, row_shape, dtype)
     dx = _new(shape, dtype)
     per_row = _new(row_shape, dtype) if param_grad else None
+    dsink = None if sink_weight is None else _new(row_shape, dtype)
     _launch("attnorm_softmax_backward", dtype, y.data_ptr(), grad.data_ptr(), _address(scores), dx.data_ptr(),
-            y.numel() // length, length, multiplier, _address(multiplier_rows), param_grad, _address(per_row))
-    return dx, per_row
+            y.numel() // length, length, multiplier, _address(multiplier_rows), param_grad, _address(per_row),
+            weight, _address(weight_rows), sink_score, _address(sink_rows), _address(dsink))
+    return (dx, per_row) if sink_weight is None else (dx, per_row, dsink)
 
 
 def topk_forward(
-    x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor
-) -> tuple[Tensor, Tensor]:
+    x: Tensor,
+    mask: rules.RowMask,
+    k: float,
+    is_fraction: bool,
+    temperature: float | Tensor,
+    sink: float | Tensor | None = None,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Softmax of ``x / temperature`` over the kept positions, exactly 0 elsewhere.
 
     Kept: the ``min(k, n)`` largest allowed scores, or ``max(1, ceil(k n - 1e-9))`` for a
     fraction ``0 < k < 1`` (``n`` the allowed positions); ties at the k-th value keep the
     lowest index.  A row holding +inf is uniform over its first kept +inf positions.
+    With a sink, on the extended row ``[x, sink]``: an integer ``k`` counts the sink's
+    slot, a fraction does not count it in ``n`` (it keeps 1 slot when ``n = 0``), and the
+    sink loses every tie.
 
     Args:
         x: scores ``(..., L)``, float32 or float64.
@@ -208,37 +261,49 @@ def topk_forward(
         k: positions to keep, or the fraction of the allowed ones.
         is_fraction: read ``k`` as a fraction.
         temperature: per row.
+        sink: the score of a virtual key after the last position, per row (always
+            allowed), or None.
 
     Returns:
-        ``(y, multiplier)``, ``multiplier = 1 / temperature`` per row (0 in rows holding +inf).
+        ``(y, multiplier)``, ``multiplier = 1 / temperature`` per row (0 in rows holding +inf);
+        with a sink, its weight per row follows.
     """
     scores = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
     temperature, temperature_rows = _per_row(temperature, row_shape, dtype, "temperature")
+    sink_score, sink_rows = _sink(sink, row_shape, dtype)
     y = _new(shape, dtype)
     multiplier = _new(row_shape, dtype)
+    sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_topk_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, float(k),
-            int(bool(is_fraction)), temperature, _address(temperature_rows), multiplier.data_ptr())
-    return y, multiplier
+            int(bool(is_fraction)), temperature, _address(temperature_rows), multiplier.data_ptr(), sink_score,
+            _address(sink_rows), _address(sink_weight))
+    return (y, multiplier) if sink is None else (y, multiplier, sink_weight)
 
 
-def entmax_forward(x: Tensor, mask: rules.RowMask, alpha: float | Tensor) -> tuple[Tensor, Tensor]:
+def entmax_forward(
+    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: float | Tensor | None = None
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """alpha-entmax (Peters, Niculae & Martins, 2019) for any ``alpha >= 1`` per row.
 
     ``y = [(alpha - 1) x - tau]_+^(1 / (alpha - 1))`` with ``tau`` such that each row sums
     to 1: the solution of ``argmax_{p in simplex} p.x + H_alpha(p)`` (Tsallis entropy).
     alpha = 1 is softmax, 2 sparsemax (exact), 1.5 exact by its closed form; other
     alpha by a safeguarded Halley iteration, refined in double where it is ill
-    conditioned (alpha > 2, and alpha < 1.1 for float32).
+    conditioned (alpha > 2, and alpha < 1.1 for float32).  With a sink, on the
+    extended row ``[x, sink]`` (the threshold includes it).
 
     Args:
         x: scores ``(..., L)``, float32 or float64.
         mask: which positions each row may use.
         alpha: per row, ``>= 1`` (a NaN row otherwise).
+        sink: the score of a virtual key after the last position, per row (always
+            allowed), or None.
 
     Returns:
-        ``(y, gate)``, ``gate`` 1 per row, 0 in rows holding +inf.
+        ``(y, gate)``, ``gate`` 1 per row, 0 in rows holding +inf; with a sink, its weight
+        per row follows.
 
     Raises:
         ValueError: a python ``alpha`` below 1.
@@ -249,22 +314,31 @@ def entmax_forward(x: Tensor, mask: rules.RowMask, alpha: float | Tensor) -> tup
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
     alpha, alpha_rows = _per_row(alpha, row_shape, dtype, "alpha")
+    sink_score, sink_rows = _sink(sink, row_shape, dtype)
     y = _new(shape, dtype)
     gate = _new(row_shape, dtype)
+    sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_entmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, alpha,
-            _address(alpha_rows), gate.data_ptr())
-    return y, gate
+            _address(alpha_rows), gate.data_ptr(), sink_score, _address(sink_rows), _address(sink_weight))
+    return (y, gate) if sink is None else (y, gate, sink_weight)
 
 
 def entmax_backward(
-    y: Tensor, grad: Tensor, gate: float | Tensor, alpha: float | Tensor, alpha_grad: bool
-) -> tuple[Tensor, Tensor | None]:
+    y: Tensor,
+    grad: Tensor,
+    gate: float | Tensor,
+    alpha: float | Tensor,
+    alpha_grad: bool,
+    sink_weight: float | Tensor | None = None,
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     """Vector-Jacobian product of alpha-entmax from its output.
 
     ``dx = gate (s g - s sum(s g) / sum(s))`` with ``s = y^(2 - alpha)`` on the support
     (``y`` itself for alpha = 1); with ``alpha_grad``, per row
     ``d alpha = gate beta (sum(g S) - sum(S) / sum(s) sum(g s))``, ``beta = 1 / (alpha - 1)``,
-    ``S = y (beta - log y)`` on the support (0 for alpha = 1 rows).
+    ``S = y (beta - log y)`` on the support (0 for alpha = 1 rows).  With a sink of weight
+    ``w``, all of it on the extended row ``[y, w]`` with gradient ``[g, 0]``: the sink's
+    ``s`` and ``S`` join the sums and it receives ``dsink = -gate s_w sum(s g) / sum(s)``.
 
     Args:
         y: the forward's weights ``(..., L)``.
@@ -272,9 +346,11 @@ def entmax_backward(
         gate: the forward's gate, per row.
         alpha: per row.
         alpha_grad: also return alpha's gradient per row.
+        sink_weight: the forward's sink weight per row, or None (no sink).
 
     Returns:
-        ``(dx, per_row)``, ``per_row`` None without ``alpha_grad``.
+        ``(dx, per_row)``, ``per_row`` None without ``alpha_grad``; with a sink, ``dsink``
+        per row follows.
     """
     _check_rows(y, "y")
     y = y.contiguous()
@@ -283,49 +359,64 @@ def entmax_backward(
     row_shape, length = shape[:-1], shape[-1]
     gate, gate_rows = _per_row(gate, row_shape, dtype, "gate")
     alpha, alpha_rows = _per_row(alpha, row_shape, dtype, "alpha")
+    weight, weight_rows = (0.0, None) if sink_weight is None else _per_row(sink_weight, row_shape, dtype, "sink_weight")
     dx = _new(shape, dtype)
     per_row = _new(row_shape, dtype) if alpha_grad else None
+    dsink = None if sink_weight is None else _new(row_shape, dtype)
     _launch("attnorm_entmax_backward", dtype, y.data_ptr(), grad.data_ptr(), dx.data_ptr(), y.numel() // length,
-            length, gate, _address(gate_rows), alpha, _address(alpha_rows), _address(per_row))
-    return dx, per_row
+            length, gate, _address(gate_rows), alpha, _address(alpha_rows), _address(per_row), weight,
+            _address(weight_rows), _address(dsink))
+    return (dx, per_row) if sink_weight is None else (dx, per_row, dsink)
 
 
-def self_adjusted_forward(x: Tensor, mask: rules.RowMask, normalized: bool) -> tuple[Tensor, Tensor]:
+def self_adjusted_forward(
+    x: Tensor, mask: rules.RowMask, normalized: bool, sink: float | Tensor | None = None
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """SA-Softmax (Zheng et al., 2025): ``y = phi(x) softmax(x)`` over the allowed positions.
 
     ``phi(x) = x`` (plain) or ``(x - low) / (high - low)`` with ``low = min(min x, 0)``,
     ``high = max(max x, 0)`` over the allowed finite scores (normalized; ``phi = 0`` when
     ``high = low``; the span is halved when it overflows and divided by, so denormal
     spans stay finite).  A row holding +inf has weights uniform over its +inf positions
-    (normalized) or +inf there (plain).
+    (normalized) or +inf there (plain).  With a sink, on the extended row ``[x, sink]``
+    (its score joins ``max``, ``min``, ``low``, ``high`` and the softmax sum).
 
     Args:
         x: scores ``(..., L)``, float32 or float64.
         mask: which positions each row may use.
         normalized: use the normalized factor.
+        sink: the score of a virtual key after the last position, per row (always
+            allowed), or None.
 
     Returns:
         ``(y, stats)``, ``stats`` of shape ``x.shape[:-1] + (5,)``: ``(c0, c1, low, high, gate)``
         with softmax weights ``w = exp((x - c0) - c1)``; ``gate`` 0 in rows holding +inf or
-        fully masked (NaN rows: NaN statistics, gate 1).
+        fully masked (NaN rows: NaN statistics, gate 1); with a sink, its weight per row
+        follows.
     """
     scores = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
-    length = shape[-1]
+    row_shape, length = shape[:-1], shape[-1]
+    sink_score, sink_rows = _sink(sink, row_shape, dtype)
     y = _new(shape, dtype)
-    stats = _new((*shape[:-1], _SA_STATS), dtype)
+    stats = _new((*row_shape, _SA_STATS), dtype)
+    sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_self_adjusted_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length,
-            int(bool(normalized)), stats.data_ptr())
-    return y, stats
+            int(bool(normalized)), stats.data_ptr(), sink_score, _address(sink_rows), _address(sink_weight))
+    return (y, stats) if sink is None else (y, stats, sink_weight)
 
 
-def self_adjusted_backward(x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool) -> Tensor:
+def self_adjusted_backward(
+    x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool, sink: float | Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
     """Vector-Jacobian product of SA-Softmax, recomputing ``w = exp((x - c0) - c1)`` from ``x`` and ``stats``.
 
     With ``P = sum(g phi w)``, ``Q = sum(g w)``: ``dx = w (g phi - P) + g w phi'`` with
     ``phi' = 1`` (plain) or ``1 / (high - low)``, plus ``(P - Q) / (high - low)`` shared by
     the positions at ``low`` (when ``low < 0``) and ``-P / (high - low)`` by those at
-    ``high`` (when ``high > 0``).  0 in rows with gate 0, NaN in rows holding NaN.
+    ``high`` (when ``high > 0``).  0 in rows with gate 0, NaN in rows holding NaN.  With a
+    sink, on the extended row ``[x, sink]`` with gradient ``[g, 0]``: the sink receives
+    ``dsink = -w_sink P`` plus its share of the paths through ``low`` and ``high``.
 
     Args:
         x: the forward's scores ``(..., L)``.
@@ -333,9 +424,10 @@ def self_adjusted_backward(x: Tensor, mask: rules.RowMask, grad: Tensor, stats: 
         grad: incoming gradient, shaped like ``x``.
         stats: the forward's statistics ``x.shape[:-1] + (5,)``.
         normalized: the forward's ``normalized``.
+        sink: the forward's sink scores per row, or None.
 
     Returns:
-        ``dx`` shaped like ``x``.
+        ``dx`` shaped like ``x``; with a sink, ``(dx, dsink)``, ``dsink`` per row.
     """
     scores = _scores(x, mask)
     grad = _like(grad, x, "grad")
@@ -346,8 +438,11 @@ def self_adjusted_backward(x: Tensor, mask: rules.RowMask, grad: Tensor, stats: 
     if stats.dtype != x.dtype:  # the accumulation dtype
         stats = stats.to(x.dtype)
     stats = stats.contiguous()
-    length = x.shape[-1]
+    row_shape, length = x.shape[:-1], x.shape[-1]
+    sink_score, sink_rows = _sink(sink, row_shape, x.dtype)
     dx = _new(x.shape, x.dtype)
+    dsink = None if sink is None else _new(row_shape, x.dtype)
     _launch("attnorm_self_adjusted_backward", x.dtype, scores.data_ptr(), grad.data_ptr(), dx.data_ptr(),
-            x.numel() // length, length, int(bool(normalized)), stats.data_ptr())
-    return dx
+            x.numel() // length, length, int(bool(normalized)), stats.data_ptr(), sink_score, _address(sink_rows),
+            _address(dsink))
+    return dx if sink is None else (dx, dsink)

@@ -71,13 +71,18 @@ static REAL FN(smallest_finite)(const REAL* x, int64_t length) {
  * score gives NaN everywhere (ROW_NAN); no allowed score gives zeros (ROW_EMPTY); a
  * +inf score gives 1 / c on the first c +inf positions, c = min(their count, keep)
  * (keep < 0: all of them; ROW_POSINF).  Rows of finite allowed scores (ROW_FINITE)
- * are left to the caller.  At most two passes, in special rows only.
+ * are left to the caller.  `sink` is the score of a virtual position after the last
+ * (-inf: none), its weight goes to *sink_weight; `nan` and `top` include it.  At most
+ * two passes, in special rows only.
  */
-static int FN(special_row)(const REAL* x, REAL* y, int64_t length, int nan, REAL top, int64_t keep) {
+static int FN(special_row)(const REAL* x, REAL* y, int64_t length, int nan, REAL top, int64_t keep, REAL sink,
+                           REAL* sink_weight) {
     if (nan) {
         for (int64_t i = 0; i < length; i++) y[i] = NAN;
+        *sink_weight = NAN;
         return ROW_NAN;
     }
+    *sink_weight = 0;
     if (top == -INFINITY) {
         memset(y, 0, length * sizeof(REAL));
         return ROW_EMPTY;
@@ -86,6 +91,7 @@ static int FN(special_row)(const REAL* x, REAL* y, int64_t length, int nan, REAL
     int64_t count = 0;
 #pragma omp simd reduction(+ : count)
     for (int64_t i = 0; i < length; i++) count += x[i] == INFINITY;
+    count += sink == INFINITY;
     if (keep >= 0 && keep < count) count = keep;
     const REAL share = (REAL)(1.0 / (double)count);
     int64_t left = count;
@@ -94,6 +100,7 @@ static int FN(special_row)(const REAL* x, REAL* y, int64_t length, int nan, REAL
         y[i] = use ? share : 0;
         left -= use;
     }
+    if (sink == INFINITY && left > 0) *sink_weight = share; /* the last position: it loses every tie */
     return ROW_POSINF;
 }
 
@@ -108,14 +115,21 @@ static inline REAL FN(scaled_difference)(REAL xi, REAL anchor, REAL m) {
  * y = softmax(m x) over the allowed positions of a row of finite allowed scores
  * (top: the largest), as exp(m (x - anchor)) / sum with the anchor the score whose
  * scaled value is largest (top for m >= 0, the smallest finite score for m < 0), so
- * every exponent is <= 0 and the sum >= 1.  Two passes: exponentials and their sum,
- * then the scaling (three for m < 0 or a tiny m, which look for the smallest score or
- * guard against differences that overflow).
+ * every exponent is <= 0 and the sum >= 1.  The sink (-inf: none; else finite, and
+ * counted in top) is one more term of the sum, its weight written to *sink_weight.
+ * Two passes: exponentials and their sum, then the scaling (three for m < 0 or a
+ * tiny m, which look for the smallest score or guard against differences that
+ * overflow).
  */
-static void FN(softmax_finite)(const REAL* x, REAL* y, int64_t length, REAL m, REAL top) {
+static void FN(softmax_finite)(const REAL* x, REAL* y, int64_t length, REAL m, REAL top, REAL sink,
+                               REAL* sink_weight) {
     /* m REAL_MAX > 1000: a difference beyond the range would give exp(< -1000) = 0 anyway */
     const int plain = m > 0 && m * REAL_MAX > 1000;
-    const REAL anchor = m >= 0 ? top : FN(smallest_finite)(x, length);
+    REAL anchor = top;
+    if (m < 0) {
+        anchor = FN(smallest_finite)(x, length);
+        anchor = sink > -INFINITY && sink < anchor ? sink : anchor;
+    }
     REAL total = 0; /* summed in SIMD lanes: pairwise-like rounding */
     if (plain) { /* -inf scores give exp(-inf) = 0 */
 #pragma omp simd reduction(+ : total)
@@ -133,19 +147,24 @@ static void FN(softmax_finite)(const REAL* x, REAL* y, int64_t length, REAL m, R
             total += e;
         }
     }
+    const REAL sink_term = sink == -INFINITY ? 0 : EXP(FN(scaled_difference)(sink, anchor, m));
+    total += sink_term;
     REAL inverse = 1 / total;
 #pragma omp simd
     for (int64_t i = 0; i < length; i++) y[i] *= inverse;
+    *sink_weight = sink_term * inverse;
 }
 
 /* ---- softmax(m x): temperature (variant 0) and Scalable-Softmax (variant 1) ---- */
 
-/* m = 1 / first, or first * log(max(n, 1)) + second with n the allowed positions.
+/* m = 1 / first, or first * log(max(n, 1)) + second with n the allowed positions
+ * (the sink, -inf when none, is not one of them: it only joins the softmax).
  * Passes: one scan (+ one count for variant 1), then softmax_finite's. */
 static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, int variant, double first, double second,
-                            REAL* multiplier, REAL* log_count) {
+                            REAL sink, REAL* multiplier, REAL* log_count, REAL* sink_weight) {
     REAL top;
-    int nan = FN(scan_row)(x, length, &top);
+    int nan = FN(scan_row)(x, length, &top) | (sink != sink);
+    top = sink > top ? sink : top;
     double m;
     if (variant == 1) {
         int64_t n = FN(count_allowed)(x, length);
@@ -155,26 +174,32 @@ static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, int variant,
     } else {
         m = 1 / first;
     }
-    int kind = FN(special_row)(x, y, length, nan, top, -1);
+    int kind = FN(special_row)(x, y, length, nan, top, -1, sink, sink_weight);
     *multiplier = kind == ROW_POSINF ? 0 : (REAL)m;
-    if (kind == ROW_FINITE) FN(softmax_finite)(x, y, length, (REAL)m, top);
+    if (kind == ROW_FINITE) FN(softmax_finite)(x, y, length, (REAL)m, top, sink, sink_weight);
 }
 
 /*
  * dx = m dz, dz = y (g - sum(y g)); per row, param_grad 1: -m sum(dz log y) and
  * 2: sum(dz (x - c)), over y > 0 (and finite x), c the largest such x (sum(dz) = 0
- * makes the shift exact; it avoids cancellation on large scores).  Two passes (three
- * with param_grad 2), sums in double.
+ * makes the shift exact; it avoids cancellation on large scores).  A sink is one more
+ * position of weight w and gradient 0 (w = 0: none; its score s is read for
+ * param_grad 2 only): it leaves sum(y g) alone, receives *dsink = m w (0 - sum(y g))
+ * and adds its terms to the per-row sums.  Two passes (three with param_grad 2), sums
+ * in double.
  */
 static void FN(softmax_grad_row)(const REAL* y, const REAL* g, const REAL* x, REAL* gx, int64_t length, REAL m,
-                                 int param_grad, REAL* per_row) {
+                                 int param_grad, REAL* per_row, REAL w, REAL s, REAL* dsink) {
     double dot = 0;
 #pragma omp simd reduction(+ : dot)
     for (int64_t i = 0; i < length; i++) dot += (double)y[i] * g[i];
     const REAL mean = (REAL)dot;
+    const REAL dz_sink = w * (0 - mean);
+    *dsink = m * dz_sink;
+    const int sink_used = w > 0 && s > -INFINITY && s < INFINITY;
     REAL shift = 0;
     if (param_grad == 2) {
-        REAL high = -INFINITY;
+        REAL high = sink_used ? s : -INFINITY;
 #pragma omp simd reduction(max : high)
         for (int64_t i = 0; i < length; i++) {
             int used = y[i] > 0 && x[i] > -INFINITY && x[i] < INFINITY;
@@ -190,6 +215,7 @@ static void FN(softmax_grad_row)(const REAL* y, const REAL* g, const REAL* x, RE
             gx[i] = m * dz;
             sum += y[i] > 0 ? (double)dz * LOG(y[i] > 0 ? y[i] : 1) : 0;
         }
+        sum += w > 0 ? (double)dz_sink * LOG(w) : 0;
         *per_row = (REAL)(-(double)m * sum);
     } else if (param_grad == 2) {
 #pragma omp simd reduction(+ : sum)
@@ -199,6 +225,7 @@ static void FN(softmax_grad_row)(const REAL* y, const REAL* g, const REAL* x, RE
             int used = y[i] > 0 && x[i] > -INFINITY && x[i] < INFINITY;
             sum += used ? (double)dz * (x[i] - shift) : 0;
         }
+        sum += sink_used ? (double)dz_sink * (s - shift) : 0;
         *per_row = (REAL)sum;
     } else {
 #pragma omp simd
@@ -226,23 +253,32 @@ static void FN(sa_span)(REAL top, REAL bottom, REAL* low, REAL* high, REAL* scal
  * softmax weights w = exp((x - c0) - c1): c0 the row max, c1 the log of the sum;
  * gate is 0 in rows holding +inf or fully masked.  A row holding +inf is the limit
  * of the finite case: weights uniform over the +inf positions (normalized) or +inf
- * there (plain).  Three passes: the scan, exponentials and their sum, the factors
- * (four when normalized: the smallest score).
+ * there (plain).  The sink (-inf: none) is one more score in every statistic (max,
+ * min, the sum), its weight written to *sink_weight.  Three passes: the scan,
+ * exponentials and their sum, the factors (four when normalized: the smallest score).
  */
-static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int normalized, REAL* stats) {
+static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int normalized, REAL* stats, REAL sink,
+                                  REAL* sink_weight) {
     REAL top;
-    int nan = FN(scan_row)(x, length, &top);
-    int kind = FN(special_row)(x, y, length, nan, top, -1);
+    int nan = FN(scan_row)(x, length, &top) | (sink != sink);
+    top = sink > top ? sink : top;
+    int kind = FN(special_row)(x, y, length, nan, top, -1, sink, sink_weight);
     if (kind != ROW_FINITE) {
         if (kind == ROW_POSINF && !normalized) {
             for (int64_t i = 0; i < length; i++) y[i] = y[i] > 0 ? INFINITY : 0;
+            *sink_weight = *sink_weight > 0 ? INFINITY : 0;
         }
         for (int j = 0; j < 4; j++) stats[j] = kind == ROW_NAN ? NAN : 0;
         stats[4] = kind == ROW_NAN;
         return;
     }
+    const int sink_allowed = sink > -INFINITY; /* and finite: the row is */
     REAL low = 0, high = 0, scale = 1, span = 0;
-    if (normalized) FN(sa_span)(top, FN(smallest_finite)(x, length), &low, &high, &scale, &span);
+    if (normalized) {
+        REAL bottom = FN(smallest_finite)(x, length);
+        bottom = sink_allowed && sink < bottom ? sink : bottom;
+        FN(sa_span)(top, bottom, &low, &high, &scale, &span);
+    }
     REAL total = 0;
 #pragma omp simd reduction(+ : total)
     for (int64_t i = 0; i < length; i++) {
@@ -250,6 +286,8 @@ static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int no
         y[i] = e;
         total += e;
     }
+    const REAL sink_term = sink_allowed ? EXP(sink - top) : 0;
+    total += sink_term;
     const REAL inverse = 1 / total;
     if (normalized) {
         const REAL low_scaled = low * scale, divisor = span > 0 ? span : 1, on = span > 0;
@@ -258,9 +296,11 @@ static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int no
             REAL factor = on * ((x[i] * scale - low_scaled) / divisor);
             y[i] = x[i] == -INFINITY ? 0 : factor * (y[i] * inverse);
         }
+        *sink_weight = sink_allowed ? on * ((sink * scale - low_scaled) / divisor) * (sink_term * inverse) : 0;
     } else {
 #pragma omp simd
         for (int64_t i = 0; i < length; i++) y[i] = x[i] == -INFINITY ? 0 : x[i] * (y[i] * inverse);
+        *sink_weight = sink_allowed ? sink * (sink_term * inverse) : 0;
     }
     stats[0] = top;
     stats[1] = (REAL)log((double)total);
@@ -275,10 +315,13 @@ static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int no
  * paths through low and high: (P - Q) / span shared by the positions attaining
  * low when low < 0, -P / span by those attaining high when high > 0.
  * w = exp((x - c0) - c1): the difference first, exact for nearby scores.  Rows with
- * gate 0 get 0, rows holding NaN get NaN.  Two passes.
+ * gate 0 get 0, rows holding NaN get NaN.  The sink (-inf: none) is one more
+ * position with gradient 0: nothing in P and Q, but it may share the paths through
+ * low and high; *dsink is its dx.  Two passes.
  */
 static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, int64_t length, int normalized,
-                                       const REAL* stats) {
+                                       const REAL* stats, REAL sink, REAL* dsink) {
+    *dsink = 0;
     if (stats[4] == 0) {
         memset(gx, 0, length * sizeof(REAL));
         return;
@@ -306,8 +349,12 @@ static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, i
         at_high += allowed && xi == high;
         nan |= xi != xi;
     }
-    if (nan) {
+    const int sink_allowed = sink > -INFINITY;
+    at_low += sink_allowed && sink == low;
+    at_high += sink_allowed && sink == high;
+    if (nan || sink != sink) {
         for (int64_t i = 0; i < length; i++) gx[i] = NAN;
+        *dsink = NAN;
         return;
     }
     const REAL P = (REAL)phi_g_w, Q = (REAL)g_w;
@@ -330,6 +377,10 @@ static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, i
         REAL dx = w > 0 ? w * (g[i] * factor - P) + direct : 0; /* w = 0: no 0 * inf from a huge g phi - P */
         dx += (xi == low ? through_low : 0) - (xi == high ? through_high : 0);
         gx[i] = allowed ? dx : 0;
+    }
+    if (sink_allowed) { /* g = 0 at the sink: only -w P and the paths through low and high */
+        const REAL w = EXP((sink - top) - log_total);
+        *dsink = (w > 0 ? -w * P : 0) + (sink == low ? through_low : 0) - (sink == high ? through_high : 0);
     }
 }
 
@@ -513,29 +564,31 @@ static void FN(entmax_finite)(const REAL* x, REAL* y, int64_t length, double alp
 }
 
 /* The shared rules, then softmax (alpha = 1) or entmax_finite; gate 0 in rows holding
- * +inf, else 1.  alpha below 1 or NaN gives a NaN row. */
+ * +inf, else 1.  alpha below 1 or NaN gives a NaN row.  A sink is the row's last
+ * position here (the entry point extends the row). */
 static void FN(entmax_row)(const REAL* x, REAL* y, int64_t length, double alpha, REAL* gate, REAL* t, int32_t* index,
                            double* wide) {
-    REAL group_max[MAX_GROUPS], top;
+    REAL group_max[MAX_GROUPS], top, no_sink;
     const int64_t groups = length > 8192 ? MAX_GROUPS : 64;
     int nan = FN(scan_groups)(x, length, groups, group_max, &top);
-    int kind = FN(special_row)(x, y, length, nan || !(alpha >= 1), top, -1);
+    int kind = FN(special_row)(x, y, length, nan || !(alpha >= 1), top, -1, -INFINITY, &no_sink);
     *gate = kind != ROW_POSINF;
     if (kind != ROW_FINITE) return;
-    if (alpha == 1) FN(softmax_finite)(x, y, length, 1, top);
+    if (alpha == 1) FN(softmax_finite)(x, y, length, 1, top, -INFINITY, &no_sink);
     else FN(entmax_finite)(x, y, length, alpha, top, group_max, groups, t, index, wide);
 }
 
 /*
  * d/d alpha of sum_i g_i y_i, from the output: with beta = 1 / (alpha - 1),
  * S_i = y_i (beta - log y_i) and s_i = y_i^(2 - alpha) on the support,
- * beta (sum g S - sum g s * sum S / sum s); 0 for alpha = 1.  One pass.
+ * beta (sum g S - sum g s * sum S / sum s); 0 for alpha = 1.  A sink of weight w
+ * (gradient 0) adds its S to sum S (slope_total holds its s).  One pass.
  */
 static double FN(entmax_alpha_grad_row)(const REAL* y, const REAL* g, int64_t length, double alpha, double slope_total,
-                                        double slope_dot) {
+                                        double slope_dot, REAL w) {
     if (alpha == 1) return 0;
     const double beta = 1 / (alpha - 1);
-    double entropy_total = 0, entropy_dot = 0;
+    double entropy_total = w > 0 ? w * (beta - log((double)w)) : 0, entropy_dot = 0;
     for (int64_t i = 0; i < length; i++) {
         if (y[i] > 0) {
             double term = y[i] * (beta - log((double)y[i]));
@@ -550,11 +603,19 @@ static double FN(entmax_alpha_grad_row)(const REAL* y, const REAL* g, int64_t le
  * off it (y itself for alpha = 1): entmax's Jacobian.  For general alpha the support
  * is gathered first (into `index`, s into `slope`) so that pow runs there only.  With
  * alpha_grad, also the row's alpha derivative (entmax_alpha_grad_row), times gate.
+ * A sink of weight w (0: none) is one more position with gradient 0: its s joins
+ * sum(s) only, and *dsink = gate * s (0 - sum(s g) / sum(s)).
  * Two passes (three with alpha_grad). */
 static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t length, REAL gate, double alpha,
-                                int32_t* index, REAL* slope, REAL* alpha_grad) {
+                                int32_t* index, REAL* slope, REAL* alpha_grad, REAL w, REAL* dsink) {
     const int kind = entmax_kind(alpha);
+    const REAL positive = w > 0 ? w : 0;
+    const REAL sink_slope = kind == SPARSEMAX ? (REAL)(w > 0)
+                            : kind == ENTMAX15 ? SQRT(positive)
+                            : kind == SOFTMAX  ? positive
+                                               : (w > 0 ? POW(positive, (REAL)(2 - alpha)) : 0);
     double slope_total = 0, dot = 0;
+    REAL mean;
     if (kind != GENERAL) { /* cheap slopes: two vectorised passes over the row, one loop per kind */
         if (kind == ENTMAX15) {
 #pragma omp simd reduction(+ : slope_total, dot)
@@ -574,7 +635,8 @@ static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t 
                 dot += (double)s * g[i];
             }
         }
-        REAL mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
+        slope_total += sink_slope;
+        mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
 #pragma omp simd
         for (int64_t i = 0; i < length; i++) gx[i] = gate * (gx[i] * (g[i] - mean));
     } else { /* pow on the support only */
@@ -590,10 +652,12 @@ static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t 
             slope_total += slope[j];
             dot += (double)slope[j] * g[index[j]];
         }
-        REAL mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
+        slope_total += sink_slope;
+        mean = slope_total > 0 ? (REAL)(dot / slope_total) : 0;
         for (int64_t j = 0; j < count; j++) gx[index[j]] = gate * (slope[j] * (g[index[j]] - mean));
     }
-    if (alpha_grad) *alpha_grad = gate * (REAL)FN(entmax_alpha_grad_row)(y, g, length, alpha, slope_total, dot);
+    *dsink = gate * (sink_slope * (0 - mean));
+    if (alpha_grad) *alpha_grad = gate * (REAL)FN(entmax_alpha_grad_row)(y, g, length, alpha, slope_total, dot, w);
 }
 
 /* ---- top-k softmax ------------------------------------------------------------ */
@@ -642,11 +706,13 @@ static REAL FN(kth_largest)(const REAL* v, int64_t n, int64_t k, KEY* keys) {
     return CAT(unkey, SUFFIX)(answer);
 }
 
-/* Positions kept: min(k, n), or max(1, ceil(k n - 1e-9)) (at most n) for a fraction. */
-static int64_t FN(topk_count)(const REAL* x, int64_t length, double k, int is_fraction) {
+/* Positions kept: min(k, n), or max(1, ceil(k n - 1e-9)) (at most n) for a fraction.
+ * A fraction is of the allowed positions less `uncounted` (a sink: 1 when it is
+ * allowed), and keeps at most all allowed positions. */
+static int64_t FN(topk_count)(const REAL* x, int64_t length, double k, int is_fraction, int64_t uncounted) {
     if (is_fraction) {
         const int64_t n = FN(count_allowed)(x, length);
-        double kept = ceil(k * (double)n - 1e-9);
+        double kept = ceil(k * (double)(n - uncounted) - 1e-9);
         kept = kept > 1 ? kept : 1;
         return kept < (double)n ? (int64_t)kept : n;
     }
@@ -659,20 +725,21 @@ static int64_t FN(topk_count)(const REAL* x, int64_t length, double k, int is_fr
  * position groups bounds the row's k-th largest from below; a radix select on the
  * scores above that bound finds it.  Scores tied with it are kept in index order
  * until k are kept (the lowest index wins).  `work` and `keys` hold
- * length + MAX_TOPK_GROUPS values, `index` length.  Passes over the row: one scan
- * (+ one count for a fraction), one gather, one write of the exponentials, one
- * scaling; the select runs on the candidates.
+ * length + MAX_TOPK_GROUPS values, `index` length.  A sink is the row's last
+ * position here (the entry point extends the row; `uncounted` as in topk_count).
+ * Passes over the row: one scan (+ one count for a fraction), one gather, one write
+ * of the exponentials, one scaling; the select runs on the candidates.
  */
 static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, double k_value, int is_fraction, double temperature,
-                         REAL* multiplier, REAL* work, int32_t* index, KEY* keys) {
+                         REAL* multiplier, REAL* work, int32_t* index, KEY* keys, int64_t uncounted) {
     REAL* group_max = work + length;
-    REAL top;
-    int64_t k = FN(topk_count)(x, length, k_value, is_fraction);
+    REAL top, no_sink;
+    int64_t k = FN(topk_count)(x, length, k_value, is_fraction, uncounted);
     int64_t groups = 64;
     while (groups < 2 * k && groups < MAX_TOPK_GROUPS) groups *= 2;
     int nan = FN(scan_groups)(x, length, groups, group_max, &top);
     const REAL m = (REAL)(1 / temperature);
-    int kind = FN(special_row)(x, y, length, nan, top, k);
+    int kind = FN(special_row)(x, y, length, nan, top, k, -INFINITY, &no_sink);
     *multiplier = kind == ROW_POSINF ? 0 : m;
     if (kind != ROW_FINITE) return;
     if (k < 1) {
@@ -727,63 +794,106 @@ static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, double k_value,
 
 /* ---- entry points: rows split across threads ---------------------------------- */
 
+/*
+ * A sink per row: its score is `sink` for all rows or sink_rows[r] (-inf: none), and
+ * a forward writes its weight to sink_weight[r] (NULL: no sink).  Softmax and
+ * SA-Softmax take it as one more term of their statistics and sums (no extra pass);
+ * entmax and top-k run on the extended row [x, sink] of length + 1 in per-thread
+ * buffers of 2 (length + 1) values (extend_row, split_row: two more passes, the copy
+ * in and the weights out, both in cache; the row is still read from memory once and
+ * y written once).  The backward passes take the sink's weight (0: none; SA-Softmax's
+ * its score, -inf: none) and write dsink[r] (NULL: none), with no extra pass.
+ */
+
+/* The extended row: x copied into `extended`, the sink at position `length`.  One pass. */
+static const REAL* FN(extend_row)(const REAL* x, int64_t length, REAL sink, REAL* extended) {
+    memcpy(extended, x, length * sizeof(REAL));
+    extended[length] = sink;
+    return extended;
+}
+
+/* The first `length` weights of an extended row copied to y; returns the sink's.  One pass. */
+static REAL FN(split_row)(const REAL* extended, int64_t length, REAL* y) {
+    memcpy(y, extended, length * sizeof(REAL));
+    return extended[length];
+}
+
 /* log_count: NULL for variant 0. */
 int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
                                 const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
-                                REAL* log_count, int threads) {
+                                REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
     for (int64_t r = 0; r < rows; r++) {
-        REAL unused;
+        REAL unused, no_sink;
         FN(softmax_row)(x + r * length, y + r * length, length, variant, ROW_PARAM(first, r),
-                        ROW_PARAM(second, r), multiplier + r, log_count ? log_count + r : &unused);
+                        ROW_PARAM(second, r), (REAL)ROW_PARAM(sink, r), multiplier + r,
+                        log_count ? log_count + r : &unused, sink_weight ? sink_weight + r : &no_sink);
     }
     return 0;
 }
 
-/* x: NULL unless param_grad is 2; per_row: NULL when param_grad is 0. */
+/* x: NULL unless param_grad is 2; per_row: NULL when param_grad is 0; sink (the scores): read
+ * for param_grad 2 only. */
 int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, const REAL* x, REAL* gx, int64_t rows, int64_t length,
                                  double multiplier, const REAL* multiplier_rows, int param_grad, REAL* per_row,
-                                 int threads) {
+                                 double sink_weight, const REAL* sink_weight_rows, double sink, const REAL* sink_rows,
+                                 REAL* dsink, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
     for (int64_t r = 0; r < rows; r++) {
+        REAL no_sink;
         FN(softmax_grad_row)(y + r * length, g + r * length, x ? x + r * length : NULL, gx + r * length, length,
-                             (REAL)ROW_PARAM(multiplier, r), param_grad, per_row ? per_row + r : NULL);
+                             (REAL)ROW_PARAM(multiplier, r), param_grad, per_row ? per_row + r : NULL,
+                             (REAL)ROW_PARAM(sink_weight, r), (REAL)ROW_PARAM(sink, r), dsink ? dsink + r : &no_sink);
     }
     return 0;
 }
 
 int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized,
-                                      REAL* stats, int threads) {
+                                      REAL* stats, double sink, const REAL* sink_rows, REAL* sink_weight,
+                                      int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
     for (int64_t r = 0; r < rows; r++) {
-        FN(self_adjusted_row)(x + r * length, y + r * length, length, normalized, stats + SA_STATS * r);
+        REAL no_sink;
+        FN(self_adjusted_row)(x + r * length, y + r * length, length, normalized, stats + SA_STATS * r,
+                              (REAL)ROW_PARAM(sink, r), sink_weight ? sink_weight + r : &no_sink);
     }
     return 0;
 }
 
 int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
-                                       int normalized, const REAL* stats, int threads) {
+                                       int normalized, const REAL* stats, double sink, const REAL* sink_rows,
+                                       REAL* dsink, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
     for (int64_t r = 0; r < rows; r++) {
+        REAL no_sink;
         FN(self_adjusted_grad_row)(x + r * length, g + r * length, gx + r * length, length, normalized,
-                                   stats + SA_STATS * r);
+                                   stats + SA_STATS * r, (REAL)ROW_PARAM(sink, r), dsink ? dsink + r : &no_sink);
     }
     return 0;
 }
 
 int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double alpha,
-                               const REAL* alpha_rows, REAL* gate, int threads) {
+                               const REAL* alpha_rows, REAL* gate, double sink, const REAL* sink_rows,
+                               REAL* sink_weight, int threads) {
+    const int64_t width = length + (sink_weight != NULL); /* the row entmax_row sees */
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
     {
-        REAL* t = malloc((length + PAD) * sizeof(REAL));
-        int32_t* index = malloc(length * sizeof(int32_t));
-        double* wide = malloc((length + PAD) * sizeof(double));
+        REAL* t = malloc((width + PAD) * sizeof(REAL));
+        int32_t* index = malloc(width * sizeof(int32_t));
+        double* wide = malloc((width + PAD) * sizeof(double));
+        REAL* extended = sink_weight ? malloc(2 * width * sizeof(REAL)) : NULL; /* [x, sink], then its weights */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            if (t && index && wide) {
-                FN(entmax_row)(x + r * length, y + r * length, length, ROW_PARAM(alpha, r), gate + r, t, index,
-                               wide);
+            if (t && index && wide && (extended || !sink_weight)) {
+                const REAL* row = x + r * length;
+                REAL* out = y + r * length;
+                if (sink_weight) {
+                    row = FN(extend_row)(row, length, (REAL)ROW_PARAM(sink, r), extended);
+                    out = extended + width;
+                }
+                FN(entmax_row)(row, out, width, ROW_PARAM(alpha, r), gate + r, t, index, wide);
+                if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
             } else {
 #pragma omp atomic write
                 failed = 1;
@@ -792,6 +902,7 @@ int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t len
         free(t);
         free(index);
         free(wide);
+        free(extended);
     }
     return failed;
 }
@@ -799,7 +910,8 @@ int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t len
 /* alpha_grad: NULL, or one value per row for d/d alpha of sum(g y). */
 int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t rows, int64_t length,
                                 double gate, const REAL* gate_rows, double alpha, const REAL* alpha_rows,
-                                REAL* alpha_grad, int threads) {
+                                REAL* alpha_grad, double sink_weight, const REAL* sink_weight_rows, REAL* dsink,
+                                int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
     {
@@ -808,9 +920,11 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (index && slope) {
+                REAL no_sink;
                 FN(entmax_grad_row)(y + r * length, g + r * length, gx + r * length, length,
                                     (REAL)ROW_PARAM(gate, r), ROW_PARAM(alpha, r), index, slope,
-                                    alpha_grad ? alpha_grad + r : NULL);
+                                    alpha_grad ? alpha_grad + r : NULL, (REAL)ROW_PARAM(sink_weight, r),
+                                    dsink ? dsink + r : &no_sink);
             } else {
 #pragma omp atomic write
                 failed = 1;
@@ -823,18 +937,31 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
 }
 
 int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
-                             double temperature, const REAL* temperature_rows, REAL* multiplier, int threads) {
+                             double temperature, const REAL* temperature_rows, REAL* multiplier, double sink,
+                             const REAL* sink_rows, REAL* sink_weight, int threads) {
+    const int64_t width = length + (sink_weight != NULL); /* the row topk_row sees */
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
     {
-        REAL* work = malloc((length + MAX_TOPK_GROUPS) * sizeof(REAL));
-        int32_t* index = malloc(length * sizeof(int32_t));
-        KEY* keys = malloc((length + MAX_TOPK_GROUPS) * sizeof(KEY));
+        REAL* work = malloc((width + MAX_TOPK_GROUPS) * sizeof(REAL));
+        int32_t* index = malloc(width * sizeof(int32_t));
+        KEY* keys = malloc((width + MAX_TOPK_GROUPS) * sizeof(KEY));
+        REAL* extended = sink_weight ? malloc(2 * width * sizeof(REAL)) : NULL; /* [x, sink], then its weights */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            if (work && index && keys) {
-                FN(topk_row)(x + r * length, y + r * length, length, k, is_fraction,
-                             ROW_PARAM(temperature, r), multiplier + r, work, index, keys);
+            if (work && index && keys && (extended || !sink_weight)) {
+                const REAL* row = x + r * length;
+                REAL* out = y + r * length;
+                int64_t uncounted = 0; /* the sink is not one of the n a fraction counts */
+                if (sink_weight) {
+                    const REAL score = (REAL)ROW_PARAM(sink, r);
+                    row = FN(extend_row)(row, length, score, extended);
+                    out = extended + width;
+                    uncounted = score != -INFINITY;
+                }
+                FN(topk_row)(row, out, width, k, is_fraction, ROW_PARAM(temperature, r), multiplier + r, work, index,
+                             keys, uncounted);
+                if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
             } else {
 #pragma omp atomic write
                 failed = 1;
@@ -843,6 +970,7 @@ int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t lengt
         free(work);
         free(index);
         free(keys);
+        free(extended);
     }
     return failed;
 }
