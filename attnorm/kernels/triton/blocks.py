@@ -8,6 +8,16 @@ limit of the finite case); a row holding NaN at an allowed position is written N
 whole.  ``scaled`` is how every kernel applies a multiplier: to scores already
 shifted by the row's max (``m >= 0``) or min (``m < 0``), so finite scores never
 give NaN or +inf.
+
+A sink (``kernels/README.md``, "A sink per row") is position ``length`` of its row
+when the constexpr ``HAS_SINK`` is set: ``load_block`` puts the sink's score there and
+allows it after the mask rules (unless it is -inf), so every row statistic, the +inf
+and NaN rules and the writes see the extended row ``[x, sink]``; kernels walk
+``row_extent`` positions, stores keep to ``cols < length`` and the sink's own value is
+picked out by ``at_sink``.  The sink costs no memory traffic but its score (and one
+per-row output): a streamed row whose length is a multiple of the block takes one more
+step per pass for it, a block of masked loads.  Without ``HAS_SINK`` none of this is
+compiled.
 """
 
 from __future__ import annotations
@@ -16,14 +26,19 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "at_sink",
     "keep_posinf",
     "load_block",
     "load_output_and_grad",
     "load_row",
     "load_row_param",
+    "load_sink",
+    "row_extent",
     "scaled",
     "scan_row",
+    "sink_taken",
     "store_row",
+    "store_sink",
 ]
 
 
@@ -31,6 +46,40 @@ __all__ = [
 def load_row_param(values, stride, row):
     """Row ``row``'s value of a parameter passed as ``(values, stride)``."""
     return tl.load(values + row * stride)
+
+
+@triton.jit
+def load_sink(values, stride, row, HAS_SINK: tl.constexpr, COMPUTE: tl.constexpr):
+    """Row ``row``'s sink value (its score; a backward's sink weight) passed as ``(values, stride)``, in ``COMPUTE``.
+
+    0, never read, without ``HAS_SINK``.
+    """
+    sink = tl.zeros((), COMPUTE)
+    if HAS_SINK:
+        sink = load_row_param(values, stride, row).to(COMPUTE)
+    return sink
+
+
+@triton.jit
+def row_extent(length, HAS_SINK: tl.constexpr):
+    """Positions a kernel walks: the row's ``length``, and the sink at position ``length``."""
+    if HAS_SINK:
+        extent = length + 1
+    else:
+        extent = length
+    return extent
+
+
+@triton.jit
+def sink_taken(sink):
+    """1 when the sink takes part in its row (it is not -inf), else 0 (int32)."""
+    return (sink != float("-inf")).to(tl.int32)
+
+
+@triton.jit
+def at_sink(cols, length, values):
+    """The value at position ``length`` (the sink) of a block of ``values`` at ``cols``; 0 when it is not there."""
+    return tl.sum(tl.where(cols == length, values, 0.0), 0)
 
 
 @triton.jit
@@ -45,12 +94,13 @@ def scaled(shifted, multiplier):
 
 
 @triton.jit
-def load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE):
+def load_block(X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE):
     """Scores of ``row`` at ``cols`` (in ``COMPUTE``) and whether each position is allowed.
 
     ``masking`` is the tuple of :class:`attnorm.kernels.triton.launch.MaskArgs`
     ``.args``; the causal diagonal and key lengths are evaluated from the row index,
-    nothing is read for them but one key length per row.
+    nothing is read for them but one key length per row.  With ``HAS_SINK`` position
+    ``length`` holds ``sink``, allowed whatever the mask says unless it is -inf.
     """
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal = (
         masking
@@ -65,6 +115,10 @@ def load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, L
         allowed = allowed & (cols <= row % num_queries + diagonal)
     if LENGTHS:
         allowed = allowed & (cols < tl.load(lengths_ptr + (row // rows_per_batch) * lengths_stride))
+    if HAS_SINK:
+        sink_position = cols == length
+        x = tl.where(sink_position, sink, x)
+        allowed = tl.where(sink_position, x != float("-inf"), allowed)
     return x, allowed
 
 
@@ -82,16 +136,20 @@ def keep_posinf(x, allowed, posinf_row):
 
 
 @triton.jit
-def load_row(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE):
-    """A whole row in registers under the shared rules.
+def load_row(X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE):
+    """A whole row (and its sink) in registers under the shared rules.
 
     Returns ``(x, allowed, posinf_row, nan_row, count)``: scores and allowed
     positions after the +inf rule, whether the row holds +inf and NaN (at allowed
-    positions), and the number of allowed positions before the +inf rule
-    (``sum(allowed)`` is the number after it).
+    positions), and ``n``, the number of allowed positions before the +inf rule, the
+    sink not counted (``sum(allowed)`` is the number after it, the sink's included).
     """
-    x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+    x, allowed = load_block(
+        X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+    )
     count = tl.sum(allowed.to(tl.int32), 0)
+    if HAS_SINK:
+        count -= sink_taken(sink)
     posinf_row = tl.sum((allowed & (x == float("inf"))).to(tl.int32), 0) > 0
     nan_row = tl.sum((allowed & (x != x)).to(tl.int32), 0) > 0
     x, allowed = keep_posinf(x, allowed, posinf_row)
@@ -106,21 +164,34 @@ def store_row(OUT, row, cols, length, out_row_stride, values, nan_row):
 
 
 @triton.jit
-def load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE):
-    """A backward's inputs at ``cols`` of ``row``: the saved output and the incoming gradient (0 past the row)."""
+def store_sink(OUT, row, value, nan_row):
+    """Write a row's sink value (its weight, or its gradient) to the per-row ``OUT``; NaN in a row holding NaN."""
+    tl.store(OUT + row, tl.where(nan_row, float("nan"), value))
+
+
+@triton.jit
+def load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, sink_weight, HAS_SINK, COMPUTE):
+    """A backward's inputs at ``cols`` of ``row``: the saved output and the incoming gradient (0 past the row).
+
+    With ``HAS_SINK`` position ``length`` holds the sink's weight, with gradient 0.
+    """
     inside = cols < length
     y = tl.load(Y + row * y_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
     g = tl.load(G + row * g_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
+    if HAS_SINK:
+        y = tl.where(cols == length, sink_weight, y)
     return y, g
 
 
 @triton.jit
-def scan_row(X, row, length, x_row_stride, masking, scale, BLOCK, ONLINE_SUM, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE):
-    """First pass over a long row: statistics of its allowed scores.
+def scan_row(X, row, length, x_row_stride, masking, sink, scale, BLOCK, ONLINE_SUM, BOOL_MASK, CAUSAL, LENGTHS,
+             HAS_SINK, COMPUTE):
+    """First pass over a long row (and its sink): statistics of its allowed scores.
 
     Returns ``(count, posinf_count, nan_count, max_x, min_x, sum_below_max, sum_exp)``:
-    ``count`` allowed positions, of which ``posinf_count`` hold +inf and ``nan_count``
-    NaN; extrema of the allowed finite scores; ``sum(x - max_x)`` over them
+    ``count`` allowed positions (``n``: the sink not counted), ``posinf_count`` allowed
+    positions holding +inf and ``nan_count`` NaN (the sink included in these and all
+    that follow); extrema of the allowed finite scores; ``sum(x - max_x)`` over them
     (accumulated against the running max, so large scores do not cancel); and,
     when ``ONLINE_SUM``, ``sum exp(scale * (x - ref))`` with ``ref = max_x`` for
     ``scale >= 0`` and ``min_x`` otherwise (online, rescaled as ``ref`` moves).  In a
@@ -134,9 +205,11 @@ def scan_row(X, row, length, x_row_stride, masking, scale, BLOCK, ONLINE_SUM, BO
     min_x = tl.full((), float("inf"), COMPUTE)
     sum_below_max = tl.zeros((), COMPUTE)
     sum_exp = tl.zeros((), COMPUTE)
-    for start in range(0, length, BLOCK):
+    for start in range(0, row_extent(length, HAS_SINK), BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+        x, allowed = load_block(
+            X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+        )
         posinf = allowed & (x == float("inf"))
         nan = allowed & (x != x)
         finite = allowed & ~posinf & ~nan
@@ -156,6 +229,8 @@ def scan_row(X, row, length, x_row_stride, masking, scale, BLOCK, ONLINE_SUM, BO
             sum_exp = sum_exp * rescale + tl.sum(terms, 0)
         max_x = new_max
         min_x = new_min
+    if HAS_SINK:
+        count -= sink_taken(sink)
     posinf_row = posinf_count > 0
     max_x = tl.where(posinf_row, 0.0, max_x)
     min_x = tl.where(posinf_row, 0.0, min_x)

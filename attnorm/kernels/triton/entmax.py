@@ -24,6 +24,11 @@ found by walking from tau's estimate over neighbouring scores; ``w`` solves
 ``H(w) = sum_{x_i >= x_s} y_i = 1`` by Newton's method from above (``H`` is convex,
 ``1 <= H' <= |support|``).
 
+With a sink (``kernels/README.md``) the forward runs on the extended row ``[x, sink]``
+(the sink takes part in the max, the bracket's count and tau) and the backward on
+``[y, sink_weight]`` with gradient ``[g, 0]``; the sink's weight and gradient come out
+per row.
+
 Backward (closed form, saves only ``y`` and a per-row gate that is 0 in +inf rows):
 ``dx = gppr * g - gppr * sum(gppr * g) / sum(gppr)`` with ``gppr = y^(2 - alpha)`` on
 the support, and ``d alpha = beta * (sum(g S) - sum(S) / sum(gppr) * sum(g gppr))``
@@ -40,13 +45,18 @@ from torch import Tensor
 from attnorm.kernels import rules
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.blocks import (
+    at_sink,
     keep_posinf,
     load_block,
     load_output_and_grad,
     load_row,
     load_row_param,
+    load_sink,
+    row_extent,
     scan_row,
+    sink_taken,
     store_row,
+    store_sink,
 )
 
 __all__ = ["entmax_backward", "entmax_forward"]
@@ -88,28 +98,30 @@ def _block_sums(z, allowed, tau, power, softmax_row):
 
 
 @triton.jit
-def _load_z(X, row, cols, length, x_row_stride, masking, posinf_row, top, multiplier,
-            BOOL_MASK, CAUSAL, LENGTHS, COMPUTE):
+def _load_z(X, row, cols, length, x_row_stride, masking, sink, posinf_row, top, multiplier,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE):
     """``z = (alpha - 1) (x - max x)`` for one block of a long row, and its allowed positions."""
-    x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+    x, allowed = load_block(
+        X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+    )
     x, allowed = keep_posinf(x, allowed, posinf_row)
     return (x - top) * multiplier, allowed
 
 
 @triton.jit
 def _row_sums(
-    X, row, length, x_row_stride, masking, posinf_row, top, multiplier, tau, power, softmax_row,
-    BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+    X, row, length, x_row_stride, masking, sink, posinf_row, top, multiplier, tau, power, softmax_row,
+    BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
 ):
     """:func:`_block_sums` over a long row, streamed from memory."""
     mass = tl.zeros((), COMPUTE)
     slope = tl.zeros((), COMPUTE)
     support = tl.zeros((), tl.int32)
     support_z = tl.zeros((), COMPUTE)
-    for start in range(0, length, BLOCK):
+    for start in range(0, row_extent(length, HAS_SINK), BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        z, allowed = _load_z(X, row, cols, length, x_row_stride, masking, posinf_row, top, multiplier,
-                             BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+        z, allowed = _load_z(X, row, cols, length, x_row_stride, masking, sink, posinf_row, top, multiplier,
+                             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE)
         block_mass, block_slope, block_support, block_z = _block_sums(z, allowed, tau, power, softmax_row)
         mass += block_mass
         slope += block_slope
@@ -149,8 +161,8 @@ def _anchored_block(x, allowed, pivot, w, multiplier, power):
 
 @triton.jit
 def _anchored_sums(
-    X, row, length, x_row_stride, masking, posinf_row, x, allowed, pivot, w, multiplier, power,
-    SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+    X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, pivot, w, multiplier, power,
+    SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
 ):
     """:func:`_anchored_block` over the row: in registers (SINGLE) or streamed."""
     if SINGLE:
@@ -160,10 +172,10 @@ def _anchored_sums(
         slope = tl.zeros((), COMPUTE)
         above = tl.full((), float("inf"), COMPUTE)
         below = tl.full((), float("-inf"), COMPUTE)
-        for start in range(0, length, BLOCK):
+        for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             block_x, block_allowed = load_block(
-                X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+                X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
             )
             block_x, block_allowed = keep_posinf(block_x, block_allowed, posinf_row)
             block_mass, block_slope, block_above, block_below = _anchored_block(
@@ -178,8 +190,8 @@ def _anchored_sums(
 
 @triton.jit
 def _anchor(
-    X, row, length, x_row_stride, masking, posinf_row, x, allowed, start, top, multiplier, power, max_iters,
-    SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+    X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, start, top, multiplier, power, max_iters,
+    SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
 ):
     """The pivot ``x_s`` and its weight ``w`` (module docstring), walking from the score ``start``."""
     # Walk: F(c) = H(0) at candidate c; F < 1 means c is in the support.  Down while it
@@ -193,8 +205,8 @@ def _anchor(
     walking = True
     while walking:
         mass, _, above, below = _anchored_sums(
-            X, row, length, x_row_stride, masking, posinf_row, x, allowed, candidate, zero, multiplier, power,
-            SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+            X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, candidate, zero, multiplier, power,
+            SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
         )
         in_support = mass < 1
         pivot = tl.where(in_support, candidate, pivot)
@@ -214,16 +226,16 @@ def _anchor(
     descending = True
     while descending:
         mass, slope, _, _ = _anchored_sums(
-            X, row, length, x_row_stride, masking, posinf_row, x, allowed, pivot, w, multiplier, power,
-            SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+            X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, pivot, w, multiplier, power,
+            SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
         )
         step = tl.maximum(w - (mass - 1) / tl.where(slope > 0, slope, 1.0), 0.0)
         iteration += 1
         descending = (step < w) & (iteration < max_iters)
         w = tl.where(step < w, step, w)
     mass, _, _, _ = _anchored_sums(
-        X, row, length, x_row_stride, masking, posinf_row, x, allowed, pivot, w, multiplier, power,
-        SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+        X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, pivot, w, multiplier, power,
+        SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
     )
     return pivot, w, mass
 
@@ -232,9 +244,11 @@ def _anchor(
 def _entmax_forward_kernel(
     X, OUT, GATE, alpha_values, alpha_stride,
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    sink_values, sink_stride, SINK_WEIGHT,
     length, x_row_stride, out_row_stride, max_iters,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr,
-    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr,
+    COMPUTE: tl.constexpr,
 ):
     """alpha-entmax of one row (see the module docstring for the method).
 
@@ -244,6 +258,8 @@ def _entmax_forward_kernel(
     alpha <= 2, up to ~25 bisection-safeguarded ones above; for alpha > 2 a few more
     for the pivot walk and the pivot's Newton steps, typically 3-8) plus twice
     (statistics, write).  A bool mask adds one byte per element and pass.
+    ``HAS_SINK``: the sink is position ``length`` of every pass (one scalar read, held
+    in a register) and its weight one more per-row scalar written; no extra pass.
     """
     masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
                diagonal)
@@ -252,10 +268,11 @@ def _entmax_forward_kernel(
     softmax_row = alpha == 1
     multiplier = tl.where(softmax_row, 1.0, alpha - 1)
     power = tl.where(softmax_row, 1.0, 1.0 / multiplier)
+    sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         x, allowed, posinf_row, nan_row, _ = load_row(
-            X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+            X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
         )
         count = tl.sum(allowed.to(tl.int32), 0)
         top = tl.max(tl.where(allowed, x, float("-inf")), 0)
@@ -266,9 +283,12 @@ def _entmax_forward_kernel(
         x = tl.zeros((), COMPUTE)  # the row stays in memory
         allowed = tl.zeros((), tl.int1)
         count, posinf_count, nan_count, top, _, sum_below_max, _ = scan_row(
-            X, row, length, x_row_stride, masking, 1.0, BLOCK, False, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+            X, row, length, x_row_stride, masking, sink, 1.0, BLOCK, False, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK,
+            COMPUTE,
         )
         posinf_row = posinf_count > 0
+        if HAS_SINK:
+            count += sink_taken(sink)  # the bracket counts every position of the extended row
         count = tl.where(posinf_row, posinf_count, count)
         nan_row = nan_count > 0
         top = tl.where(top == float("-inf"), 0.0, top)
@@ -291,8 +311,8 @@ def _entmax_forward_kernel(
             mass, slope, support, support_z = _block_sums(z, allowed, tau, power, softmax_row)
         else:
             mass, slope, support, support_z = _row_sums(
-                X, row, length, x_row_stride, masking, posinf_row, top, multiplier, tau, power, softmax_row,
-                BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+                X, row, length, x_row_stride, masking, sink, posinf_row, top, multiplier, tau, power, softmax_row,
+                BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
             )
         above = mass >= 1
         low = tl.where(above, tau, low)
@@ -320,40 +340,47 @@ def _entmax_forward_kernel(
             start = tl.min(tl.where(allowed & (z > tau), x, float("inf")), 0)
         else:
             start = tl.full((), float("inf"), COMPUTE)
-            for block_start in range(0, length, BLOCK):
+            for block_start in range(0, row_extent(length, HAS_SINK), BLOCK):
                 cols = block_start + tl.arange(0, BLOCK)
                 block_x, block_allowed = load_block(
-                    X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+                    X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
                 )
                 block_x, block_allowed = keep_posinf(block_x, block_allowed, posinf_row)
                 in_support = block_allowed & ((block_x - top) * multiplier > tau)
                 start = tl.minimum(start, tl.min(tl.where(in_support, block_x, float("inf")), 0))
         start = tl.where(start == float("inf"), top, start)
         pivot, w, total = _anchor(
-            X, row, length, x_row_stride, masking, posinf_row, x, allowed, start, top, multiplier, power, max_iters,
-            SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE,
+            X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, start, top, multiplier, power,
+            max_iters, SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
         )
+    sink_weight = tl.zeros((), COMPUTE)
     if SINGLE:
         if anchored:
             y = _anchored(x, allowed, pivot, w, multiplier, power) / total
         else:
             y = _weights(z, allowed, tau, power, softmax_row, exact_tau, total)
         store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
+        if HAS_SINK:
+            sink_weight = at_sink(cols, length, y)
     else:
-        for block_start in range(0, length, BLOCK):
+        for block_start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = block_start + tl.arange(0, BLOCK)
             if anchored:
                 block_x, block_allowed = load_block(
-                    X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+                    X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
                 )
                 block_x, block_allowed = keep_posinf(block_x, block_allowed, posinf_row)
                 y = _anchored(block_x, block_allowed, pivot, w, multiplier, power) / total
             else:
-                z, block_allowed = _load_z(X, row, cols, length, x_row_stride, masking, posinf_row, top, multiplier,
-                                           BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+                z, block_allowed = _load_z(X, row, cols, length, x_row_stride, masking, sink, posinf_row, top,
+                                           multiplier, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE)
                 y = _weights(z, block_allowed, tau, power, softmax_row, exact_tau, total)
             store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
+            if HAS_SINK:
+                sink_weight += at_sink(cols, length, y)
     tl.store(GATE + row, tl.where(posinf_row, 0.0, 1.0))
+    if HAS_SINK:
+        store_sink(SINK_WEIGHT, row, sink_weight, nan_row)
 
 
 @triton.jit
@@ -374,36 +401,45 @@ def _backward_block_sums(y, g, alpha, beta, ALPHA_GRAD: tl.constexpr):
 @triton.jit
 def _entmax_backward_kernel(
     Y, G, DX, D_ALPHA, gate_values, gate_stride, alpha_values, alpha_stride,
+    sink_weight_values, sink_weight_stride, DSINK,
     length, y_row_stride, g_row_stride, dx_row_stride,
-    BLOCK: tl.constexpr, SINGLE: tl.constexpr, ALPHA_GRAD: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK: tl.constexpr, SINGLE: tl.constexpr, ALPHA_GRAD: tl.constexpr, HAS_SINK: tl.constexpr,
+    COMPUTE: tl.constexpr,
 ):
     """Closed-form entmax backward for one row (formulas in the module docstring); NaN rows give NaN.
 
     Passes and bytes moved: a single-block row reads y and g once and writes dx
     once, ``3 L itemsize``, plus the per-row gate (and alpha's gradient); a
     multi-pass row reads y and g twice (sums, then dx), ``5 L itemsize``.
+    ``HAS_SINK``: the row is ``[y, sink_weight]`` with gradient ``[g, 0]``, the sink's
+    weight one scalar read per row and its gradient one written.
     """
     row = tl.program_id(0).to(tl.int64)
     alpha = load_row_param(alpha_values, alpha_stride, row).to(COMPUTE)
     gate = load_row_param(gate_values, gate_stride, row).to(COMPUTE)
+    sink_weight = load_sink(sink_weight_values, sink_weight_stride, row, HAS_SINK, COMPUTE)
     beta = tl.where(alpha == 1, 0.0, 1.0 / tl.where(alpha == 1, 2.0, alpha - 1))
     if SINGLE:
         cols = tl.arange(0, BLOCK)
-        y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
+        y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, sink_weight, HAS_SINK,
+                                    COMPUTE)
         gppr_g, gppr_sum, entropy_g, entropy_sum = _backward_block_sums(y, g, alpha, beta, ALPHA_GRAD)
         nan_row = tl.sum((y != y).to(tl.int32), 0) > 0
         mean_g = gppr_g / tl.where(gppr_sum > 0, gppr_sum, 1.0)
         dx = gate * _power(y, 2 - alpha) * (g - mean_g)
         store_row(DX, row, cols, length, dx_row_stride, dx, nan_row)
+        if HAS_SINK:
+            store_sink(DSINK, row, at_sink(cols, length, dx), nan_row)
     else:
         gppr_g = tl.zeros((), COMPUTE)
         gppr_sum = tl.zeros((), COMPUTE)
         entropy_g = tl.zeros((), COMPUTE)
         entropy_sum = tl.zeros((), COMPUTE)
         nan = tl.zeros((), tl.int32)
-        for start in range(0, length, BLOCK):
+        for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
+            y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, sink_weight, HAS_SINK,
+                                        COMPUTE)
             nan += tl.sum((y != y).to(tl.int32), 0)
             block_gppr_g, block_gppr, block_entropy_g, block_entropy = _backward_block_sums(
                 y, g, alpha, beta, ALPHA_GRAD
@@ -413,11 +449,17 @@ def _entmax_backward_kernel(
             entropy_g += block_entropy_g
             entropy_sum += block_entropy
         mean_g = gppr_g / tl.where(gppr_sum > 0, gppr_sum, 1.0)
-        for start in range(0, length, BLOCK):
+        dsink = tl.zeros((), COMPUTE)
+        for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, COMPUTE)
+            y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, sink_weight, HAS_SINK,
+                                        COMPUTE)
             dx = gate * _power(y, 2 - alpha) * (g - mean_g)
             store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
+            if HAS_SINK:
+                dsink += at_sink(cols, length, dx)
+        if HAS_SINK:
+            store_sink(DSINK, row, dsink, nan > 0)
     if ALPHA_GRAD:
         ratio = entropy_sum / tl.where(gppr_sum > 0, gppr_sum, 1.0)
         tl.store(D_ALPHA + row, gate * beta * (entropy_g - ratio * gppr_g))
@@ -428,7 +470,9 @@ def _max_iterations(x: Tensor) -> int:
     return 120 if x.dtype == torch.float64 else 60
 
 
-def entmax_forward(x: Tensor, mask: rules.RowMask, alpha: float | Tensor) -> tuple[Tensor, Tensor]:
+def entmax_forward(
+    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None
+) -> tuple[Tensor, ...]:
     """alpha-entmax over the allowed positions of each row, any ``alpha >= 1`` per row.
 
     ``y = [(alpha - 1) x - tau]_+^(1 / (alpha - 1))`` with ``tau`` such that each row sums
@@ -438,26 +482,36 @@ def entmax_forward(x: Tensor, mask: rules.RowMask, alpha: float | Tensor) -> tup
         x: scores ``(..., L)``, float16/bfloat16/float32/float64.
         mask: which positions each row may use.
         alpha: python number or tensor ``(..., 1)`` broadcastable to ``x``, >= 1.
+        sink: the score of a virtual key after each row, ``x.shape[:-1]`` (or ``(..., 1)``), or
+            None: entmax of the extended row ``[x, sink]`` (``tau`` makes it sum to 1).
 
     Returns:
         ``(y, gate)``: weights like ``x``; ``gate`` per row ``x.shape[:-1]``, 1, or 0 in rows
-        holding +inf.
+        holding +inf.  With a ``sink``, ``(y, gate, sink_weight)``: the sink's weight per row.
+
+    Raises:
+        ValueError: ``sink`` of another shape.
     """
-    run = launch.prepare(x)
+    run = launch.prepare(x, sink is not None)
     gate = run.row_stats()
+    sink_weight = run.row_stats() if sink is not None else None
     masking = launch.mask_args(mask, x)
     launch.run(
         _entmax_forward_kernel, run,
         run.rows, run.out, gate, *launch.row_param(alpha, x), *masking.args,
+        *launch.sink_scores(sink, x), gate if sink_weight is None else sink_weight,
         run.length, run.rows.stride(0), run.out.stride(0), _max_iterations(x),
-        BLOCK=run.config.block, SINGLE=run.config.single, COMPUTE=launch.compute_dtype(x), **masking.constants,
+        BLOCK=run.config.block, SINGLE=run.config.single, HAS_SINK=sink is not None, COMPUTE=launch.compute_dtype(x),
+        **masking.constants,
     )
-    return run.out.reshape(x.shape), gate.reshape(x.shape[:-1])
+    outputs = (run.out.reshape(x.shape), gate.reshape(x.shape[:-1]))
+    return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
 
 
 def entmax_backward(
-    y: Tensor, grad: Tensor, gate: Tensor, alpha: float | Tensor, alpha_grad: bool
-) -> tuple[Tensor, Tensor | None]:
+    y: Tensor, grad: Tensor, gate: Tensor, alpha: float | Tensor, alpha_grad: bool,
+    sink_weight: Tensor | None = None,
+) -> tuple[Tensor, ...]:
     """The closed-form entmax Jacobian-vector product, from the output alone.
 
     ``dx = gate (s g - s sum(s g) / sum(s))`` with ``s = y^(2 - alpha)`` on the support;
@@ -470,20 +524,28 @@ def entmax_backward(
         gate: the forward's gate per row ``y.shape[:-1]``.
         alpha: the forward's alpha.
         alpha_grad: also return alpha's gradient per row.
+        sink_weight: the forward's sink weight per row ``y.shape[:-1]``, or None: the product
+            for the extended row ``[y, sink_weight]`` with gradient ``[g, 0]`` (alpha's
+            gradient includes the sink's terms).
 
     Returns:
         ``(dx, per_row)``: ``dx`` like ``y``; alpha's gradient per row ``y.shape[:-1]`` in the
-        accumulation dtype, or None.
+        accumulation dtype, or None.  With ``sink_weight``, ``(dx, per_row, dsink)``: the
+        gradient of the sink's score per row, like ``per_row``.
     """
-    run = launch.prepare(y)
+    has_sink = sink_weight is not None
+    run = launch.prepare(y, has_sink)
     g = launch.rows_view(grad)
     d_alpha = run.row_stats() if alpha_grad else None
+    dsink = run.row_stats() if has_sink else None
     launch.run(
         _entmax_backward_kernel, run,
         run.rows, g, run.out, run.out if d_alpha is None else d_alpha,
         *launch.per_row_param(gate, y), *launch.row_param(alpha, y),
+        *(launch.per_row_param(sink_weight, y) if has_sink else (run.rows, 0)), run.out if dsink is None else dsink,
         run.length, run.rows.stride(0), g.stride(0), run.out.stride(0),
-        BLOCK=run.config.block, SINGLE=run.config.single, ALPHA_GRAD=bool(alpha_grad),
+        BLOCK=run.config.block, SINGLE=run.config.single, ALPHA_GRAD=bool(alpha_grad), HAS_SINK=has_sink,
         COMPUTE=launch.compute_dtype(y),
     )
-    return run.out.reshape(y.shape), None if d_alpha is None else d_alpha.reshape(y.shape[:-1])
+    outputs = (run.out.reshape(y.shape), None if d_alpha is None else d_alpha.reshape(y.shape[:-1]))
+    return outputs if dsink is None else (*outputs, dsink.reshape(y.shape[:-1]))

@@ -9,6 +9,10 @@ the multi-pass path with short rows.
 Kernels are launched by :func:`run` with tensors and numbers only.  Every output
 tensor is allocated through :func:`empty`, the one place tests patch to poison
 outputs (an element a kernel forgets to write then fails).
+
+A sink per row (``kernels/README.md``) is one more position after the row: the
+kernel reads its score through :func:`sink_scores` (``(values, stride)`` like a row
+parameter) and a single-block row needs a block of ``L + 1`` lanes (:func:`prepare`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ __all__ = [
     "row_param",
     "rows_view",
     "run",
+    "sink_scores",
 ]
 
 SINGLE_BLOCK_MAX = 8192
@@ -94,10 +99,15 @@ class Launch(NamedTuple):
         return empty((self.rows.shape[0], *extra), rules.accumulation_dtype(self.rows.dtype), self.rows.device)
 
 
-def prepare(source: Tensor) -> Launch:
-    """Rows of ``source``, an output shaped like them (same dtype) and the block configuration."""
+def prepare(source: Tensor, sink: bool = False) -> Launch:
+    """Rows of ``source``, an output shaped like them (same dtype) and the block configuration.
+
+    With ``sink`` the kernel also walks the sink after each row: blocks are chosen for
+    ``L + 1`` positions (a row of a power-of-two length takes a block twice as wide, and a
+    row of :data:`SINGLE_BLOCK_MAX` the multi-pass path).
+    """
     rows = rows_view(source)
-    return Launch(rows, empty(tuple(rows.shape), source.dtype, source.device), block_config(rows.shape[1]))
+    return Launch(rows, empty(tuple(rows.shape), source.dtype, source.device), block_config(rows.shape[1] + sink))
 
 
 def run(kernel: Any, launch: Launch, *args: Any, **constants: Any) -> None:
@@ -148,6 +158,25 @@ def row_param(value: float | Tensor, x: Tensor) -> tuple[Tensor, int]:
 def per_row_param(value: float | Tensor, x: Tensor) -> tuple[Tensor, int]:
     """A per-row value of the contract's shape ``x.shape[:-1]`` (or a number) as :func:`row_param` arguments."""
     return row_param(value.unsqueeze(-1) if isinstance(value, Tensor) else value, x)
+
+
+def sink_scores(sink: Tensor | None, x: Tensor) -> tuple[Tensor, int]:
+    """The sink's score per row as :func:`row_param` arguments (in the accumulation dtype, as the kernels compute).
+
+    ``sink`` has shape ``x.shape[:-1]``, or ``x.ndim`` dims with last dim 1 broadcastable to
+    ``x``.  None (no sink) gives ``x`` with stride 0, a pointer the kernel never reads.
+
+    Raises:
+        ValueError: ``sink`` of another shape.
+    """
+    if sink is None:
+        return x, 0
+    column = sink.unsqueeze(-1) if sink.ndim == x.ndim - 1 else sink
+    rows = (*x.shape[:-1], 1)
+    if column.ndim != x.ndim or any(size not in (1, wanted) for size, wanted in zip(column.shape, rows, strict=True)):
+        raise ValueError(f"sink must have shape {tuple(x.shape[:-1])} or {rows} (broadcastable), got "
+                         f"{tuple(sink.shape)}")
+    return row_param(column, x)
 
 
 class MaskArgs(NamedTuple):

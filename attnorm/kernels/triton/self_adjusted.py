@@ -16,6 +16,10 @@ rows holding +inf or fully masked, whose gradient is 0) and rebuilds
 ``1 / span`` plus the paths through ``low`` and ``high``: ``(P - Q) / span`` shared
 by the positions attaining ``low`` and ``-P / span`` by those attaining ``high``
 (as torch's amin/amax and clamp gradients share them).
+
+With a sink (``kernels/README.md``) both run on the extended row ``[x, sink]`` (the
+sink takes part in ``max``, ``min``, ``low``, ``high`` and the softmax sum; its
+gradient is 0): its output value and the gradient reaching its score come out per row.
 """
 
 from __future__ import annotations
@@ -26,7 +30,18 @@ from torch import Tensor
 
 from attnorm.kernels import rules
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row, scan_row, store_row
+from attnorm.kernels.triton.blocks import (
+    at_sink,
+    keep_posinf,
+    load_block,
+    load_row,
+    load_sink,
+    row_extent,
+    scan_row,
+    sink_taken,
+    store_row,
+    store_sink,
+)
 
 __all__ = ["self_adjusted_backward", "self_adjusted_forward"]
 
@@ -70,9 +85,11 @@ def _output(x, allowed, weights, low, high, posinf_row, NORMALIZED: tl.constexpr
 def _self_adjusted_forward_kernel(
     X, OUT, STATS,
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    sink_values, sink_stride, SINK_WEIGHT,
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, NORMALIZED: tl.constexpr,
-    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr,
+    COMPUTE: tl.constexpr,
 ):
     """SA-Softmax of one row; writes its stats ``(c0, c1, low, high, gate)`` for the backward.
 
@@ -80,14 +97,18 @@ def _self_adjusted_forward_kernel(
     the output once, ``L * (in + out)``, plus 5 per-row scalars (4 bytes each, 8 for
     float64); a multi-pass row reads x twice (online max and sum, then the write),
     ``L * (2 in + out)``.  A bool mask adds one byte per element and pass.
+    ``HAS_SINK``: the sink is position ``length`` of every pass (one scalar read, held
+    in a register) and its output value one more per-row scalar written; no extra pass.
     """
     masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
                diagonal)
     row = tl.program_id(0).to(tl.int64)
+    sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    sink_weight = tl.zeros((), COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         x, allowed, posinf_row, nan_row, _ = load_row(
-            X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+            X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
         )
         live = tl.sum(allowed.to(tl.int32), 0) > 0
         top = tl.where(live, tl.max(tl.where(allowed, x, float("-inf")), 0), 0.0)
@@ -97,23 +118,32 @@ def _self_adjusted_forward_kernel(
         high = tl.maximum(top, 0.0)
         out = _output(x, allowed, e / tl.where(total > 0, total, 1.0), low, high, posinf_row, NORMALIZED)
         store_row(OUT, row, cols, length, out_row_stride, out, nan_row)
+        if HAS_SINK:
+            sink_weight = at_sink(cols, length, out)
     else:
         count, posinf_count, nan_count, top, min_x, _, total = scan_row(
-            X, row, length, x_row_stride, masking, 1.0, BLOCK, True, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+            X, row, length, x_row_stride, masking, sink, 1.0, BLOCK, True, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK,
+            COMPUTE,
         )
         posinf_row = posinf_count > 0
         nan_row = nan_count > 0
+        if HAS_SINK:
+            count += sink_taken(sink)
         live = count > 0
         top = tl.where(top == float("-inf"), 0.0, top)
         low = tl.minimum(min_x, 0.0)
         high = tl.maximum(top, 0.0)
-        for start in range(0, length, BLOCK):
+        for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+            x, allowed = load_block(
+                X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+            )
             x, allowed = keep_posinf(x, allowed, posinf_row)
             weights = tl.where(allowed, tl.exp(x - top) / tl.where(total > 0, total, 1.0), 0.0)
             out = _output(x, allowed, weights, low, high, posinf_row, NORMALIZED)
             store_row(OUT, row, cols, length, out_row_stride, out, nan_row)
+            if HAS_SINK:
+                sink_weight += at_sink(cols, length, out)
     gate = live & ~posinf_row
     stats = STATS + row * 5  # a fresh (rows, 5) tensor
     tl.store(stats, tl.where(gate, top, 0.0))
@@ -121,6 +151,8 @@ def _self_adjusted_forward_kernel(
     tl.store(stats + 2, low)
     tl.store(stats + 3, high)
     tl.store(stats + 4, tl.where(gate, 1.0, 0.0))
+    if HAS_SINK:
+        store_sink(SINK_WEIGHT, row, sink_weight, nan_row)
 
 
 @triton.jit
@@ -155,10 +187,16 @@ def _input_grad(x, allowed, g, c0, c1, low, high, phi_g_w, g_w, at_low, at_high,
 
 @triton.jit
 def _load_backward_block(
-    X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+    X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, live, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK,
+    COMPUTE,
 ):
-    """Scores (0 where not used), used positions (none when not ``live``), NaN at allowed positions, the gradient."""
-    x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+    """Scores (0 where not used), used positions (none when not ``live``), NaN at allowed positions, the gradient.
+
+    The sink's gradient (position ``length`` with ``HAS_SINK``) is 0.
+    """
+    x, allowed = load_block(
+        X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+    )
     nan = tl.sum((allowed & (x != x)).to(tl.int32), 0)
     allowed = tl.where(live, allowed, False)
     g = tl.load(G + row * g_row_stride + cols, mask=cols < length, other=0.0).to(COMPUTE)
@@ -169,15 +207,19 @@ def _load_backward_block(
 def _self_adjusted_backward_kernel(
     X, G, DX, STATS, stats_row_stride, stats_col_stride,
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    sink_values, sink_stride, DSINK,
     length, x_row_stride, g_row_stride, dx_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, NORMALIZED: tl.constexpr,
-    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr,
+    COMPUTE: tl.constexpr,
 ):
     """SA-Softmax backward of one row (formula in the module docstring); NaN rows give NaN.
 
     Passes over the row and bytes moved: a single-block row reads x and g once and
     writes dx once, ``3 L itemsize``, plus 5 per-row scalars (and the bool mask, if
     given); a multi-pass row reads x and g twice (sums, then dx), ``5 L itemsize``.
+    ``HAS_SINK``: the row is ``[x, sink]`` with gradient ``[g, 0]``, the sink's score one
+    scalar read per row and its gradient one written.
     """
     masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
                diagonal)
@@ -188,24 +230,30 @@ def _self_adjusted_backward_kernel(
     low = tl.load(stats + 2 * stats_col_stride).to(COMPUTE)
     high = tl.load(stats + 3 * stats_col_stride).to(COMPUTE)
     live = tl.load(stats + 4 * stats_col_stride) != 0
+    sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    dsink = tl.zeros((), COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         x, allowed, nan, g = _load_backward_block(
-            X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+            X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, live, BOOL_MASK, CAUSAL, LENGTHS,
+            HAS_SINK, COMPUTE,
         )
         phi_g_w, g_w, at_low, at_high = _block_sums(x, allowed, g, c0, c1, low, high, NORMALIZED)
         dx = _input_grad(x, allowed, g, c0, c1, low, high, phi_g_w, g_w, at_low, at_high, NORMALIZED)
         store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
+        if HAS_SINK:
+            dsink = at_sink(cols, length, dx)
     else:
         phi_g_w = tl.zeros((), COMPUTE)
         g_w = tl.zeros((), COMPUTE)
         at_low = tl.zeros((), tl.int32)
         at_high = tl.zeros((), tl.int32)
         nan = tl.zeros((), tl.int32)
-        for start in range(0, length, BLOCK):
+        for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x, allowed, block_nan, g = _load_backward_block(
-                X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+                X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, live, BOOL_MASK, CAUSAL, LENGTHS,
+                HAS_SINK, COMPUTE,
             )
             block_phi_g_w, block_g_w, block_low, block_high = _block_sums(
                 x, allowed, g, c0, c1, low, high, NORMALIZED
@@ -215,41 +263,61 @@ def _self_adjusted_backward_kernel(
             at_low += block_low
             at_high += block_high
             nan += block_nan
-        for start in range(0, length, BLOCK):
+        for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x, allowed, _, g = _load_backward_block(
-                X, G, row, cols, length, x_row_stride, g_row_stride, masking, live, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+                X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, live, BOOL_MASK, CAUSAL, LENGTHS,
+                HAS_SINK, COMPUTE,
             )
             dx = _input_grad(x, allowed, g, c0, c1, low, high, phi_g_w, g_w, at_low, at_high, NORMALIZED)
             store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
+            if HAS_SINK:
+                dsink += at_sink(cols, length, dx)
+    if HAS_SINK:
+        store_sink(DSINK, row, dsink, nan > 0)
 
 
-def self_adjusted_forward(x: Tensor, mask: rules.RowMask, normalized: bool) -> tuple[Tensor, Tensor]:
+def self_adjusted_forward(
+    x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None
+) -> tuple[Tensor, ...]:
     """SA-Softmax ``y = phi(x) softmax(x)`` over the allowed positions of each row.
 
     Args:
         x: scores ``(..., L)``, float16/bfloat16/float32/float64.
         mask: which positions each row may use.
         normalized: ``phi(x) = (x - low) / (high - low)`` instead of ``x``.
+        sink: the score of a virtual key after each row, ``x.shape[:-1]`` (or ``(..., 1)``), or
+            None: SA-Softmax of the extended row ``[x, sink]`` (the sink in ``low``, ``high``
+            and the softmax).
 
     Returns:
         ``(y, stats)``: weights like ``x``; ``stats`` of shape ``x.shape[:-1] + (5,)`` in the
         accumulation dtype, ``(c0, c1, low, high, gate)`` with softmax weights
-        ``exp((x - c0) - c1)`` and ``gate`` 0 in rows holding +inf or fully masked.
+        ``exp((x - c0) - c1)`` and ``gate`` 0 in rows holding +inf or fully masked.  With a
+        ``sink``, ``(y, stats, sink_weight)``: the sink's output value ``phi(sink) w`` per row.
+
+    Raises:
+        ValueError: ``sink`` of another shape.
     """
-    run = launch.prepare(x)
+    run = launch.prepare(x, sink is not None)
     stats = run.row_stats(_STATS)
+    sink_weight = run.row_stats() if sink is not None else None
     masking = launch.mask_args(mask, x)
     launch.run(
         _self_adjusted_forward_kernel, run,
-        run.rows, run.out, stats, *masking.args, run.length, run.rows.stride(0), run.out.stride(0),
-        BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=bool(normalized),
+        run.rows, run.out, stats, *masking.args,
+        *launch.sink_scores(sink, x), stats if sink_weight is None else sink_weight,
+        run.length, run.rows.stride(0), run.out.stride(0),
+        BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=bool(normalized), HAS_SINK=sink is not None,
         COMPUTE=launch.compute_dtype(x), **masking.constants,
     )
-    return run.out.reshape(x.shape), stats.reshape(*x.shape[:-1], _STATS)
+    outputs = (run.out.reshape(x.shape), stats.reshape(*x.shape[:-1], _STATS))
+    return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
 
 
-def self_adjusted_backward(x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool) -> Tensor:
+def self_adjusted_backward(
+    x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool, sink: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
     """SA-Softmax's ``dx``, recomputing the softmax weights from ``x`` and ``stats``.
 
     Args:
@@ -258,19 +326,29 @@ def self_adjusted_backward(x: Tensor, mask: rules.RowMask, grad: Tensor, stats: 
         grad: the incoming gradient, like ``x``.
         stats: the forward's stats ``x.shape[:-1] + (5,)``.
         normalized: the forward's variant.
+        sink: the forward's sink scores, or None: the backward of the extended row ``[x, sink]``
+            with gradient ``[g, 0]``.
 
     Returns:
-        ``dx`` like ``x`` (0 in rows whose gate is 0, NaN in rows holding NaN).
+        ``dx`` like ``x`` (0 in rows whose gate is 0, NaN in rows holding NaN).  With a
+        ``sink``, ``(dx, dsink)``: the gradient of the sink's score per row ``x.shape[:-1]``,
+        in the accumulation dtype.
+
+    Raises:
+        ValueError: ``sink`` of another shape.
     """
-    run = launch.prepare(x)
+    run = launch.prepare(x, sink is not None)
     g = launch.rows_view(grad)
     row_stats = stats.reshape(-1, _STATS)
+    dsink = run.row_stats() if sink is not None else None
     masking = launch.mask_args(mask, x)
     launch.run(
         _self_adjusted_backward_kernel, run,
         run.rows, g, run.out, row_stats, row_stats.stride(0), row_stats.stride(1), *masking.args,
+        *launch.sink_scores(sink, x), run.out if dsink is None else dsink,
         run.length, run.rows.stride(0), g.stride(0), run.out.stride(0),
-        BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=bool(normalized),
+        BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=bool(normalized), HAS_SINK=sink is not None,
         COMPUTE=launch.compute_dtype(x), **masking.constants,
     )
-    return run.out.reshape(x.shape)
+    dx = run.out.reshape(x.shape)
+    return dx if dsink is None else (dx, dsink.reshape(x.shape[:-1]))

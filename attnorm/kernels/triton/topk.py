@@ -14,6 +14,11 @@ are (at most all of) the +inf positions.
 Scores are shifted before they are scaled: by the largest kept score for
 ``1 / temperature >= 0``, by the smallest (the k-th) otherwise.  The backward is
 softmax's on the kept set (:func:`.softmax.softmax_backward`).
+
+With a sink (``kernels/README.md``) the search runs on the extended row ``[x, sink]``:
+the sink competes for a slot and, at the highest index, loses every tie; ``n`` of a
+fractional k counts the real positions only, an integer k counts slots over the real
+positions and the sink together.
 """
 
 from __future__ import annotations
@@ -25,7 +30,20 @@ from torch import Tensor
 
 from attnorm.kernels import rules
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.blocks import keep_posinf, load_block, load_row, load_row_param, scaled, scan_row, store_row
+from attnorm.kernels.triton.blocks import (
+    at_sink,
+    keep_posinf,
+    load_block,
+    load_row,
+    load_row_param,
+    load_sink,
+    row_extent,
+    scaled,
+    scan_row,
+    sink_taken,
+    store_row,
+    store_sink,
+)
 
 __all__ = ["topk_forward"]
 
@@ -49,46 +67,64 @@ def _key_value(key, COMPUTE: tl.constexpr, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _keep_count(count, k, IS_FRACTION: tl.constexpr):
-    """Positions kept: ``min(k, n)``, or ``min(max(1, ceil(k * n)), n)`` for a fraction k."""
+def _wanted_count(count, k, IS_FRACTION: tl.constexpr):
+    """Slots asked for (float64): ``k``, or ``max(1, ceil(k n - 1e-9))`` for a fraction k of ``n = count``."""
     if IS_FRACTION:
         wanted = tl.maximum(tl.ceil(count.to(tl.float64) * k - 1e-9), 1.0)
     else:
         wanted = k
-    return tl.minimum(wanted, count.to(tl.float64)).to(tl.int32)
+    return wanted
 
 
 @triton.jit
-def _count_at_least(X, row, length, x_row_stride, masking, posinf_row, threshold, keys, SINGLE, BLOCK,
-                    BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS):
+def _keep_count(count, k, IS_FRACTION: tl.constexpr):
+    """Positions kept: ``min(k, n)``, or ``min(max(1, ceil(k * n)), n)`` for a fraction k."""
+    return tl.minimum(_wanted_count(count, k, IS_FRACTION), count.to(tl.float64)).to(tl.int32)
+
+
+@triton.jit
+def _sink_keep_count(count, available, k, IS_FRACTION: tl.constexpr):
+    """Positions kept in a row with a sink: :func:`_wanted_count` of ``n = count``, at most ``available``.
+
+    ``n`` does not count the sink (a fraction is of the real positions); ``available``, the
+    positions that may be kept after the +inf rule, does (an integer k takes slots over both).
+    """
+    return tl.minimum(_wanted_count(count, k, IS_FRACTION), available.to(tl.float64)).to(tl.int32)
+
+
+@triton.jit
+def _count_at_least(X, row, length, x_row_stride, masking, sink, posinf_row, threshold, keys, SINGLE, BLOCK,
+                    BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS):
     """Allowed positions whose key is >= threshold: from ``keys`` in registers (SINGLE) or streamed."""
     if SINGLE:
         found = tl.sum((keys >= threshold).to(tl.int32), 0)
     else:
         found = tl.zeros((), tl.int32)
-        for start in range(0, length, BLOCK):
+        for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+            x, allowed = load_block(
+                X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+            )
             x, allowed = keep_posinf(x, allowed, posinf_row)
             found += tl.sum((_order_keys(x, allowed, KEY, KEY_BITS) >= threshold).to(tl.int32), 0)
     return found
 
 
 @triton.jit
-def _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, keys, SINGLE, BLOCK,
-             BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS):
+def _kth_key(X, row, length, x_row_stride, masking, sink, posinf_row, keep, keys, SINGLE, BLOCK,
+             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS):
     """The largest key t with ``count(key >= t) >= keep`` (the keep-th largest key), bit by bit."""
     key_min: tl.constexpr = -(1 << (KEY_BITS - 1))
     # The sign bit first: t >= 0 or t < 0; then t + 2^bit never overflows.
     threshold = tl.zeros((), KEY)
-    found = _count_at_least(X, row, length, x_row_stride, masking, posinf_row, threshold, keys, SINGLE, BLOCK,
-                            BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
+    found = _count_at_least(X, row, length, x_row_stride, masking, sink, posinf_row, threshold, keys, SINGLE, BLOCK,
+                            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS)
     threshold = tl.where(found >= keep, threshold, key_min)
     one = tl.full((), 1, KEY)
     for step in range(KEY_BITS - 1):
         candidate = threshold + (one << (one * (KEY_BITS - 2 - step)))
-        found = _count_at_least(X, row, length, x_row_stride, masking, posinf_row, candidate, keys, SINGLE, BLOCK,
-                                BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
+        found = _count_at_least(X, row, length, x_row_stride, masking, sink, posinf_row, candidate, keys, SINGLE,
+                                BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS)
         threshold = tl.where(found >= keep, candidate, threshold)
     return threshold
 
@@ -97,10 +133,11 @@ def _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, keys, SING
 def _topk_forward_kernel(
     X, OUT, MULTIPLIER, k_param, temperature_values, temperature_stride,
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    sink_values, sink_stride, SINK_WEIGHT,
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, IS_FRACTION: tl.constexpr,
-    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, COMPUTE: tl.constexpr,
-    KEY: tl.constexpr, KEY_BITS: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr,
+    COMPUTE: tl.constexpr, KEY: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """Top-k softmax of one row; also writes ``1 / temperature`` (0 in +inf rows) for the backward.
 
@@ -108,22 +145,29 @@ def _topk_forward_kernel(
     y once, ``L * (in + out)``, plus a per-row scalar; the radix search runs on the
     keys in registers.  A multi-pass row reads x ``KEY_BITS + 3`` times (statistics,
     one pass per key bit, sums, write): ``L * ((KEY_BITS + 3) in + out)``.  A bool
-    mask adds one byte per element and pass.
+    mask adds one byte per element and pass.  ``HAS_SINK``: the sink is position
+    ``length`` of every pass (one scalar read, held in a register) and its weight one
+    more per-row scalar written; no extra pass.
     """
     masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
                diagonal)
     row = tl.program_id(0).to(tl.int64)
     scale = 1.0 / load_row_param(temperature_values, temperature_stride, row).to(COMPUTE)
     k = tl.load(k_param)
+    sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    sink_weight = tl.zeros((), COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         x, allowed, posinf_row, nan_row, count = load_row(
-            X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+            X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
         )
-        keep = tl.minimum(_keep_count(count, k, IS_FRACTION), tl.sum(allowed.to(tl.int32), 0))
+        if HAS_SINK:
+            keep = _sink_keep_count(count, tl.sum(allowed.to(tl.int32), 0), k, IS_FRACTION)
+        else:
+            keep = tl.minimum(_keep_count(count, k, IS_FRACTION), tl.sum(allowed.to(tl.int32), 0))
         keys = _order_keys(x, allowed, KEY, KEY_BITS)
-        threshold = _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, keys, True, BLOCK,
-                             BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
+        threshold = _kth_key(X, row, length, x_row_stride, masking, sink, posinf_row, keep, keys, True, BLOCK,
+                             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS)
         greater = keys > threshold
         ties = keys == threshold
         tie_slots = keep - tl.sum(greater.to(tl.int32), 0)
@@ -135,23 +179,32 @@ def _topk_forward_kernel(
         total = tl.sum(e, 0)
         y = tl.where(kept, e / tl.where(total > 0, total, 1.0), 0.0)
         store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
+        if HAS_SINK:
+            sink_weight = at_sink(cols, length, y)
     else:
         count, posinf_count, nan_count, max_x, _, _, _ = scan_row(
-            X, row, length, x_row_stride, masking, 1.0, BLOCK, False, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE
+            X, row, length, x_row_stride, masking, sink, 1.0, BLOCK, False, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK,
+            COMPUTE,
         )
         posinf_row = posinf_count > 0
         nan_row = nan_count > 0
-        keep = tl.minimum(_keep_count(count, k, IS_FRACTION), tl.where(posinf_row, posinf_count, count))
-        threshold = _kth_key(X, row, length, x_row_stride, masking, posinf_row, keep, 0, False, BLOCK,
-                             BOOL_MASK, CAUSAL, LENGTHS, COMPUTE, KEY, KEY_BITS)
+        if HAS_SINK:
+            available = tl.where(posinf_row, posinf_count, count + sink_taken(sink))
+            keep = _sink_keep_count(count, available, k, IS_FRACTION)
+        else:
+            keep = tl.minimum(_keep_count(count, k, IS_FRACTION), tl.where(posinf_row, posinf_count, count))
+        threshold = _kth_key(X, row, length, x_row_stride, masking, sink, posinf_row, keep, 0, False, BLOCK,
+                             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS)
         kth = tl.where(keep > 0, _key_value(threshold, COMPUTE, KEY_BITS), 0.0)
         top = tl.where(max_x == float("-inf"), 0.0, max_x)
         shift = tl.where(scale >= 0, top, kth)
         above_sum = tl.zeros((), COMPUTE)
         above = tl.zeros((), tl.int32)
-        for start in range(0, length, BLOCK):
+        for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+            x, allowed = load_block(
+                X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+            )
             x, allowed = keep_posinf(x, allowed, posinf_row)
             greater = _order_keys(x, allowed, KEY, KEY_BITS) > threshold
             above += tl.sum(greater.to(tl.int32), 0)
@@ -160,9 +213,11 @@ def _topk_forward_kernel(
         total = above_sum + tie_slots.to(COMPUTE) * tl.exp(scaled(kth - shift, scale))
         total = tl.where(total > 0, total, 1.0)
         ties_before = tl.zeros((), tl.int32)
-        for start in range(0, length, BLOCK):
+        for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(X, row, cols, length, x_row_stride, masking, BOOL_MASK, CAUSAL, LENGTHS, COMPUTE)
+            x, allowed = load_block(
+                X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+            )
             x, allowed = keep_posinf(x, allowed, posinf_row)
             keys = _order_keys(x, allowed, KEY, KEY_BITS)
             ties = allowed & (keys == threshold)
@@ -171,12 +226,17 @@ def _topk_forward_kernel(
             y = tl.where(kept, tl.exp(scaled(x - shift, scale)) / total, 0.0)
             store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
             ties_before += tl.sum(ties.to(tl.int32), 0)
+            if HAS_SINK:
+                sink_weight += at_sink(cols, length, y)
     tl.store(MULTIPLIER + row, tl.where(posinf_row, 0.0, scale))
+    if HAS_SINK:
+        store_sink(SINK_WEIGHT, row, sink_weight, nan_row)
 
 
 def topk_forward(
-    x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor
-) -> tuple[Tensor, Tensor]:
+    x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor,
+    sink: Tensor | None = None,
+) -> tuple[Tensor, ...]:
     """Softmax of ``x / temperature`` over the kept positions of each row, exact zeros elsewhere.
 
     Args:
@@ -187,22 +247,32 @@ def topk_forward(
             lowest index wins.
         is_fraction: read ``k`` as a fraction.
         temperature: python number or tensor ``(..., 1)`` broadcastable to ``x``.
+        sink: the score of a virtual key after each row, ``x.shape[:-1]`` (or ``(..., 1)``), or
+            None: top-k of the extended row ``[x, sink]`` (the sink may take a slot and loses
+            every tie; ``n`` of a fraction does not count it, an integer ``k`` does).
 
     Returns:
         ``(y, multiplier)``: weights like ``x``; ``1 / temperature`` per row ``x.shape[:-1]``,
-        0 in rows holding +inf.
+        0 in rows holding +inf.  With a ``sink``, ``(y, multiplier, sink_weight)``: the sink's
+        weight per row.
+
+    Raises:
+        ValueError: ``sink`` of another shape.
     """
-    run = launch.prepare(x)
+    run = launch.prepare(x, sink is not None)
     multiplier = run.row_stats()
+    sink_weight = run.row_stats() if sink is not None else None
     masking = launch.mask_args(mask, x)
     wide = x.dtype == torch.float64
     k_value = torch.full((1,), float(k), dtype=torch.float64, device=x.device)
     launch.run(
         _topk_forward_kernel, run,
         run.rows, run.out, multiplier, k_value, *launch.row_param(temperature, x), *masking.args,
+        *launch.sink_scores(sink, x), multiplier if sink_weight is None else sink_weight,
         run.length, run.rows.stride(0), run.out.stride(0),
-        BLOCK=run.config.block, SINGLE=run.config.single, IS_FRACTION=bool(is_fraction),
+        BLOCK=run.config.block, SINGLE=run.config.single, IS_FRACTION=bool(is_fraction), HAS_SINK=sink is not None,
         COMPUTE=launch.compute_dtype(x), KEY=tl.int64 if wide else tl.int32, KEY_BITS=64 if wide else 32,
         **masking.constants,
     )
-    return run.out.reshape(x.shape), multiplier.reshape(x.shape[:-1])
+    outputs = (run.out.reshape(x.shape), multiplier.reshape(x.shape[:-1]))
+    return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
