@@ -62,20 +62,18 @@ def _split_sink(dx: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor | None]
 
 
 def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | None, grad: Tensor,
-                   grad_sink_weight: Tensor | None, multiplier: Tensor, m: Tensor, param_grad: int,
-                   x: Tensor | None = None):
+                   multiplier: Tensor, m: Tensor, param_grad: int, x: Tensor | None = None):
     """``dx``, the per-row parameter gradient and ``dsink`` of ``y = softmax(m x)``, from the saved output.
 
     ``m`` is the multiplier as a differentiable function of the parameters, ``(..., 1)``:
-    only used when autograd records the backward (or a double backward sends a gradient
-    to the sink's weight, which the kernels take as 0).
+    only used when autograd records the backward.
     """
-    if not torch.is_grad_enabled() and grad_sink_weight is None:
+    if not torch.is_grad_enabled():
         dx, per_row, dsink = ops.softmax_bwd(y, grad, multiplier, x, param_grad, sink_weight, sink, ctx.backend)
         return dx, per_row if param_grad else None, dsink if sink is not None else None
     # Recorded by autograd (double backward, torch.func): the same closed forms, differentiable.
     if sink is not None:
-        y, grad = _extended(y, sink_weight), _extended(grad, grad_sink_weight)
+        y, grad = _extended(y, _sink_weight_of(y, sink_weight)), _extended(grad, None)
         x = None if x is None else _extended(x, sink)
     dx, dsink = _split_sink(jacobians.softmax_vjp(y, grad, m), sink)
     per_row = None
@@ -105,9 +103,9 @@ class _RowFunction(Function):
     unwraps dead functorch wrappers on every call, about 5 us; :func:`_call` uses it
     outside ``torch.compile`` and ``torch.func`` transforms, unwrapping itself.
 
-    Every forward op returns the sink's weight last (empty without a sink).  It stays a
-    differentiable output: the backward's closed forms read it, so a double backward
-    sends it a gradient.
+    Every forward op returns the sink's weight last (empty without a sink), marked
+    non-differentiable: see :func:`_sink_weight_of` for how a double backward still
+    differentiates through it.
     """
 
     generate_vmap_rule = True
@@ -118,13 +116,22 @@ class _RowFunction(Function):
         cls.eager_apply = super(Function, cls).apply  # the C apply that Function.apply ends in
 
 
-def _sink_pair(ctx, sink: Tensor | None, sink_weight: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    """The sink column and its weight, saved last for the backward (None without a sink).
-
-    Gradients are not materialised: the sink's weight gets one only in a double backward.
-    """
-    ctx.set_materialize_grads(False)
+def _sink_pair(sink: Tensor | None, sink_weight: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The sink column and its weight, saved last for the backward (None without a sink)."""
     return (None, None) if sink is None else (sink, sink_weight)
+
+
+def _sink_weight_of(y: Tensor, sink_weight: Tensor) -> Tensor:
+    """The sink's weight as a differentiable function of the saved weights ``y``, per row.
+
+    The sink's weight is an output the Functions mark non-differentiable (so compiled
+    backwards get no tangent for it and keep the kernels), yet the closed forms a double
+    backward differentiates read it.  Softmax, top-k and entmax rows sum to 1 with the
+    sink, so ``w = 1 - sum(y)``: the value here is the kernel's (no cancellation), the
+    derivative that of ``1 - sum(y)``.
+    """
+    total = y.sum(-1)
+    return sink_weight + (total.detach() - total)
 
 
 class _Softmax(_RowFunction):
@@ -138,23 +145,22 @@ class _Softmax(_RowFunction):
         temperature_rows, sink, ctx.backend = inputs[-3:]
         y, multiplier, sink_weight = output
         ctx.mark_non_differentiable(multiplier)
-        ctx.save_for_backward(y, multiplier, temperature_rows, *_sink_pair(ctx, sink, sink_weight))
+        ctx.mark_non_differentiable(sink_weight)
+        ctx.save_for_backward(y, multiplier, temperature_rows, *_sink_pair(sink, sink_weight))
 
     @staticmethod
-    def backward(ctx, grad, _grad_multiplier, grad_sink_weight):
-        dx, d_temperature, dsink = _temperature_backward(ctx, grad, grad_sink_weight, ctx.needs_input_grad[5],
+    def backward(ctx, grad, _grad_multiplier, _grad_sink_weight):
+        dx, d_temperature, dsink = _temperature_backward(ctx, grad, ctx.needs_input_grad[5],
                                                          ctx.needs_input_grad[6])
         return dx, None, None, None, None, d_temperature, dsink, None
 
 
-def _temperature_backward(ctx, grad: Tensor | None, grad_sink_weight: Tensor | None, wants_temperature: bool,
-                          wants_sink: bool) -> tuple[Tensor | None, ...]:
+def _temperature_backward(ctx, grad: Tensor, wants_temperature: bool, wants_sink: bool) -> tuple[Tensor | None, ...]:
     """Gradients of ``softmax(x / T)`` over fixed positions: ``(dx, dT, dsink)``."""
     y, multiplier, temperature_rows, sink, sink_weight = ctx.saved_tensors
-    grad = torch.zeros_like(y) if grad is None else grad
     m = _temperature_multiplier(multiplier, temperature_rows)
     param_grad = _TEMPERATURE_GRAD if wants_temperature else _NO_PARAM_GRAD
-    dx, per_row, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, grad_sink_weight, multiplier, m, param_grad)
+    dx, per_row, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, multiplier, m, param_grad)
     d_temperature = _param_grad(per_row, temperature_rows) if wants_temperature else None
     return dx, d_temperature, _sink_grad(dsink, sink, wants_sink)
 
@@ -169,23 +175,21 @@ class _ScalableSoftmax(_RowFunction):
     def setup_context(ctx, inputs, output):
         x, (ctx.s, s_rows, ctx.bias, bias_rows, sink, ctx.backend) = inputs[0], inputs[4:]
         y, multiplier, log_count, sink_weight = output
-        ctx.mark_non_differentiable(multiplier, log_count)
+        ctx.mark_non_differentiable(multiplier, log_count, sink_weight)
         wants_params = ((s_rows is not None and s_rows.requires_grad)
                         or (bias_rows is not None and bias_rows.requires_grad))
         ctx.save_for_backward(y, multiplier, log_count, x if wants_params else None, s_rows, bias_rows,
-                              *_sink_pair(ctx, sink, sink_weight))
+                              *_sink_pair(sink, sink_weight))
 
     @staticmethod
-    def backward(ctx, grad, _grad_multiplier, _grad_log_count, grad_sink_weight):
+    def backward(ctx, grad, _grad_multiplier, _grad_log_count, _grad_sink_weight):
         y, multiplier, log_count, x, s_rows, bias_rows, sink, sink_weight = ctx.saved_tensors
-        grad = torch.zeros_like(y) if grad is None else grad
         wants_s, wants_bias = ctx.needs_input_grad[5], ctx.needs_input_grad[7]
         s = ctx.s if s_rows is None else s_rows
         bias = ctx.bias if bias_rows is None else bias_rows
         m = _live(multiplier, s * log_count.unsqueeze(-1) + bias)
         param_grad = _MULTIPLIER_GRAD if wants_s or wants_bias else _NO_PARAM_GRAD
-        dx, d_multiplier, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, grad_sink_weight, multiplier, m,
-                                                 param_grad, x)
+        dx, d_multiplier, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, multiplier, m, param_grad, x)
         d_s = _param_grad(d_multiplier * log_count, s_rows) if wants_s else None
         d_bias = _param_grad(d_multiplier, bias_rows) if wants_bias else None
         return dx, None, None, None, None, d_s, None, d_bias, _sink_grad(dsink, sink, ctx.needs_input_grad[8]), None
@@ -202,8 +206,8 @@ class _TopKSoftmax(_RowFunction):
         _Softmax.setup_context(ctx, inputs, output)
 
     @staticmethod
-    def backward(ctx, grad, _grad_multiplier, grad_sink_weight):
-        dx, d_temperature, dsink = _temperature_backward(ctx, grad, grad_sink_weight, ctx.needs_input_grad[7],
+    def backward(ctx, grad, _grad_multiplier, _grad_sink_weight):
+        dx, d_temperature, dsink = _temperature_backward(ctx, grad, ctx.needs_input_grad[7],
                                                          ctx.needs_input_grad[8])
         return dx, None, None, None, None, None, None, d_temperature, dsink, None
 
@@ -218,20 +222,19 @@ class _Entmax(_RowFunction):
     def setup_context(ctx, inputs, output):
         ctx.alpha, alpha_rows, sink, ctx.backend = inputs[4:]
         y, gate, sink_weight = output
-        ctx.mark_non_differentiable(gate)
-        ctx.save_for_backward(y, gate, alpha_rows, *_sink_pair(ctx, sink, sink_weight))
+        ctx.mark_non_differentiable(gate, sink_weight)
+        ctx.save_for_backward(y, gate, alpha_rows, *_sink_pair(sink, sink_weight))
 
     @staticmethod
-    def backward(ctx, grad, _grad_gate, grad_sink_weight):
+    def backward(ctx, grad, _grad_gate, _grad_sink_weight):
         y, gate, alpha_rows, sink, sink_weight = ctx.saved_tensors
-        grad = torch.zeros_like(y) if grad is None else grad
         wants = ctx.needs_input_grad[5]
-        if not torch.is_grad_enabled() and grad_sink_weight is None:
+        if not torch.is_grad_enabled():
             dx, per_row, dsink = ops.entmax_bwd(y, grad, gate, ctx.alpha, alpha_rows, wants, sink_weight, ctx.backend)
         else:
             alpha = ctx.alpha if alpha_rows is None else alpha_rows
             if sink is not None:
-                y, grad = _extended(y, sink_weight), _extended(grad, grad_sink_weight)
+                y, grad = _extended(y, _sink_weight_of(y, sink_weight)), _extended(grad, None)
             dx, dsink = _split_sink(jacobians.entmax_vjp(y, grad, gate.unsqueeze(-1), alpha), sink)
             per_row = jacobians.entmax_alpha_grad(y, grad, gate.unsqueeze(-1), alpha).squeeze(-1) if wants else None
         d_alpha = _param_grad(per_row, alpha_rows) if wants else None
