@@ -84,11 +84,13 @@ def main() -> None:
     inductor.set_enabled(True)
     results = {}
     x = torch.randn(2, 3, 4, 10, requires_grad=True)  # (B, H, rows, L)
+    sink = torch.randn(1, 3, 1, 1, requires_grad=True)  # one per head
     rows = ["softmax:temperature=0.5", "ssmax", "ssmax:learnable=true,num_heads=3", "sparsemax", "entmax",
             "entmax:alpha=1.3", "topk:k=3", "topk:k=0.25", "sa_softmax", "sa_softmax:normalized=false"]
     for spec in rows:
         module = attnorm.make(spec, backend="triton")
         results[f"rows/{spec}"] = graphs_of(lambda t, m=module: m(t).square().sum(), x)
+        results[f"sink/{spec}"] = graphs_of(lambda t, s, m=module: m(t, sink=s).square().sum(), x, sink)
     q, k, v = (torch.randn(1, 4, 40, 16, requires_grad=True) for _ in range(3))
     kv = torch.randn(1, 2, 40, 16, requires_grad=True)
     fused = {
