@@ -17,7 +17,8 @@ self_adjusted_forward, ..._backward        :mod:`.self_adjusted`
 ========================================== ======================
 
 Every rule of :mod:`attnorm.kernels.rules` (masks, -inf/+inf, fully masked rows,
-NaN) is applied inside the kernels, with no fallback to torch.  A row of up to
+NaN) is applied inside the kernels, with no fallback to torch; so is a sink per row
+(``sink=``: position ``L`` of each row, behind the constexpr ``HAS_SINK``).  A row of up to
 :data:`.launch.SINGLE_BLOCK_MAX` elements is read once and written once; longer
 rows are streamed in several passes (each kernel's docstring counts them and the
 bytes moved).  Row layout, masks, parameters and block sizes: :mod:`.launch`;
