@@ -50,8 +50,10 @@ __all__ = [
 SINGLE_BLOCK_MAX = 8192
 """Longest row (elements) kept in registers; longer rows take the multi-pass path.
 
-Compiled for sm_90 every kernel holds an 8192-element row in at most 98 registers
-per thread with no spills; at 16384 some spill to local memory."""
+Compiled for sm_90 (``scripts/compile_check.py``) every kernel holds an 8192-element row
+in at most 127 registers per thread (entmax's forward) without spilling, and with a sink
+(a block of 8192 for 8191 keys) only bfloat16 top-k spills, 8 bytes; at 16384 some spill
+to local memory."""
 
 MULTI_PASS_BLOCK = 4096
 """Elements streamed per step on the multi-pass path."""
