@@ -25,8 +25,6 @@ a query row with no allowed key gives a zero output row, never NaN).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -37,6 +35,7 @@ from attnorm.routes import decoding as decoding_route
 from attnorm.routes import fused
 from attnorm.routes.blocked import block_rows, blocked_attention, materialised_attention
 from attnorm.routes.sdpa import logit_multiplier, scaled_sdpa, sdpa_mask_kind
+from attnorm.validation import check_softcap
 
 __all__ = ["DECODING_ROWS", "attention"]
 
@@ -136,9 +135,7 @@ def attention(
 
 def _check_modifiers(softcap, sinks, q: Tensor) -> tuple[float | None, Tensor | None]:
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
-            raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
-        softcap = float(softcap)
+        softcap = check_softcap(softcap)
     if sinks is not None:
         heads = q.shape[-3] if q.ndim >= 3 else 1
         if not isinstance(sinks, Tensor) or not sinks.dtype.is_floating_point or sinks.shape != (heads,):

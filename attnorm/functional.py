@@ -46,7 +46,7 @@ Scalar = float | Tensor
 
 def softmax(
     x: Tensor, dim: int = -1, *, temperature: Scalar = 1.0, mask: Mask = None, backend: str | None = None,
-    sink: Scalar | None = None,
+    sink: Scalar | None = None, softcap: float | None = None,
 ) -> Tensor:
     """Softmax with temperature: ``a_i = exp(x_i / T) / sum_j exp(x_j / T)`` over allowed positions.
 
@@ -60,6 +60,8 @@ def softmax(
             attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
             broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
             in ``n``; see ``kernels/README.md``.
+        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
+            computed in the kernels as they read ``x``; -inf stays -inf).
 
     Returns:
         Weights like ``x``; each row with an allowed position sums to 1.
@@ -69,12 +71,12 @@ def softmax(
         TypeError: non-floating ``x``, non-bool mask.
     """
     check_temperature(temperature)
-    return normalize("softmax", x, mask, dim, {"temperature": temperature}, backend, sink)
+    return normalize("softmax", x, mask, dim, {"temperature": temperature}, backend, sink, softcap)
 
 
 def scalable_softmax(
     x: Tensor, dim: int = -1, *, s: Scalar = 0.43, bias: Scalar = 0.0, mask: Mask = None, backend: str | None = None,
-    sink: Scalar | None = None,
+    sink: Scalar | None = None, softcap: float | None = None,
 ) -> Tensor:
     """Scalable-Softmax (Nakanishi, 2025, arXiv 2501.19399): ``softmax((s log n + bias) x)``.
 
@@ -93,6 +95,8 @@ def scalable_softmax(
             attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
             broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
             in ``n``; see ``kernels/README.md``.
+        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
+            computed in the kernels as they read ``x``; -inf stays -inf).
 
     Returns:
         Weights like ``x``; rows sum to 1.
@@ -102,12 +106,12 @@ def scalable_softmax(
     """
     check_finite("s", s)
     check_finite("bias", bias)
-    return normalize("scalable_softmax", x, mask, dim, {"s": s, "bias": bias}, backend, sink)
+    return normalize("scalable_softmax", x, mask, dim, {"s": s, "bias": bias}, backend, sink, softcap)
 
 
 def self_adjusted_softmax(
     x: Tensor, dim: int = -1, *, normalized: bool = True, mask: Mask = None, backend: str | None = None,
-    sink: Scalar | None = None,
+    sink: Scalar | None = None, softcap: float | None = None,
 ) -> Tensor:
     """Self-Adjusted Softmax (Zheng et al., 2025, arXiv 2502.18277).
 
@@ -126,16 +130,19 @@ def self_adjusted_softmax(
             attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
             broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
             in ``n``; see ``kernels/README.md``.
+        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
+            computed in the kernels as they read ``x``; -inf stays -inf).
 
     Returns:
         Weights like ``x``.
     """
     check_bool("normalized")(normalized)
-    return normalize("self_adjusted_softmax", x, mask, dim, {"normalized": normalized}, backend, sink)
+    return normalize("self_adjusted_softmax", x, mask, dim, {"normalized": normalized}, backend, sink, softcap)
 
 
 def sparsemax(
-    x: Tensor, dim: int = -1, *, mask: Mask = None, backend: str | None = None, sink: Scalar | None = None
+    x: Tensor, dim: int = -1, *, mask: Mask = None, backend: str | None = None, sink: Scalar | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Sparsemax (Martins & Astudillo, 2016): ``argmin_{p in simplex} ||p - x||^2``.
 
@@ -151,16 +158,18 @@ def sparsemax(
             attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
             broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
             in ``n``; see ``kernels/README.md``.
+        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
+            computed in the kernels as they read ``x``; -inf stays -inf).
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.
     """
-    return normalize("sparsemax", x, mask, dim, {}, backend, sink)
+    return normalize("sparsemax", x, mask, dim, {}, backend, sink, softcap)
 
 
 def entmax(
     x: Tensor, alpha: Scalar = 1.5, dim: int = -1, *, mask: Mask = None, backend: str | None = None,
-    sink: Scalar | None = None,
+    sink: Scalar | None = None, softcap: float | None = None,
 ) -> Tensor:
     """alpha-entmax (Peters, Niculae & Martins, 2019, arXiv 1905.05702).
 
@@ -180,6 +189,8 @@ def entmax(
             attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
             broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
             in ``n``; see ``kernels/README.md``.
+        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
+            computed in the kernels as they read ``x``; -inf stays -inf).
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.
@@ -188,7 +199,7 @@ def entmax(
         ValueError: alpha < 1 or not finite.
     """
     check_alpha(alpha)
-    return normalize("entmax", x, mask, dim, {"alpha": alpha}, backend, sink)
+    return normalize("entmax", x, mask, dim, {"alpha": alpha}, backend, sink, softcap)
 
 
 def topk_softmax(
@@ -199,7 +210,7 @@ def topk_softmax(
     temperature: Scalar = 1.0,
     mask: Mask = None,
     backend: str | None = None,
-    sink: Scalar | None = None,
+    sink: Scalar | None = None, softcap: float | None = None,
 ) -> Tensor:
     """Softmax over the ``k`` largest allowed scores of each row, exactly 0 elsewhere.
 
@@ -218,6 +229,8 @@ def topk_softmax(
             attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
             broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
             in ``n``; see ``kernels/README.md``.
+        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
+            computed in the kernels as they read ``x``; -inf stays -inf).
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.
@@ -227,7 +240,7 @@ def topk_softmax(
     """
     check_k(k)
     check_temperature(temperature)
-    return normalize("topk_softmax", x, mask, dim, {"k": k, "temperature": temperature}, backend, sink)
+    return normalize("topk_softmax", x, mask, dim, {"k": k, "temperature": temperature}, backend, sink, softcap)
 
 
 

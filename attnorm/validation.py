@@ -20,6 +20,7 @@ __all__ = [
     "check_bool",
     "check_finite",
     "check_k",
+    "check_softcap",
     "check_temperature",
 ]
 
@@ -89,6 +90,13 @@ def check_k(k: float) -> int | float:
     if isinstance(k, float) and not 0 < k < 1:
         raise ValueError(f"k given as a float is a fraction of the allowed positions and must be in (0, 1), got {k}")
     return k
+
+
+def check_softcap(softcap: float) -> float:
+    """Raise unless ``softcap`` is a finite python number > 0; return it as a float."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+    return float(softcap)
 
 
 def check_bool(name: str) -> Callable[[bool], bool]:

@@ -26,6 +26,7 @@ from torch.autograd import Function
 
 from attnorm.kernels import backends, ops, reference, rules
 from attnorm.kernels.reference import jacobians, sinks
+from attnorm.kernels.reference.rows import cap_slope, capped
 from attnorm.kernels.rules import RowMask, sum_to_shape
 
 __all__ = ["entmax", "scalable_softmax", "self_adjusted_softmax", "softmax", "sparsemax", "topk_softmax"]
@@ -66,16 +67,24 @@ def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | No
     """``dx``, the per-row parameter gradient and ``dsink`` of ``y = softmax(m x)``, from the saved output.
 
     ``m`` is the multiplier as a differentiable function of the parameters, ``(..., 1)``:
-    only used when autograd records the backward.
+    only used when autograd records the backward.  ``x`` holds the raw scores when the
+    forward was soft-capped (``ctx.softcap``), or when ``param_grad`` needs them.
     """
+    softcap = ctx.softcap
     if not torch.is_grad_enabled():
-        dx, per_row, dsink = ops.softmax_bwd(y, grad, multiplier, x, param_grad, sink_weight, sink, ctx.backend)
+        dx, per_row, dsink = ops.softmax_bwd(y, grad, multiplier, x, param_grad, sink_weight, sink, softcap,
+                                             ctx.backend)
         return dx, per_row if param_grad else None, dsink if sink is not None else None
     # Recorded by autograd (double backward, torch.func): the same closed forms, differentiable.
+    raw = x
+    if softcap is not None:
+        x = capped(raw, softcap)
     if sink is not None:
         y, grad = _extended(y, _sink_weight_of(y, sink_weight)), _extended(grad, None)
         x = None if x is None else _extended(x, sink)
     dx, dsink = _split_sink(jacobians.softmax_vjp(y, grad, m), sink)
+    if softcap is not None:
+        dx = dx * cap_slope(raw, softcap)
     per_row = None
     if param_grad == _TEMPERATURE_GRAD:
         per_row = jacobians.temperature_grad(y, grad, m).squeeze(-1)
@@ -142,25 +151,25 @@ class _Softmax(_RowFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        temperature_rows, sink, ctx.backend = inputs[-3:]
+        temperature_rows, sink, ctx.softcap, ctx.backend = inputs[-4:]
         y, multiplier, sink_weight = output
-        ctx.mark_non_differentiable(multiplier)
-        ctx.mark_non_differentiable(sink_weight)
-        ctx.save_for_backward(y, multiplier, temperature_rows, *_sink_pair(sink, sink_weight))
+        ctx.mark_non_differentiable(multiplier, sink_weight)
+        raw = inputs[0] if ctx.softcap is not None else None
+        ctx.save_for_backward(y, multiplier, temperature_rows, raw, *_sink_pair(sink, sink_weight))
 
     @staticmethod
     def backward(ctx, grad, _grad_multiplier, _grad_sink_weight):
         dx, d_temperature, dsink = _temperature_backward(ctx, grad, ctx.needs_input_grad[5],
                                                          ctx.needs_input_grad[6])
-        return dx, None, None, None, None, d_temperature, dsink, None
+        return dx, None, None, None, None, d_temperature, dsink, None, None
 
 
 def _temperature_backward(ctx, grad: Tensor, wants_temperature: bool, wants_sink: bool) -> tuple[Tensor | None, ...]:
     """Gradients of ``softmax(x / T)`` over fixed positions: ``(dx, dT, dsink)``."""
-    y, multiplier, temperature_rows, sink, sink_weight = ctx.saved_tensors
+    y, multiplier, temperature_rows, raw, sink, sink_weight = ctx.saved_tensors
     m = _temperature_multiplier(multiplier, temperature_rows)
     param_grad = _TEMPERATURE_GRAD if wants_temperature else _NO_PARAM_GRAD
-    dx, per_row, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, multiplier, m, param_grad)
+    dx, per_row, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, multiplier, m, param_grad, raw)
     d_temperature = _param_grad(per_row, temperature_rows) if wants_temperature else None
     return dx, d_temperature, _sink_grad(dsink, sink, wants_sink)
 
@@ -173,12 +182,12 @@ class _ScalableSoftmax(_RowFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, (ctx.s, s_rows, ctx.bias, bias_rows, sink, ctx.backend) = inputs[0], inputs[4:]
+        x, (ctx.s, s_rows, ctx.bias, bias_rows, sink, ctx.softcap, ctx.backend) = inputs[0], inputs[4:]
         y, multiplier, log_count, sink_weight = output
         ctx.mark_non_differentiable(multiplier, log_count, sink_weight)
-        wants_params = ((s_rows is not None and s_rows.requires_grad)
-                        or (bias_rows is not None and bias_rows.requires_grad))
-        ctx.save_for_backward(y, multiplier, log_count, x if wants_params else None, s_rows, bias_rows,
+        wants_x = (ctx.softcap is not None or (s_rows is not None and s_rows.requires_grad)
+                   or (bias_rows is not None and bias_rows.requires_grad))
+        ctx.save_for_backward(y, multiplier, log_count, x if wants_x else None, s_rows, bias_rows,
                               *_sink_pair(sink, sink_weight))
 
     @staticmethod
@@ -192,7 +201,8 @@ class _ScalableSoftmax(_RowFunction):
         dx, d_multiplier, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, multiplier, m, param_grad, x)
         d_s = _param_grad(d_multiplier * log_count, s_rows) if wants_s else None
         d_bias = _param_grad(d_multiplier, bias_rows) if wants_bias else None
-        return dx, None, None, None, None, d_s, None, d_bias, _sink_grad(dsink, sink, ctx.needs_input_grad[8]), None
+        dsink = _sink_grad(dsink, sink, ctx.needs_input_grad[8])
+        return dx, None, None, None, None, d_s, None, d_bias, dsink, None, None
 
 
 class _TopKSoftmax(_RowFunction):
@@ -209,7 +219,7 @@ class _TopKSoftmax(_RowFunction):
     def backward(ctx, grad, _grad_multiplier, _grad_sink_weight):
         dx, d_temperature, dsink = _temperature_backward(ctx, grad, ctx.needs_input_grad[7],
                                                          ctx.needs_input_grad[8])
-        return dx, None, None, None, None, None, None, d_temperature, dsink, None
+        return dx, None, None, None, None, None, None, d_temperature, dsink, None, None
 
 
 class _Entmax(_RowFunction):
@@ -220,25 +230,29 @@ class _Entmax(_RowFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.alpha, alpha_rows, sink, ctx.backend = inputs[4:]
+        ctx.alpha, alpha_rows, sink, ctx.softcap, ctx.backend = inputs[4:]
         y, gate, sink_weight = output
         ctx.mark_non_differentiable(gate, sink_weight)
-        ctx.save_for_backward(y, gate, alpha_rows, *_sink_pair(sink, sink_weight))
+        raw = inputs[0] if ctx.softcap is not None else None
+        ctx.save_for_backward(y, gate, alpha_rows, raw, *_sink_pair(sink, sink_weight))
 
     @staticmethod
     def backward(ctx, grad, _grad_gate, _grad_sink_weight):
-        y, gate, alpha_rows, sink, sink_weight = ctx.saved_tensors
+        y, gate, alpha_rows, raw, sink, sink_weight = ctx.saved_tensors
         wants = ctx.needs_input_grad[5]
         if not torch.is_grad_enabled():
-            dx, per_row, dsink = ops.entmax_bwd(y, grad, gate, ctx.alpha, alpha_rows, wants, sink_weight, ctx.backend)
+            dx, per_row, dsink = ops.entmax_bwd(y, grad, gate, ctx.alpha, alpha_rows, wants, sink_weight, raw,
+                                                ctx.softcap, ctx.backend)
         else:
             alpha = ctx.alpha if alpha_rows is None else alpha_rows
             if sink is not None:
                 y, grad = _extended(y, _sink_weight_of(y, sink_weight)), _extended(grad, None)
             dx, dsink = _split_sink(jacobians.entmax_vjp(y, grad, gate.unsqueeze(-1), alpha), sink)
+            if ctx.softcap is not None:
+                dx = dx * cap_slope(raw, ctx.softcap)
             per_row = jacobians.entmax_alpha_grad(y, grad, gate.unsqueeze(-1), alpha).squeeze(-1) if wants else None
         d_alpha = _param_grad(per_row, alpha_rows) if wants else None
-        return dx, None, None, None, None, d_alpha, _sink_grad(dsink, sink, ctx.needs_input_grad[6]), None
+        return dx, None, None, None, None, d_alpha, _sink_grad(dsink, sink, ctx.needs_input_grad[6]), None, None
 
 
 class _SelfAdjustedSoftmax(_RowFunction):
@@ -249,7 +263,7 @@ class _SelfAdjustedSoftmax(_RowFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, mask, ctx.diagonal, key_lengths, ctx.normalized, sink, ctx.backend = inputs
+        x, mask, ctx.diagonal, key_lengths, ctx.normalized, sink, ctx.softcap, ctx.backend = inputs
         _, stats, sink_weight = output
         # The backward recomputes from x and the sink: the sink's weight is not read.
         ctx.mark_non_differentiable(stats, sink_weight)
@@ -260,16 +274,20 @@ class _SelfAdjustedSoftmax(_RowFunction):
         x, mask, key_lengths, stats, sink = ctx.saved_tensors
         if not torch.is_grad_enabled():
             dx, dsink = ops.self_adjusted_softmax_bwd(
-                x, mask, ctx.diagonal, key_lengths, grad, stats, ctx.normalized, sink, ctx.backend
+                x, mask, ctx.diagonal, key_lengths, grad, stats, ctx.normalized, sink, ctx.softcap, ctx.backend
             )
             dsink = dsink if sink is not None else None
         else:
-            row_mask = RowMask(mask, ctx.diagonal, key_lengths)
+            raw, row_mask = x, RowMask(mask, ctx.diagonal, key_lengths)
+            if ctx.softcap is not None:
+                x = capped(raw, ctx.softcap)
             if sink is not None:
                 x, row_mask, _ = sinks.extend(x, row_mask, sink)
                 grad = _extended(grad, None)
             dx, dsink = _split_sink(jacobians.self_adjusted_vjp(x, row_mask, grad, ctx.normalized), sink)
-        return dx, None, None, None, None, _sink_grad(dsink, sink, ctx.needs_input_grad[5]), None
+            if ctx.softcap is not None:
+                dx = dx * cap_slope(raw, ctx.softcap)
+        return dx, None, None, None, None, _sink_grad(dsink, sink, ctx.needs_input_grad[5]), None, None
 
 
 # ---- entry points -------------------------------------------------------------------------
@@ -319,79 +337,79 @@ def _sink(sink: Tensor | None, x: Tensor) -> Tensor | None:
     return sink if sink.dtype == dtype else sink.to(dtype)
 
 
-def _reference_with_sink(kernel: str, x: Tensor, mask: RowMask, sink: Tensor, **params) -> Tensor:
-    return sinks.extended_weights(kernel, x, mask, sink, **params)[..., :-1]
+def _reference(kernel: str, x: Tensor, mask: RowMask, sink: Tensor | None, softcap: float | None,
+               **params) -> Tensor:
+    """The pure-torch reference (differentiable), with the sink and the cap when given."""
+    if softcap is not None:
+        x = capped(x, softcap)
+    if sink is not None:
+        return sinks.extended_weights(kernel, x, mask, sink, **params)[..., :-1]
+    if kernel == "sparsemax":
+        return reference.sparsemax(x, mask)
+    return getattr(reference, kernel)(x, mask, *params.values())
 
 
-def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None, sink: Tensor | None = None) -> Tensor:
+def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None, sink: Tensor | None = None,
+            softcap: float | None = None) -> Tensor:
     """``softmax(x / T)`` over the allowed positions of each row (and a sink's, when given)."""
     implementation = _implementation(backend, x)
     if implementation == "reference":
-        if sink is not None:
-            return _reference_with_sink("softmax", x, mask, sink, temperature=temperature)
-        return reference.softmax(x, mask, temperature)
+        return _reference("softmax", x, mask, sink, softcap, temperature=temperature)
     value, rows = _split(temperature)
-    args = (x, *mask, value, rows, _sink(sink, x), implementation)
+    args = (x, *mask, value, rows, _sink(sink, x), softcap, implementation)
     return _call(_Softmax, ops.softmax_fwd, args, 5, 6)  # rows, sink
 
 
 def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: str | None,
-                     sink: Tensor | None = None) -> Tensor:
+                     sink: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """``softmax((s log n + bias) x)``, ``n`` the allowed positions of each row (a sink is not counted)."""
     implementation = _implementation(backend, x)
     if implementation == "reference":
-        if sink is not None:
-            return _reference_with_sink("scalable_softmax", x, mask, sink, s=s, bias=bias)
-        return reference.scalable_softmax(x, mask, s, bias)
+        return _reference("scalable_softmax", x, mask, sink, softcap, s=s, bias=bias)
     s_value, s_rows = _split(s)
     bias_value, bias_rows = _split(bias)
-    args = (x, *mask, s_value, s_rows, bias_value, bias_rows, _sink(sink, x), implementation)
+    args = (x, *mask, s_value, s_rows, bias_value, bias_rows, _sink(sink, x), softcap, implementation)
     return _call(_ScalableSoftmax, ops.scalable_softmax_fwd, args, 5, 7, 8)  # s_rows, bias_rows, sink
 
 
 def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, backend: str | None,
-                 sink: Tensor | None = None) -> Tensor:
+                 sink: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """Softmax of ``x / T`` over the ``k`` largest allowed scores (ties: lowest index), 0 elsewhere."""
     implementation = _implementation(backend, x)
     is_fraction = isinstance(k, float)
     if implementation == "reference":
-        if sink is not None:
-            return _reference_with_sink("topk_softmax", x, mask, sink, k=float(k), is_fraction=is_fraction,
-                                        temperature=temperature)
-        return reference.topk_softmax(x, mask, float(k), is_fraction, temperature)
+        return _reference("topk_softmax", x, mask, sink, softcap, k=float(k), is_fraction=is_fraction,
+                          temperature=temperature)
     value, rows = _split(temperature)
-    args = (x, *mask, float(k), is_fraction, value, rows, _sink(sink, x), implementation)
+    args = (x, *mask, float(k), is_fraction, value, rows, _sink(sink, x), softcap, implementation)
     return _call(_TopKSoftmax, ops.topk_softmax_fwd, args, 7, 8)  # rows, sink
 
 
-def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None, sink: Tensor | None = None) -> Tensor:
+def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None, sink: Tensor | None = None,
+           softcap: float | None = None) -> Tensor:
     """alpha-entmax (alpha >= 1; 1 is softmax, 2 sparsemax)."""
     implementation = _implementation(backend, x)
     if implementation == "reference":
-        if sink is not None:
-            return _reference_with_sink("entmax", x, mask, sink, alpha=alpha)
-        return reference.entmax(x, mask, alpha)
+        return _reference("entmax", x, mask, sink, softcap, alpha=alpha)
     value, rows = _split(alpha)
-    return _call(_Entmax, ops.entmax_fwd, (x, *mask, value, rows, _sink(sink, x), implementation), 5, 6)
+    args = (x, *mask, value, rows, _sink(sink, x), softcap, implementation)
+    return _call(_Entmax, ops.entmax_fwd, args, 5, 6)  # rows, sink
 
 
-def sparsemax(x: Tensor, mask: RowMask, backend: str | None, sink: Tensor | None = None) -> Tensor:
+def sparsemax(x: Tensor, mask: RowMask, backend: str | None, sink: Tensor | None = None,
+              softcap: float | None = None) -> Tensor:
     """Sparsemax, i.e. 2-entmax."""
     implementation = _implementation(backend, x)
     if implementation == "reference":
-        if sink is not None:
-            return _reference_with_sink("sparsemax", x, mask, sink)
-        return reference.sparsemax(x, mask)
-    return _call(_Entmax, ops.entmax_fwd, (x, *mask, 2.0, None, _sink(sink, x), implementation), 6)
+        return _reference("sparsemax", x, mask, sink, softcap)
+    return _call(_Entmax, ops.entmax_fwd, (x, *mask, 2.0, None, _sink(sink, x), softcap, implementation), 6)
 
 
 def self_adjusted_softmax(x: Tensor, mask: RowMask, normalized: bool, backend: str | None,
-                          sink: Tensor | None = None) -> Tensor:
+                          sink: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """``phi(x) softmax(x)`` (Self-Adjusted Softmax)."""
     implementation = _implementation(backend, x)
     if implementation == "reference":
-        if sink is not None:
-            return _reference_with_sink("self_adjusted_softmax", x, mask, sink, normalized=normalized)
-        return reference.self_adjusted_softmax(x, mask, normalized)
-    args = (x, *mask, normalized, _sink(sink, x), implementation)
+        return _reference("self_adjusted_softmax", x, mask, sink, softcap, normalized=normalized)
+    args = (x, *mask, normalized, _sink(sink, x), softcap, implementation)
     return _call(_SelfAdjustedSoftmax, ops.self_adjusted_softmax_fwd, args, 5)

@@ -36,6 +36,8 @@ optional tensor ``(..., 1)`` that replaces it when given.  Every op takes an opt
 ``sink`` (forwards; ``sink_weight`` too for backwards), a column ``(..., 1)`` of
 per-row scores of a virtual key whose weight is dropped (``kernels/README.md``, "A
 sink per row"); the sink's outputs (its weight, ``dsink``) are empty tensors without one.
+``softcap`` (a float, or None) caps the scores as the kernels read them, and the
+backward ops take it with the raw scores (``x``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ __all__ = [
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _MASK = "Tensor? mask, int? diagonal, Tensor? key_lengths"
+_MODIFIERS = "Tensor? sink, float? softcap"
 
 
 @functools.cache
@@ -235,9 +238,12 @@ def _sink_out(x: Tensor, sink: Tensor | None) -> Tensor:
     return _empty(x) if sink is None else _rows(x)
 
 
-def _with_sink(sink: Tensor | None) -> dict[str, Tensor]:
-    """The backend functions' sink keyword: passed only when there is a sink (their outputs then grow by one)."""
-    return {} if sink is None else {"sink": sink}
+def _with_sink(sink: Tensor | None, softcap: float | None = None) -> dict[str, Any]:
+    """The backend functions' sink and softcap keywords, each passed only when set (a sink adds an output)."""
+    keywords = {} if sink is None else {"sink": sink}
+    if softcap is not None:
+        keywords["softcap"] = softcap
+    return keywords
 
 
 def _row_mask(mask: Tensor | None, diagonal: int | None, key_lengths: Tensor | None) -> RowMask:
@@ -252,81 +258,84 @@ def _row_mask(mask: Tensor | None, diagonal: int | None, key_lengths: Tensor | N
 _SOFTMAX_KINDS = ("x", "bcast", None, "lengths")
 
 
-def _softmax_fwd(kernels, x, mask, diagonal, key_lengths, temperature, temperature_rows, sink, backend):
+def _softmax_fwd(kernels, x, mask, diagonal, key_lengths, temperature, temperature_rows, sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
-    out = kernels.softmax_forward(x, mask, 0, _param(temperature, temperature_rows), 0.0, **_with_sink(sink))
+    out = kernels.softmax_forward(x, mask, 0, _param(temperature, temperature_rows), 0.0, **_with_sink(sink, softcap))
     return out[0], out[1], out[3] if sink is not None else _empty(x)
 
 
 softmax_fwd = _define(
     "softmax_fwd",
-    f"(Tensor x, {_MASK}, float temperature, Tensor? temperature_rows, Tensor? sink, str backend)"
+    f"(Tensor x, {_MASK}, float temperature, Tensor? temperature_rows, {_MODIFIERS}, str backend)"
     " -> (Tensor, Tensor, Tensor)",
     _softmax_fwd,
-    lambda x, *args: (torch.empty_like(x), _rows(x), _sink_out(x, args[-2])),
-    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", "bcast", None),
+    lambda x, *args: (torch.empty_like(x), _rows(x), _sink_out(x, args[-3])),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", "bcast", None, None),
     optional_outputs={2: 6},
     autocast=True,
 )
 
 
-def _scalable_softmax_fwd(kernels, x, mask, diagonal, key_lengths, s, s_rows, bias, bias_rows, sink, backend):
+def _scalable_softmax_fwd(kernels, x, mask, diagonal, key_lengths, s, s_rows, bias, bias_rows, sink, softcap,
+                          backend):
     mask = _row_mask(mask, diagonal, key_lengths)
-    out = kernels.softmax_forward(x, mask, 1, _param(s, s_rows), _param(bias, bias_rows), **_with_sink(sink))
+    out = kernels.softmax_forward(x, mask, 1, _param(s, s_rows), _param(bias, bias_rows), **_with_sink(sink, softcap))
     return out[0], out[1], out[2], out[3] if sink is not None else _empty(x)
 
 
 scalable_softmax_fwd = _define(
     "scalable_softmax_fwd",
-    f"(Tensor x, {_MASK}, float s, Tensor? s_rows, float bias, Tensor? bias_rows, Tensor? sink, str backend)"
+    f"(Tensor x, {_MASK}, float s, Tensor? s_rows, float bias, Tensor? bias_rows, {_MODIFIERS}, str backend)"
     " -> (Tensor, Tensor, Tensor, Tensor)",
     _scalable_softmax_fwd,
-    lambda x, *args: (torch.empty_like(x), _rows(x), _rows(x), _sink_out(x, args[-2])),
-    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None, "bcast", "bcast", None),
+    lambda x, *args: (torch.empty_like(x), _rows(x), _rows(x), _sink_out(x, args[-3])),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None, "bcast", "bcast", None, None),
     optional_outputs={3: 8},
     autocast=True,
 )
 
 
 def _topk_softmax_fwd(kernels, x, mask, diagonal, key_lengths, k, is_fraction, temperature, temperature_rows,
-                      sink, backend):
+                      sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
-    out = kernels.topk_forward(x, mask, k, is_fraction, _param(temperature, temperature_rows), **_with_sink(sink))
+    temperature = _param(temperature, temperature_rows)
+    out = kernels.topk_forward(x, mask, k, is_fraction, temperature, **_with_sink(sink, softcap))
     return out[0], out[1], out[2] if sink is not None else _empty(x)
 
 
 topk_softmax_fwd = _define(
     "topk_softmax_fwd",
-    f"(Tensor x, {_MASK}, float k, bool is_fraction, float temperature, Tensor? temperature_rows, Tensor? sink,"
+    f"(Tensor x, {_MASK}, float k, bool is_fraction, float temperature, Tensor? temperature_rows, {_MODIFIERS},"
     " str backend) -> (Tensor, Tensor, Tensor)",
     _topk_softmax_fwd,
-    lambda x, *args: (torch.empty_like(x), _rows(x), _sink_out(x, args[-2])),
-    vmap_kinds=(*_SOFTMAX_KINDS, None, None, None, "bcast", "bcast", None),
+    lambda x, *args: (torch.empty_like(x), _rows(x), _sink_out(x, args[-3])),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, None, None, "bcast", "bcast", None, None),
     optional_outputs={2: 8},
     autocast=True,
 )
 
 
-def _softmax_bwd(kernels, y, grad, multiplier, x, param_grad, sink_weight, sink, backend):
+def _softmax_bwd(kernels, y, grad, multiplier, x, param_grad, sink_weight, sink, softcap, backend):
+    capping = {} if softcap is None else {"softcap": softcap}
     if sink_weight is None:
-        dx, per_row = kernels.softmax_backward(y, grad, multiplier, x, param_grad)
+        dx, per_row = kernels.softmax_backward(y, grad, multiplier, x, param_grad, **capping)
         dsink = _empty(multiplier)
     else:
         dx, per_row, dsink = kernels.softmax_backward(y, grad, multiplier, x, param_grad, sink_weight=sink_weight,
-                                                      sink=sink)
+                                                      sink=sink, **capping)
     return dx, per_row if per_row is not None else _empty(multiplier), dsink
 
 
 softmax_bwd = _define(
     "softmax_bwd",
     "(Tensor y, Tensor grad, Tensor multiplier, Tensor? x, int param_grad, Tensor? sink_weight, Tensor? sink,"
-    " str backend) -> (Tensor, Tensor, Tensor)",
+    " float? softcap, str backend) -> (Tensor, Tensor, Tensor)",
     _softmax_bwd,
-    lambda y, grad, multiplier, x, param_grad, sink_weight, sink, backend: (
+    lambda y, grad, multiplier, x, param_grad, sink_weight, sink, softcap, backend: (
         torch.empty_like(y), _rows(y) if param_grad else _empty(multiplier),
         _empty(multiplier) if sink_weight is None else _rows(y),
     ),
-    vmap_kinds=("x", "full", "full", "full", None, "full", "bcast", None),
+    vmap_kinds=("x", "full", "full", "full", None, "full", "bcast", None, None),
     optional_outputs={1: 4, 2: 5},
 )
 
@@ -334,43 +343,45 @@ softmax_bwd = _define(
 # ---- alpha-entmax (sparsemax at alpha = 2) ------------------------------------------------
 
 
-def _entmax_fwd(kernels, x, mask, diagonal, key_lengths, alpha, alpha_rows, sink, backend):
+def _entmax_fwd(kernels, x, mask, diagonal, key_lengths, alpha, alpha_rows, sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
-    out = kernels.entmax_forward(x, mask, _param(alpha, alpha_rows), **_with_sink(sink))
+    out = kernels.entmax_forward(x, mask, _param(alpha, alpha_rows), **_with_sink(sink, softcap))
     return out[0], out[1], out[2] if sink is not None else _empty(x)
 
 
 entmax_fwd = _define(
     "entmax_fwd",
-    f"(Tensor x, {_MASK}, float alpha, Tensor? alpha_rows, Tensor? sink, str backend) -> (Tensor, Tensor, Tensor)",
+    f"(Tensor x, {_MASK}, float alpha, Tensor? alpha_rows, {_MODIFIERS}, str backend) -> (Tensor, Tensor, Tensor)",
     _entmax_fwd,
-    lambda x, *args: (torch.empty_like(x), _rows(x), _sink_out(x, args[-2])),
-    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", "bcast", None),
+    lambda x, *args: (torch.empty_like(x), _rows(x), _sink_out(x, args[-3])),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", "bcast", None, None),
     optional_outputs={2: 6},
     autocast=True,
 )
 
 
-def _entmax_bwd(kernels, y, grad, gate, alpha, alpha_rows, alpha_grad, sink_weight, backend):
+def _entmax_bwd(kernels, y, grad, gate, alpha, alpha_rows, alpha_grad, sink_weight, x, softcap, backend):
     alpha = _param(alpha, alpha_rows)
+    capping = {} if softcap is None else {"x": x, "softcap": softcap}
     if sink_weight is None:
-        dx, per_row = kernels.entmax_backward(y, grad, gate, alpha, alpha_grad)
+        dx, per_row = kernels.entmax_backward(y, grad, gate, alpha, alpha_grad, **capping)
         dsink = _empty(gate)
     else:
-        dx, per_row, dsink = kernels.entmax_backward(y, grad, gate, alpha, alpha_grad, sink_weight=sink_weight)
+        dx, per_row, dsink = kernels.entmax_backward(y, grad, gate, alpha, alpha_grad, sink_weight=sink_weight,
+                                                     **capping)
     return dx, per_row if per_row is not None else _empty(gate), dsink
 
 
 entmax_bwd = _define(
     "entmax_bwd",
     "(Tensor y, Tensor grad, Tensor gate, float alpha, Tensor? alpha_rows, bool alpha_grad, Tensor? sink_weight,"
-    " str backend) -> (Tensor, Tensor, Tensor)",
+    " Tensor? x, float? softcap, str backend) -> (Tensor, Tensor, Tensor)",
     _entmax_bwd,
-    lambda y, grad, gate, alpha, alpha_rows, alpha_grad, sink_weight, backend: (
+    lambda y, grad, gate, alpha, alpha_rows, alpha_grad, sink_weight, x, softcap, backend: (
         torch.empty_like(y), _rows(y) if alpha_grad else _empty(gate),
         _empty(gate) if sink_weight is None else _rows(y),
     ),
-    vmap_kinds=("x", "full", "full", None, "bcast", None, "full", None),
+    vmap_kinds=("x", "full", "full", None, "bcast", None, "full", "full", None, None),
     optional_outputs={1: 5, 2: 6},
 )
 
@@ -378,37 +389,38 @@ entmax_bwd = _define(
 # ---- Self-Adjusted Softmax ----------------------------------------------------------------
 
 
-def _self_adjusted_fwd(kernels, x, mask, diagonal, key_lengths, normalized, sink, backend):
-    out = kernels.self_adjusted_forward(x, _row_mask(mask, diagonal, key_lengths), normalized, **_with_sink(sink))
+def _self_adjusted_fwd(kernels, x, mask, diagonal, key_lengths, normalized, sink, softcap, backend):
+    mask = _row_mask(mask, diagonal, key_lengths)
+    out = kernels.self_adjusted_forward(x, mask, normalized, **_with_sink(sink, softcap))
     return out[0], out[1], out[2] if sink is not None else _empty(x)
 
 
 self_adjusted_softmax_fwd = _define(
     "self_adjusted_softmax_fwd",
-    f"(Tensor x, {_MASK}, bool normalized, Tensor? sink, str backend) -> (Tensor, Tensor, Tensor)",
+    f"(Tensor x, {_MASK}, bool normalized, {_MODIFIERS}, str backend) -> (Tensor, Tensor, Tensor)",
     _self_adjusted_fwd,
-    lambda x, *args: (torch.empty_like(x), _rows(x, 5), _sink_out(x, args[-2])),
-    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None),
+    lambda x, *args: (torch.empty_like(x), _rows(x, 5), _sink_out(x, args[-3])),
+    vmap_kinds=(*_SOFTMAX_KINDS, None, "bcast", None, None),
     optional_outputs={2: 5},
     autocast=True,
 )
 
 
-def _self_adjusted_bwd(kernels, x, mask, diagonal, key_lengths, grad, stats, normalized, sink, backend):
+def _self_adjusted_bwd(kernels, x, mask, diagonal, key_lengths, grad, stats, normalized, sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
     if sink is None:
-        return kernels.self_adjusted_backward(x, mask, grad, stats, normalized), _empty(x)
-    return kernels.self_adjusted_backward(x, mask, grad, stats, normalized, sink=sink)
+        return kernels.self_adjusted_backward(x, mask, grad, stats, normalized, **_with_sink(None, softcap)), _empty(x)
+    return kernels.self_adjusted_backward(x, mask, grad, stats, normalized, **_with_sink(sink, softcap))
 
 
 self_adjusted_softmax_bwd = _define(
     "self_adjusted_softmax_bwd",
-    f"(Tensor x, {_MASK}, Tensor grad, Tensor stats, bool normalized, Tensor? sink, str backend)"
+    f"(Tensor x, {_MASK}, Tensor grad, Tensor stats, bool normalized, {_MODIFIERS}, str backend)"
     " -> (Tensor, Tensor)",
     _self_adjusted_bwd,
-    lambda x, mask, diagonal, key_lengths, grad, stats, normalized, sink, backend: (
+    lambda x, mask, diagonal, key_lengths, grad, stats, normalized, sink, softcap, backend: (
         torch.empty_like(x), _sink_out(x, sink)
     ),
-    vmap_kinds=(*_SOFTMAX_KINDS, "full", "full", None, "bcast", None),
+    vmap_kinds=(*_SOFTMAX_KINDS, "full", "full", None, "bcast", None, None),
     optional_outputs={1: 7},
 )

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from attnorm.kernels import autograd, backends
 from attnorm.kernels.rules import NO_MASK, RowMask, check_key_lengths
 from attnorm.masks import StructuredMask
+from attnorm.validation import check_softcap
 
 __all__ = ["Checked", "Normalizer", "broadcast_param", "normalize"]
 
@@ -126,6 +127,7 @@ def normalize(
     params: dict[str, Any],
     backend: str | None = None,
     sink: float | Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Apply the row operation ``op`` along ``dim`` under the shared rules.
 
@@ -139,13 +141,16 @@ def normalize(
         sink: the score of a virtual key appended to every row, whose weight is dropped
             (an attention sink, ``kernels/README.md``): a number, or a tensor broadcastable
             to ``scores`` and constant along ``dim``; None for no sink.
+        softcap: when given, the scores become ``softcap * tanh(scores / softcap)`` as the
+            kernels read them (Gemma 2's soft-capping; -inf stays -inf); None for none.
 
     Returns:
         Weights with the shape and dtype of ``scores``.
 
     Raises:
         TypeError: a ``sink`` that is not a number or a floating tensor.
-        ValueError: a ``sink`` on another device, not broadcastable, or varying along ``dim``.
+        ValueError: a ``sink`` on another device, not broadcastable, or varying along ``dim``;
+            a ``softcap`` that is not a finite number > 0.
     """
     _check_scores(scores)
     if mask is not None:
@@ -163,6 +168,8 @@ def normalize(
             break
     if sink is not None:
         params = {**params, "sink": _row_sink(sink, x, dim)}
+    if softcap is not None:
+        params = {**params, "softcap": check_softcap(softcap)}
     last = squeeze or dim == ndim - 1  # the common case: no moves
     out = getattr(autograd, op)(x if last else x.movedim(dim, -1), row_mask, **params, backend=backend)
     out = out if last else out.movedim(-1, dim)
@@ -257,9 +264,13 @@ class Normalizer(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, scores: Tensor, mask: Tensor | StructuredMask | None = None, *,
-                sink: float | Tensor | None = None) -> Tensor:
-        """Weights of ``scores`` along ``dim``; ``sink``: a virtual key's score per row, its weight dropped."""
-        return normalize(self.kernel, scores, mask, self.dim, self.kernel_params(), self.backend, sink)
+                sink: float | Tensor | None = None, softcap: float | None = None) -> Tensor:
+        """Weights of ``scores`` along ``dim``.
+
+        ``sink``: a virtual key's score per row, its weight dropped; ``softcap``: normalise
+        ``softcap * tanh(scores / softcap)`` instead (see :func:`normalize`).
+        """
+        return normalize(self.kernel, scores, mask, self.dim, self.kernel_params(), self.backend, sink, softcap)
 
     def _repr_fields(self) -> dict[str, Any]:
         return {}

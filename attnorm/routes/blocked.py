@@ -33,6 +33,13 @@ them too, :mod:`attnorm.routes.fused`; these routes serve the calls that stay of
   Scalable-Softmax counts, nor one of those top-k's fractional ``k`` takes a fraction
   of (``max(1, ceil(k n))`` slots for the ``n`` real keys and the sink, which loses
   ties to them); its weight is dropped.
+
+The six normalizers with row kernels take both as arguments of their row operation
+(``normalizer(scores, mask, sink=..., softcap=...)``): the kernels cap the scores as
+they read them and hold the sink as one more position, so no capped copy or extended
+score row is built.  With an additive mask the cap must come before the mask is
+added, so it stays a torch op there, as it does for the normalizers without row
+kernels, which also get the sink as one more score column.
 """
 
 from __future__ import annotations
@@ -129,8 +136,11 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
     else:
         scores = torch.matmul(q_rows, k.transpose(-2, -1))  # (..., Hq, rows, Lk)
     scores = scores * scale
-    if softcap is not None:
+    kernel = getattr(normalizer, "kernel", "")
+    if softcap is not None and (additive_rows is not None or not kernel):
+        # The cap comes before the additive mask, which the row kernels would read already added.
         scores = softcap * torch.tanh(scores / softcap)
+        softcap = None
     if additive_rows is not None:
         # Added at the wider precision, then back to the scores' dtype (a float32 mask on bfloat16 scores).
         scores = (scores + additive_rows).to(scores.dtype)
@@ -140,7 +150,11 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
         mask = _rows(mask, start, stop)
     if (lo, hi) != (0, lk):
         mask = _keys(mask, lo, hi)
-    weights = normalizer(scores, mask) if sinks is None else _with_sinks(normalizer, scores, mask, sinks)
+    if kernel:  # the row kernels take the sink and the cap themselves
+        sink = None if sinks is None else sinks.reshape(-1, 1, 1).to(scores.device)  # (Hq, 1, 1): per head
+        weights = normalizer(scores, mask, sink=sink, softcap=softcap)
+    else:
+        weights = normalizer(scores, mask) if sinks is None else _with_sinks(normalizer, scores, mask, sinks)
     attended = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     if groups > 1:
         lead, rows = weights.shape[:-3], stop - start
@@ -152,14 +166,10 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
 def _with_sinks(normalizer, scores: Tensor, mask: Tensor | None, sinks: Tensor) -> Tensor:
     """Weights of the real keys when each row also holds its head's sink (a last, always allowed key).
 
-    The six normalizers with row kernels take the sink inside their kernels (a per-row
-    argument: no extended score matrix).  Others are applied to the scores extended by
-    the sink's column, which they treat as one more key.
+    For the normalizers without row kernels (the six with them take the sink as a
+    per-row argument): the scores extended by the sink's column, one more key to them.
     """
-    column = sinks.reshape(-1, 1, 1)  # (Hq, 1, 1): one sink per head, every row
-    if getattr(normalizer, "kernel", ""):
-        return normalizer(scores, mask, sink=column.to(scores.device))
-    sink = column.to(scores.dtype).expand(*scores.shape[:-1], 1)  # (..., Hq, rows, 1)
+    sink = sinks.to(scores.dtype).reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)  # (..., Hq, rows, 1)
     extended = torch.cat([scores, sink], dim=-1)
     keep = None if mask is None else torch.cat([mask.expand(scores.shape), mask.new_ones(sink.shape)], dim=-1)
     return normalizer(extended, keep)[..., :-1]

@@ -67,25 +67,25 @@ def op_samples(backend: str):
     rows = torch.tensor([0.6, 1.3], dtype=x.dtype, device=DEVICE).reshape(1, 2, 1, 1)
     grad = scores(2, 2, 3, 5, dtype=torch.float64, seed=2)
     samples = [
-        (ops.softmax_fwd, (x, mask, None, None, 0.7, None, None, backend)),
-        (ops.softmax_fwd, (x, None, 0, lengths, 1.0, rows, None, backend)),
-        (ops.scalable_softmax_fwd, (x, mask, None, None, 0.43, None, 0.1, rows, None, backend)),
-        (ops.topk_softmax_fwd, (x, None, 0, None, 2.0, False, 1.0, None, None, backend)),
-        (ops.topk_softmax_fwd, (x, mask, None, lengths, 0.5, True, 1.0, rows, None, backend)),
-        (ops.entmax_fwd, (x, mask, None, None, 1.5, None, None, backend)),
-        (ops.entmax_fwd, (x, None, 1, lengths, 1.0, rows + 0.5, None, backend)),
-        (ops.self_adjusted_softmax_fwd, (x, mask, 0, None, True, None, backend)),
+        (ops.softmax_fwd, (x, mask, None, None, 0.7, None, None, None, backend)),
+        (ops.softmax_fwd, (x, None, 0, lengths, 1.0, rows, None, None, backend)),
+        (ops.scalable_softmax_fwd, (x, mask, None, None, 0.43, None, 0.1, rows, None, None, backend)),
+        (ops.topk_softmax_fwd, (x, None, 0, None, 2.0, False, 1.0, None, None, None, backend)),
+        (ops.topk_softmax_fwd, (x, mask, None, lengths, 0.5, True, 1.0, rows, None, None, backend)),
+        (ops.entmax_fwd, (x, mask, None, None, 1.5, None, None, None, backend)),
+        (ops.entmax_fwd, (x, None, 1, lengths, 1.0, rows + 0.5, None, None, backend)),
+        (ops.self_adjusted_softmax_fwd, (x, mask, 0, None, True, None, None, backend)),
     ]
-    y, multiplier, _ = ops.softmax_fwd(x, mask, None, None, 0.7, None, None, backend)
-    samples.append((ops.softmax_bwd, (y, grad, multiplier, None, 1, None, None, backend)))
-    y, multiplier, _, _ = ops.scalable_softmax_fwd(x, None, 0, None, 0.43, None, 0.0, None, None, backend)
-    samples.append((ops.softmax_bwd, (y, grad, multiplier, x, 2, None, None, backend)))
-    samples.append((ops.softmax_bwd, (y, grad, multiplier, None, 0, None, None, backend)))
-    y, gate, _ = ops.entmax_fwd(x, mask, None, None, 1.5, None, None, backend)
-    samples.append((ops.entmax_bwd, (y, grad, gate, 1.5, None, True, None, backend)))
-    samples.append((ops.entmax_bwd, (y, grad, gate, 1.5, None, False, None, backend)))
-    _, stats, _ = ops.self_adjusted_softmax_fwd(x, None, None, lengths, False, None, backend)
-    samples.append((ops.self_adjusted_softmax_bwd, (x, None, None, lengths, grad, stats, False, None, backend)))
+    y, multiplier, _ = ops.softmax_fwd(x, mask, None, None, 0.7, None, None, None, backend)
+    samples.append((ops.softmax_bwd, (y, grad, multiplier, None, 1, None, None, None, backend)))
+    y, multiplier, _, _ = ops.scalable_softmax_fwd(x, None, 0, None, 0.43, None, 0.0, None, None, None, backend)
+    samples.append((ops.softmax_bwd, (y, grad, multiplier, x, 2, None, None, None, backend)))
+    samples.append((ops.softmax_bwd, (y, grad, multiplier, None, 0, None, None, None, backend)))
+    y, gate, _ = ops.entmax_fwd(x, mask, None, None, 1.5, None, None, None, backend)
+    samples.append((ops.entmax_bwd, (y, grad, gate, 1.5, None, True, None, None, None, backend)))
+    samples.append((ops.entmax_bwd, (y, grad, gate, 1.5, None, False, None, None, None, backend)))
+    _, stats, _ = ops.self_adjusted_softmax_fwd(x, None, None, lengths, False, None, None, backend)
+    samples.append((ops.self_adjusted_softmax_bwd, (x, None, None, lengths, grad, stats, False, None, None, backend)))
     return samples + sink_op_samples(backend)
 
 
@@ -96,19 +96,38 @@ def sink_op_samples(backend: str):
     sink = torch.tensor([0.3, -1.2], dtype=x.dtype, device=DEVICE).reshape(1, 2, 1, 1)
     grad = scores(2, 2, 3, 5, dtype=torch.float64, seed=2)
     samples = [
-        (ops.softmax_fwd, (x, mask, None, None, 0.7, None, sink, backend)),
-        (ops.scalable_softmax_fwd, (x, None, 0, None, 0.43, None, 0.1, None, sink, backend)),
-        (ops.topk_softmax_fwd, (x, mask, None, None, 0.5, True, 1.0, None, sink, backend)),
-        (ops.entmax_fwd, (x, mask, None, None, 1.5, None, sink, backend)),
-        (ops.self_adjusted_softmax_fwd, (x, mask, None, None, True, sink, backend)),
+        (ops.softmax_fwd, (x, mask, None, None, 0.7, None, sink, None, backend)),
+        (ops.scalable_softmax_fwd, (x, None, 0, None, 0.43, None, 0.1, None, sink, None, backend)),
+        (ops.topk_softmax_fwd, (x, mask, None, None, 0.5, True, 1.0, None, sink, None, backend)),
+        (ops.entmax_fwd, (x, mask, None, None, 1.5, None, sink, None, backend)),
+        (ops.self_adjusted_softmax_fwd, (x, mask, None, None, True, sink, None, backend)),
     ]
-    y, multiplier, _, weight = ops.scalable_softmax_fwd(x, None, 0, None, 0.43, None, 0.1, None, sink, backend)
-    samples.append((ops.softmax_bwd, (y, grad, multiplier, x, 2, weight, sink, backend)))
-    samples.append((ops.softmax_bwd, (y, grad, multiplier, None, 1, weight, None, backend)))
-    y, gate, weight = ops.entmax_fwd(x, mask, None, None, 1.5, None, sink, backend)
-    samples.append((ops.entmax_bwd, (y, grad, gate, 1.5, None, True, weight, backend)))
-    _, stats, _ = ops.self_adjusted_softmax_fwd(x, mask, None, None, False, sink, backend)
-    samples.append((ops.self_adjusted_softmax_bwd, (x, mask, None, None, grad, stats, False, sink, backend)))
+    y, multiplier, _, weight = ops.scalable_softmax_fwd(x, None, 0, None, 0.43, None, 0.1, None, sink, None, backend)
+    samples.append((ops.softmax_bwd, (y, grad, multiplier, x, 2, weight, sink, None, backend)))
+    samples.append((ops.softmax_bwd, (y, grad, multiplier, None, 1, weight, None, None, backend)))
+    y, gate, weight = ops.entmax_fwd(x, mask, None, None, 1.5, None, sink, None, backend)
+    samples.append((ops.entmax_bwd, (y, grad, gate, 1.5, None, True, weight, None, None, backend)))
+    _, stats, _ = ops.self_adjusted_softmax_fwd(x, mask, None, None, False, sink, None, backend)
+    samples.append((ops.self_adjusted_softmax_bwd, (x, mask, None, None, grad, stats, False, sink, None, backend)))
+    return samples + softcap_op_samples(x, mask, sink, grad, backend)
+
+
+def softcap_op_samples(x, mask, sink, grad, backend: str):
+    """(op, args) pairs for every op soft-capped at 2, with and without a sink."""
+    samples = [
+        (ops.softmax_fwd, (x, mask, None, None, 0.7, None, None, 2.0, backend)),
+        (ops.scalable_softmax_fwd, (x, None, 0, None, 0.43, None, 0.1, None, sink, 2.0, backend)),
+        (ops.topk_softmax_fwd, (x, mask, None, None, 2.0, False, 1.0, None, None, 2.0, backend)),
+        (ops.entmax_fwd, (x, mask, None, None, 1.5, None, sink, 2.0, backend)),
+        (ops.self_adjusted_softmax_fwd, (x, mask, None, None, True, None, 2.0, backend)),
+    ]
+    y, multiplier, _, weight = ops.scalable_softmax_fwd(x, None, 0, None, 0.43, None, 0.1, None, sink, 2.0, backend)
+    samples.append((ops.softmax_bwd, (y, grad, multiplier, x, 2, weight, sink, 2.0, backend)))
+    samples.append((ops.softmax_bwd, (y, grad, multiplier, x, 0, weight, None, 2.0, backend)))
+    y, gate, _ = ops.entmax_fwd(x, mask, None, None, 1.5, None, None, 2.0, backend)
+    samples.append((ops.entmax_bwd, (y, grad, gate, 1.5, None, True, None, x, 2.0, backend)))
+    _, stats, _ = ops.self_adjusted_softmax_fwd(x, mask, None, None, False, sink, 2.0, backend)
+    samples.append((ops.self_adjusted_softmax_bwd, (x, mask, None, None, grad, stats, False, sink, 2.0, backend)))
     return samples
 
 
@@ -350,7 +369,7 @@ def test_half_precision_in_half_precision_out(backend, dtype):
 def test_autocast_computes_forward_ops_in_float32(backend):
     x = scores(2, 3, 8, dtype=torch.bfloat16)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        y, multiplier, _ = ops.softmax_fwd(x, None, None, None, 1.0, None, None, backend)
+        y, multiplier, _ = ops.softmax_fwd(x, None, None, None, 1.0, None, None, None, backend)
     assert y.dtype == torch.float32 and multiplier.dtype == torch.float32
     torch.testing.assert_close(y, torch.softmax(x.float(), -1))
 

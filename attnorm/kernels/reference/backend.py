@@ -20,7 +20,17 @@ from attnorm.kernels.reference.jacobians import (
     softmax_vjp,
     temperature_grad,
 )
-from attnorm.kernels.reference.rows import Rows, as_param, finish, masked_softmax, per_row, rows_of, shifted_scaled
+from attnorm.kernels.reference.rows import (
+    Rows,
+    as_param,
+    cap_slope,
+    capped,
+    finish,
+    masked_softmax,
+    per_row,
+    rows_of,
+    shifted_scaled,
+)
 from attnorm.kernels.reference.sinks import extend, extended_weights, sink_column
 from attnorm.kernels.reference.softmax import (
     self_adjusted_parts,
@@ -63,7 +73,7 @@ def _multiplier(rows: Rows, multiplier: float | Tensor) -> Tensor:
 
 def softmax_forward(
     x: Tensor, mask: rules.RowMask, variant: int, first: float | Tensor, second: float | Tensor,
-    sink: Tensor | None = None,
+    sink: Tensor | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, ...]:
     """``y = softmax(m x)`` over the allowed positions; variant 0: ``m = 1 / first``, 1: ``m = first log n + second``.
 
@@ -74,6 +84,8 @@ def softmax_forward(
     Raises:
         ValueError: ``variant`` not 0 or 1.
     """
+    if softcap is not None:
+        return _as_input(softmax_forward(_capped(x, softcap), mask, variant, first, second, sink), x)
     if sink is not None:
         return _sunk_softmax_forward(x, mask, variant, first, second, sink)
     work = _working(x)
@@ -91,7 +103,7 @@ def softmax_forward(
 
 def softmax_backward(
     y: Tensor, grad: Tensor, multiplier: float | Tensor, x: Tensor | None, param_grad: int,
-    sink_weight: Tensor | None = None, sink: Tensor | None = None,
+    sink_weight: Tensor | None = None, sink: Tensor | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, ...]:
     """``dx = m y (g - sum(y g))`` and, per ``param_grad``, nothing (0), the temperature's (1) or ``m``'s (2) gradient.
 
@@ -101,6 +113,12 @@ def softmax_backward(
     Raises:
         ValueError: ``param_grad`` not 0, 1 or 2, or 2 without ``x`` (or ``sink``).
     """
+    if softcap is not None:
+        if x is None:
+            raise ValueError("softcap needs the raw scores x")
+        scores = _capped(x, softcap) if param_grad == 2 else None  # the capped scores m multiplies
+        out = softmax_backward(y, grad, multiplier, scores, param_grad, sink_weight, sink)
+        return _through_cap(out, x, softcap, y)
     if sink_weight is not None:
         if param_grad == 2 and (x is None or sink is None):
             raise ValueError("param_grad 2 with a sink needs x and sink")
@@ -122,7 +140,7 @@ def softmax_backward(
 
 def topk_forward(
     x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor,
-    sink: Tensor | None = None,
+    sink: Tensor | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, ...]:
     """Softmax of ``x / temperature`` over the kept positions (ties: lowest index), exact 0 elsewhere.
 
@@ -130,6 +148,8 @@ def topk_forward(
         ``(y, multiplier)``, ``multiplier = 1 / temperature`` per row (0 in rows holding +inf);
         with a ``sink``, its weight per row last.
     """
+    if softcap is not None:
+        return _as_input(topk_forward(_capped(x, softcap), mask, k, is_fraction, temperature, sink), x)
     if sink is not None:
         work, extended, rows, weights = _sunk(x, mask, sink, "topk_softmax", k=k, is_fraction=is_fraction,
                                               temperature=temperature)
@@ -144,13 +164,15 @@ def topk_forward(
 
 
 def entmax_forward(
-    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None
+    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None, softcap: float | None = None
 ) -> tuple[Tensor, ...]:
     """alpha-entmax for any ``alpha >= 1`` per row.
 
     Returns:
         ``(y, gate)``, ``gate`` 1 per row, 0 in rows holding +inf; with a ``sink``, its weight per row last.
     """
+    if softcap is not None:
+        return _as_input(entmax_forward(_capped(x, softcap), mask, alpha, sink), x)
     if sink is not None:
         work, _, rows, weights = _sunk(x, mask, sink, "entmax", alpha=alpha)
         gate = (~rows.posinf_row).squeeze(-1).to(work.dtype)
@@ -162,12 +184,17 @@ def entmax_forward(
 
 
 def entmax_backward(
-    y: Tensor, grad: Tensor, gate: Tensor, alpha: float | Tensor, alpha_grad: bool, sink_weight: Tensor | None = None
+    y: Tensor, grad: Tensor, gate: Tensor, alpha: float | Tensor, alpha_grad: bool, sink_weight: Tensor | None = None,
+    x: Tensor | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, ...]:
     """``dx = gate (s g - s sum(s g) / sum(s))``, ``s = y^(2 - alpha)``; with ``alpha_grad`` also alpha's per row.
 
     With ``sink_weight``: the same on ``[y, sink_weight]`` and ``[g, 0]``, and the sink's gradient per row last.
     """
+    if softcap is not None:
+        if x is None:
+            raise ValueError("softcap needs the raw scores x")
+        return _through_cap(entmax_backward(y, grad, gate, alpha, alpha_grad, sink_weight), x, softcap, y)
     if sink_weight is not None:
         extended, grad, _ = _extended_backward_inputs(y, grad, sink_weight, None, None)
         dx, per_row = entmax_backward(extended, grad, gate, alpha, alpha_grad)
@@ -182,13 +209,15 @@ def entmax_backward(
 
 
 def self_adjusted_forward(
-    x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None
+    x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None, softcap: float | None = None
 ) -> tuple[Tensor, ...]:
     """SA-Softmax ``y = phi(x) softmax(x)`` and its stats ``(..., 5)``: ``(c0, c1, low, high, gate)``.
 
     The softmax weights are ``exp((x - c0) - c1)``; ``gate`` is 0 in rows holding +inf or fully masked.
     With a ``sink``, the stats are the extended row's and the sink's weight per row comes last.
     """
+    if softcap is not None:
+        return _as_input(self_adjusted_forward(_capped(x, softcap), mask, normalized, sink), x)
     if sink is not None:
         work, extended, rows, weights = _sunk(x, mask, sink, "self_adjusted_softmax", normalized=normalized)
         _, low, high = self_adjusted_parts(rows)
@@ -200,12 +229,16 @@ def self_adjusted_forward(
 
 
 def self_adjusted_backward(
-    x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool, sink: Tensor | None = None
+    x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool, sink: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """SA-Softmax's ``dx``, recomputing the softmax weights from ``x`` and ``stats`` (NaN rows give NaN).
 
     With a ``sink``: the same on ``[x, sink]`` and ``[g, 0]``, returning ``(dx, dsink)``.
     """
+    if softcap is not None:
+        out = self_adjusted_backward(_capped(x, softcap), mask, grad, stats, normalized, sink)
+        return _through_cap(out, x, softcap, x)
     if sink is not None:
         extended, keep, _ = extend(_working(x), mask, sink)
         grad = _working(grad)
@@ -275,3 +308,22 @@ def _extended_backward_inputs(y: Tensor, grad: Tensor, sink_weight: Tensor, x: T
         x = _working(x)
         x = torch.cat([x, sink_column(sink, x)], dim=-1)
     return y, grad, x
+
+
+# ---- soft-capping (kernels/README.md, "Soft-capping") -------------------------------------
+
+
+def _capped(x: Tensor, softcap: float) -> Tensor:
+    return capped(_working(x), softcap)
+
+
+def _as_input(out: tuple[Tensor, ...], x: Tensor) -> tuple[Tensor, ...]:
+    """A forward's outputs with the weights back in the raw scores' dtype (capping ran in the accumulation dtype)."""
+    return (out[0].to(x.dtype), *out[1:])
+
+
+def _through_cap(out: Tensor | tuple[Tensor, ...], x: Tensor, softcap: float, like: Tensor):
+    """A backward's outputs at the capped scores, ``dx`` carried through the cap: times ``1 - tanh(x / cap)^2``."""
+    dx = out if isinstance(out, Tensor) else out[0]
+    dx = (dx.to(rules.accumulation_dtype(dx.dtype)) * cap_slope(_working(x), softcap)).to(like.dtype)
+    return dx if isinstance(out, Tensor) else (dx, *out[1:])

@@ -16,7 +16,10 @@ from torch import Tensor
 
 from attnorm.kernels import rules
 
-__all__ = ["Rows", "as_param", "finish", "masked_softmax", "per_row", "row_extremes", "rows_of", "shifted_scaled"]
+__all__ = [
+    "Rows", "as_param", "cap_slope", "capped", "finish", "masked_softmax", "per_row", "row_extremes", "rows_of",
+    "shifted_scaled",
+]
 
 
 class Rows(NamedTuple):
@@ -98,3 +101,13 @@ def masked_softmax(z: Tensor, rows: Rows, keep: Tensor | None = None) -> Tensor:
     z = torch.where(keep, z, -math.inf)
     z = torch.where(any_kept, z, torch.zeros((), dtype=z.dtype, device=z.device))
     return torch.where(keep, torch.softmax(z, dim=-1), torch.zeros((), dtype=z.dtype, device=z.device))
+
+
+def capped(x: Tensor, cap: float) -> Tensor:
+    """Soft-capped scores ``cap tanh(x / cap)`` (Gemma 2); -inf stays -inf (not allowed), +inf becomes ``cap``."""
+    return torch.where(x == -math.inf, x, cap * torch.tanh(x / cap))
+
+
+def cap_slope(x: Tensor, cap: float) -> Tensor:
+    """``d capped / dx = 1 - tanh(x / cap)^2``; 0 at infinite scores."""
+    return torch.where(x.isfinite(), 1 - torch.tanh(x / cap).square(), 0.0)
