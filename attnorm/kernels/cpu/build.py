@@ -70,29 +70,32 @@ _i64, _int, _ptr, _double = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctype
 # The C entry points (one per row type, suffixed _f32 / _f64): rows, length, then each
 # per-row parameter as (double for all rows, array per row in the row type | NULL); the thread count last.
 # The sink is such a parameter (its score, -inf: none; its weight in a backward, 0: none), and
-# its per-row output (sink_weight, dsink) is NULL when there is no sink.
+# its per-row output (sink_weight, dsink) is NULL when there is no sink.  The soft cap comes
+# just before the thread count (a double, 0: off); backward passes take the raw scores with it.
 SIGNATURES = {
     # x, y, rows, length, variant, first, first_rows, second, second_rows, multiplier, log_count | NULL,
-    # sink, sink_rows, sink_weight | NULL, threads
+    # sink, sink_rows, sink_weight | NULL, cap, threads
     "attnorm_softmax_forward": (_ptr, _ptr, _i64, _i64, _int, _double, _ptr, _double, _ptr, _ptr, _ptr,
-                                _double, _ptr, _ptr, _int),
+                                _double, _ptr, _ptr, _double, _int),
     # y, grad, x | NULL, grad_x, rows, length, multiplier, multiplier_rows, param_grad, per_row | NULL,
-    # sink_weight, sink_weight_rows, sink, sink_rows, dsink | NULL, threads
+    # sink_weight, sink_weight_rows, sink, sink_rows, dsink | NULL, cap, threads
     "attnorm_softmax_backward": (_ptr, _ptr, _ptr, _ptr, _i64, _i64, _double, _ptr, _int, _ptr,
-                                 _double, _ptr, _double, _ptr, _ptr, _int),
+                                 _double, _ptr, _double, _ptr, _ptr, _double, _int),
     # x, y, rows, length, k, is_fraction, temperature, temperature_rows, multiplier,
-    # sink, sink_rows, sink_weight | NULL, threads
-    "attnorm_topk_forward": (_ptr, _ptr, _i64, _i64, _double, _int, _double, _ptr, _ptr, _double, _ptr, _ptr, _int),
-    # x, y, rows, length, alpha, alpha_rows, gate, sink, sink_rows, sink_weight | NULL, threads
-    "attnorm_entmax_forward": (_ptr, _ptr, _i64, _i64, _double, _ptr, _ptr, _double, _ptr, _ptr, _int),
+    # sink, sink_rows, sink_weight | NULL, cap, threads
+    "attnorm_topk_forward": (_ptr, _ptr, _i64, _i64, _double, _int, _double, _ptr, _ptr, _double, _ptr, _ptr,
+                             _double, _int),
+    # x, y, rows, length, alpha, alpha_rows, gate, sink, sink_rows, sink_weight | NULL, cap, threads
+    "attnorm_entmax_forward": (_ptr, _ptr, _i64, _i64, _double, _ptr, _ptr, _double, _ptr, _ptr, _double, _int),
     # y, grad, grad_x, rows, length, gate, gate_rows, alpha, alpha_rows, alpha_grad | NULL,
-    # sink_weight, sink_weight_rows, dsink | NULL, threads
+    # sink_weight, sink_weight_rows, dsink | NULL, x | NULL, cap, threads
     "attnorm_entmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _double, _ptr, _double, _ptr, _ptr,
-                                _double, _ptr, _ptr, _int),
-    # x, y, rows, length, normalized, stats, sink, sink_rows, sink_weight | NULL, threads
-    "attnorm_self_adjusted_forward": (_ptr, _ptr, _i64, _i64, _int, _ptr, _double, _ptr, _ptr, _int),
-    # x, grad, grad_x, rows, length, normalized, stats, sink, sink_rows, dsink | NULL, threads
-    "attnorm_self_adjusted_backward": (_ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _double, _ptr, _ptr, _int),
+                                _double, _ptr, _ptr, _ptr, _double, _int),
+    # x, y, rows, length, normalized, stats, sink, sink_rows, sink_weight | NULL, cap, threads
+    "attnorm_self_adjusted_forward": (_ptr, _ptr, _i64, _i64, _int, _ptr, _double, _ptr, _ptr, _double, _int),
+    # x, grad, grad_x, rows, length, normalized, stats, sink, sink_rows, dsink | NULL, cap, threads
+    "attnorm_self_adjusted_backward": (_ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _double, _ptr, _ptr, _double,
+                                       _int),
 }
 
 _lock = threading.Lock()
@@ -179,7 +182,8 @@ def _probe(lib: ctypes.CDLL) -> bool:
     function = lib.attnorm_softmax_forward_f64
     x = (ctypes.c_double * 2)(0.0, math.log(3.0))
     y, multiplier, sink_weight = (ctypes.c_double * 2)(), (ctypes.c_double * 1)(), (ctypes.c_double * 1)()
-    status = function(x, y, 1, 2, 0, 1.0, None, 1.0, None, multiplier, None, math.log(4.0), None, sink_weight, 1)
+    status = function(x, y, 1, 2, 0, 1.0, None, 1.0, None, multiplier, None, math.log(4.0), None, sink_weight, 0.0,
+                      1)
     expected = (y[0] - 0.125, y[1] - 0.375, sink_weight[0] - 0.5)
     return status == 0 and all(abs(error) < 1e-12 for error in expected) and multiplier[0] == 1.0
 

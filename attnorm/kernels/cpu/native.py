@@ -19,6 +19,13 @@ parameter: its score (-inf, which takes no part, when there is none) for the for
 Self-Adjusted's backward, its weight (0 when there is none) for the other backwards.  C
 returns its weight or gradient per row, and the functions return it last only when the
 sink is given.
+
+Soft-capping (``kernels/README.md``, "Soft-capping"): ``softcap`` goes to C as one
+number, the cap (0 when off), and C caps each score as it reads the row,
+``c(x) = cap tanh(x / cap)`` with ``c(-inf) = -inf``; no capped tensor is made here.  The
+backward passes take the raw scores and return ``dx = (1 - tanh(x / cap)^2) dc`` with
+``dc`` the gradient with respect to ``c(x)``.  Without it every kernel runs the loops it
+ran before, bit for bit.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnorm import validation
 from attnorm.kernels import rules
 from attnorm.kernels.cpu import build
 
@@ -105,6 +113,26 @@ def _sink(sink: float | Tensor | None, rows: torch.Size, dtype: torch.dtype) -> 
     return (-math.inf, None) if sink is None else _per_row(sink, rows, dtype, "sink")
 
 
+def _cap(softcap: float | None) -> float:
+    """The cap as C takes it: 0 when off.
+
+    Raises:
+        ValueError: a cap that is not a finite number > 0.
+    """
+    return 0.0 if softcap is None else validation.check_softcap(softcap)
+
+
+def _raw_scores(x: Tensor | None, like: Tensor) -> Tensor:
+    """The raw scores a capped backward needs.
+
+    Raises:
+        ValueError: no scores.
+    """
+    if x is None:
+        raise ValueError("softcap needs the raw scores x (the forward's input), got x=None")
+    return _like(x, like, "x")
+
+
 def _address(tensor: Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -133,6 +161,7 @@ def softmax_forward(
     first: float | Tensor,
     second: float | Tensor,
     sink: float | Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None] | tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """Softmax of scaled scores over the allowed positions: ``y = softmax(m x)``.
 
@@ -141,7 +170,9 @@ def softmax_forward(
     positions of the row (+inf and NaN positions count, -inf ones do not).  Computed
     as ``exp(m (x - max x)) / sum`` (``m (x - min x)`` for ``m < 0``), so finite scores
     never overflow.  With a sink ``s``: ``[y, w] = softmax(m [x, s])``, ``n`` still the
-    real positions.
+    real positions.  With a cap, ``x`` is ``c(x) = cap tanh(x / cap)`` throughout (a +inf
+    score becomes ``cap``), written into ``y``'s row as the row is read: one more pass, in
+    cache (the row is still read from memory once).
 
     Args:
         x: scores ``(..., L)``, float32 or float64.
@@ -151,6 +182,7 @@ def softmax_forward(
         second: the bias (variant 1; ignored for variant 0), per row.
         sink: the score of a virtual key after the last position, per row (always
             allowed), or None.
+        softcap: the cap (``> 0``), or None.
 
     Returns:
         ``(y, multiplier, log_count)``: ``multiplier`` is ``m`` per row (0 in rows
@@ -158,10 +190,11 @@ def softmax_forward(
         with a sink, its weight per row follows.
 
     Raises:
-        ValueError: ``variant`` not 0 or 1, or tensors the kernels cannot take.
+        ValueError: ``variant`` not 0 or 1, a bad ``softcap``, or tensors the kernels cannot take.
     """
     if variant not in (0, 1):
         raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
+    cap = _cap(softcap)
     scores = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
@@ -174,7 +207,7 @@ def softmax_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_softmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, variant,
             first, _address(first_rows), second, _address(second_rows), multiplier.data_ptr(), _address(log_count),
-            sink_score, _address(sink_rows), _address(sink_weight))
+            sink_score, _address(sink_rows), _address(sink_weight), cap)
     return (y, multiplier, log_count) if sink is None else (y, multiplier, log_count, sink_weight)
 
 
@@ -186,6 +219,7 @@ def softmax_backward(
     param_grad: int,
     sink_weight: float | Tensor | None = None,
     sink: float | Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     """Vector-Jacobian product of ``y = softmax(m x)``: ``dx = m y (g - sum(y g))``.
 
@@ -194,16 +228,20 @@ def softmax_backward(
     a per-row temperature), 2 returns ``sum(dz x)`` over finite ``x`` (the gradient of
     ``m``; 0 in rows holding +inf).  With a sink of weight ``w``, all of it on the extended
     row ``[y, w]`` with gradient ``[g, 0]``: ``dx`` is unchanged, the sink receives
-    ``dsink = -m w sum(y g)`` and adds its terms to the per-row sums.
+    ``dsink = -m w sum(y g)`` and adds its terms to the per-row sums.  With a cap, the
+    forward ran on ``c(x) = cap tanh(x / cap)``: ``x`` holds the raw scores, ``param_grad`` 2
+    sums ``dz c(x)`` (C caps ``x`` into ``dx``'s row first), and ``dx`` is carried to the raw
+    scores, times ``1 - tanh(x / cap)^2`` (0 where ``x`` is infinite): one more pass.
 
     Args:
         y: the forward's weights ``(..., L)``.
         grad: incoming gradient, shaped like ``y``.
         multiplier: ``m`` per row (the forward's ``multiplier``).
-        x: the forward's (masked) scores, needed for ``param_grad`` 2.
+        x: the forward's (masked) scores, needed for ``param_grad`` 2 and with a cap.
         param_grad: 0, 1 or 2.
         sink_weight: the forward's sink weight per row, or None (no sink).
         sink: the sink's scores per row, needed for ``param_grad`` 2 with a sink.
+        softcap: the forward's cap, or None.
 
     Returns:
         ``(dx, per_row)``, ``per_row`` None for ``param_grad`` 0; with a sink, ``dsink``
@@ -211,7 +249,8 @@ def softmax_backward(
 
     Raises:
         ValueError: ``param_grad`` not 0, 1 or 2, 2 without ``x`` (or, with a sink,
-            without ``sink``), ``sink`` without ``sink_weight``, or mismatched tensors.
+            without ``sink``), ``sink`` without ``sink_weight``, a bad ``softcap`` or one
+            without ``x``, or mismatched tensors.
     """
     if param_grad not in (0, 1, 2) or (param_grad == 2 and x is None):
         given = "with x" if x is not None else "without x"
@@ -220,10 +259,11 @@ def softmax_backward(
         raise ValueError("sink needs sink_weight (the forward's weight of the sink), got sink_weight=None")
     if param_grad == 2 and sink_weight is not None and sink is None:
         raise ValueError("param_grad 2 with a sink needs sink (its scores), got sink=None")
+    cap = _cap(softcap)
     _check_rows(y, "y")
     y = y.contiguous()
     grad = _like(grad, y, "grad")
-    scores = _like(x, y, "x") if param_grad == 2 else None
+    scores = _raw_scores(x, y) if cap else (_like(x, y, "x") if param_grad == 2 else None)
     shape, dtype = y.shape, y.dtype
     row_shape, length = shape[:-1], shape[-1]
     multiplier, multiplier_rows = _per_row(multiplier, row_shape, dtype, "multiplier")
@@ -234,7 +274,7 @@ def softmax_backward(
     dsink = None if sink_weight is None else _new(row_shape, dtype)
     _launch("attnorm_softmax_backward", dtype, y.data_ptr(), grad.data_ptr(), _address(scores), dx.data_ptr(),
             y.numel() // length, length, multiplier, _address(multiplier_rows), param_grad, _address(per_row),
-            weight, _address(weight_rows), sink_score, _address(sink_rows), _address(dsink))
+            weight, _address(weight_rows), sink_score, _address(sink_rows), _address(dsink), cap)
     return (dx, per_row) if sink_weight is None else (dx, per_row, dsink)
 
 
@@ -245,6 +285,7 @@ def topk_forward(
     is_fraction: bool,
     temperature: float | Tensor,
     sink: float | Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Softmax of ``x / temperature`` over the kept positions, exactly 0 elsewhere.
 
@@ -253,7 +294,9 @@ def topk_forward(
     lowest index.  A row holding +inf is uniform over its first kept +inf positions.
     With a sink, on the extended row ``[x, sink]``: an integer ``k`` counts the sink's
     slot, a fraction does not count it in ``n`` (it keeps 1 slot when ``n = 0``), and the
-    sink loses every tie.
+    sink loses every tie.  With a cap, on ``c(x) = cap tanh(x / cap)`` (a +inf score becomes
+    ``cap``; ties are those of the capped scores), capped as C copies the row into its
+    per-thread buffer (the copy the sink makes anyway: one more pass in cache).
 
     Args:
         x: scores ``(..., L)``, float32 or float64.
@@ -263,11 +306,16 @@ def topk_forward(
         temperature: per row.
         sink: the score of a virtual key after the last position, per row (always
             allowed), or None.
+        softcap: the cap (``> 0``), or None.
 
     Returns:
         ``(y, multiplier)``, ``multiplier = 1 / temperature`` per row (0 in rows holding +inf);
         with a sink, its weight per row follows.
+
+    Raises:
+        ValueError: a bad ``softcap``.
     """
+    cap = _cap(softcap)
     scores = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
@@ -278,12 +326,16 @@ def topk_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_topk_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, float(k),
             int(bool(is_fraction)), temperature, _address(temperature_rows), multiplier.data_ptr(), sink_score,
-            _address(sink_rows), _address(sink_weight))
+            _address(sink_rows), _address(sink_weight), cap)
     return (y, multiplier) if sink is None else (y, multiplier, sink_weight)
 
 
 def entmax_forward(
-    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: float | Tensor | None = None
+    x: Tensor,
+    mask: rules.RowMask,
+    alpha: float | Tensor,
+    sink: float | Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """alpha-entmax (Peters, Niculae & Martins, 2019) for any ``alpha >= 1`` per row.
 
@@ -292,7 +344,9 @@ def entmax_forward(
     alpha = 1 is softmax, 2 sparsemax (exact), 1.5 exact by its closed form; other
     alpha by a safeguarded Halley iteration, refined in double where it is ill
     conditioned (alpha > 2, and alpha < 1.1 for float32).  With a sink, on the
-    extended row ``[x, sink]`` (the threshold includes it).
+    extended row ``[x, sink]`` (the threshold includes it).  With a cap, on
+    ``c(x) = cap tanh(x / cap)`` (a +inf score becomes ``cap``), capped as C copies the row
+    into its per-thread buffer (one more pass in cache).
 
     Args:
         x: scores ``(..., L)``, float32 or float64.
@@ -300,16 +354,18 @@ def entmax_forward(
         alpha: per row, ``>= 1`` (a NaN row otherwise).
         sink: the score of a virtual key after the last position, per row (always
             allowed), or None.
+        softcap: the cap (``> 0``), or None.
 
     Returns:
         ``(y, gate)``, ``gate`` 1 per row, 0 in rows holding +inf; with a sink, its weight
         per row follows.
 
     Raises:
-        ValueError: a python ``alpha`` below 1.
+        ValueError: a python ``alpha`` below 1, or a bad ``softcap``.
     """
     if not isinstance(alpha, Tensor) and not alpha >= 1:
         raise ValueError(f"alpha must be >= 1, got {alpha}")
+    cap = _cap(softcap)
     scores = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
@@ -319,7 +375,7 @@ def entmax_forward(
     gate = _new(row_shape, dtype)
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_entmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, alpha,
-            _address(alpha_rows), gate.data_ptr(), sink_score, _address(sink_rows), _address(sink_weight))
+            _address(alpha_rows), gate.data_ptr(), sink_score, _address(sink_rows), _address(sink_weight), cap)
     return (y, gate) if sink is None else (y, gate, sink_weight)
 
 
@@ -330,6 +386,8 @@ def entmax_backward(
     alpha: float | Tensor,
     alpha_grad: bool,
     sink_weight: float | Tensor | None = None,
+    x: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     """Vector-Jacobian product of alpha-entmax from its output.
 
@@ -339,6 +397,8 @@ def entmax_backward(
     ``S = y (beta - log y)`` on the support (0 for alpha = 1 rows).  With a sink of weight
     ``w``, all of it on the extended row ``[y, w]`` with gradient ``[g, 0]``: the sink's
     ``s`` and ``S`` join the sums and it receives ``dsink = -gate s_w sum(s g) / sum(s)``.
+    With a cap, ``dx`` is carried to the raw scores ``x``, times ``1 - tanh(x / cap)^2``
+    (0 where ``x`` is infinite): one more pass, reading ``x``.
 
     Args:
         y: the forward's weights ``(..., L)``.
@@ -347,14 +407,21 @@ def entmax_backward(
         alpha: per row.
         alpha_grad: also return alpha's gradient per row.
         sink_weight: the forward's sink weight per row, or None (no sink).
+        x: the forward's raw (masked) scores, needed with a cap only.
+        softcap: the forward's cap, or None.
 
     Returns:
         ``(dx, per_row)``, ``per_row`` None without ``alpha_grad``; with a sink, ``dsink``
         per row follows.
+
+    Raises:
+        ValueError: a bad ``softcap``, or one without ``x``.
     """
+    cap = _cap(softcap)
     _check_rows(y, "y")
     y = y.contiguous()
     grad = _like(grad, y, "grad")
+    scores = _raw_scores(x, y) if cap else None
     shape, dtype = y.shape, y.dtype
     row_shape, length = shape[:-1], shape[-1]
     gate, gate_rows = _per_row(gate, row_shape, dtype, "gate")
@@ -365,12 +432,16 @@ def entmax_backward(
     dsink = None if sink_weight is None else _new(row_shape, dtype)
     _launch("attnorm_entmax_backward", dtype, y.data_ptr(), grad.data_ptr(), dx.data_ptr(), y.numel() // length,
             length, gate, _address(gate_rows), alpha, _address(alpha_rows), _address(per_row), weight,
-            _address(weight_rows), _address(dsink))
+            _address(weight_rows), _address(dsink), _address(scores), cap)
     return (dx, per_row) if sink_weight is None else (dx, per_row, dsink)
 
 
 def self_adjusted_forward(
-    x: Tensor, mask: rules.RowMask, normalized: bool, sink: float | Tensor | None = None
+    x: Tensor,
+    mask: rules.RowMask,
+    normalized: bool,
+    sink: float | Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """SA-Softmax (Zheng et al., 2025): ``y = phi(x) softmax(x)`` over the allowed positions.
 
@@ -379,7 +450,9 @@ def self_adjusted_forward(
     ``high = low``; the span is halved when it overflows and divided by, so denormal
     spans stay finite).  A row holding +inf has weights uniform over its +inf positions
     (normalized) or +inf there (plain).  With a sink, on the extended row ``[x, sink]``
-    (its score joins ``max``, ``min``, ``low``, ``high`` and the softmax sum).
+    (its score joins ``max``, ``min``, ``low``, ``high`` and the softmax sum).  With a cap,
+    on ``c(x) = cap tanh(x / cap)`` (``stats`` in capped units; a +inf score becomes
+    ``cap``), capped as C reads the row into a per-thread buffer (one more pass in cache).
 
     Args:
         x: scores ``(..., L)``, float32 or float64.
@@ -387,13 +460,18 @@ def self_adjusted_forward(
         normalized: use the normalized factor.
         sink: the score of a virtual key after the last position, per row (always
             allowed), or None.
+        softcap: the cap (``> 0``), or None.
 
     Returns:
         ``(y, stats)``, ``stats`` of shape ``x.shape[:-1] + (5,)``: ``(c0, c1, low, high, gate)``
         with softmax weights ``w = exp((x - c0) - c1)``; ``gate`` 0 in rows holding +inf or
         fully masked (NaN rows: NaN statistics, gate 1); with a sink, its weight per row
         follows.
+
+    Raises:
+        ValueError: a bad ``softcap``.
     """
+    cap = _cap(softcap)
     scores = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
@@ -402,12 +480,18 @@ def self_adjusted_forward(
     stats = _new((*row_shape, _SA_STATS), dtype)
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_self_adjusted_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length,
-            int(bool(normalized)), stats.data_ptr(), sink_score, _address(sink_rows), _address(sink_weight))
+            int(bool(normalized)), stats.data_ptr(), sink_score, _address(sink_rows), _address(sink_weight), cap)
     return (y, stats) if sink is None else (y, stats, sink_weight)
 
 
 def self_adjusted_backward(
-    x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool, sink: float | Tensor | None = None
+    x: Tensor,
+    mask: rules.RowMask,
+    grad: Tensor,
+    stats: Tensor,
+    normalized: bool,
+    sink: float | Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Vector-Jacobian product of SA-Softmax, recomputing ``w = exp((x - c0) - c1)`` from ``x`` and ``stats``.
 
@@ -416,7 +500,10 @@ def self_adjusted_backward(
     the positions at ``low`` (when ``low < 0``) and ``-P / (high - low)`` by those at
     ``high`` (when ``high > 0``).  0 in rows with gate 0, NaN in rows holding NaN.  With a
     sink, on the extended row ``[x, sink]`` with gradient ``[g, 0]``: the sink receives
-    ``dsink = -w_sink P`` plus its share of the paths through ``low`` and ``high``.
+    ``dsink = -w_sink P`` plus its share of the paths through ``low`` and ``high``.  With a
+    cap, ``x`` holds the raw scores: C caps them into ``dx``'s row, runs the above on
+    ``c(x)`` in place and multiplies by ``1 - tanh(x / cap)^2`` (0 where ``x`` is infinite):
+    two more passes, in cache.
 
     Args:
         x: the forward's scores ``(..., L)``.
@@ -425,10 +512,15 @@ def self_adjusted_backward(
         stats: the forward's statistics ``x.shape[:-1] + (5,)``.
         normalized: the forward's ``normalized``.
         sink: the forward's sink scores per row, or None.
+        softcap: the forward's cap, or None.
 
     Returns:
         ``dx`` shaped like ``x``; with a sink, ``(dx, dsink)``, ``dsink`` per row.
+
+    Raises:
+        ValueError: a bad ``softcap``, or ``stats`` of the wrong shape.
     """
+    cap = _cap(softcap)
     scores = _scores(x, mask)
     grad = _like(grad, x, "grad")
     expected = (*x.shape[:-1], _SA_STATS)
@@ -444,5 +536,5 @@ def self_adjusted_backward(
     dsink = None if sink is None else _new(row_shape, x.dtype)
     _launch("attnorm_self_adjusted_backward", x.dtype, scores.data_ptr(), grad.data_ptr(), dx.data_ptr(),
             x.numel() // length, length, int(bool(normalized)), stats.data_ptr(), sink_score, _address(sink_rows),
-            _address(dsink))
+            _address(dsink), cap)
     return dx if sink is None else (dx, dsink)

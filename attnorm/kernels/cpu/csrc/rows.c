@@ -17,6 +17,9 @@
  *   - a NaN score makes the whole row NaN;
  *   - finite scores never overflow: scaled scores are shifted first, m (x - max x)
  *     for m >= 0 and m (x - min x) for m < 0.
+ * A soft cap (cap > 0; 0: off) replaces the scores by cap tanh(x / cap) as a kernel
+ * reads them (-inf stays -inf); the backward passes take the raw scores and carry dx
+ * through the cap's slope (rows_impl.h, "soft-capping").
  * Per-row parameters come as a double for all rows and an array in the row type with
  * one value per row that replaces it when not NULL; per-row outputs are written in the
  * row type (float rows: float).  Work below PARALLEL_MIN elements runs on the calling thread:
@@ -70,6 +73,22 @@ static inline float log_f32(float x) {
     q = q * t2 + 2.0f / 3;
     q = q * t2 + 2.0f;
     return ef * 0.693147180559945309f + t * q;
+}
+
+/* e^x - 1 for float without cancellation near 0: for |x| < 1/2 x (1 + x/2! + ... + x^8/9!)
+ * (truncation below 1e-9 relative), else exp_f32(x) - 1 (at most a factor 1.6 lost to
+ * the subtraction).  -inf gives -1, and so does anything below -87.3 (exp_f32's flush). */
+static inline float expm1_f32(float x) {
+    float p = 1.0f / 362880;
+    p = p * x + 1.0f / 40320;
+    p = p * x + 1.0f / 5040;
+    p = p * x + 1.0f / 720;
+    p = p * x + 1.0f / 120;
+    p = p * x + 1.0f / 24;
+    p = p * x + 1.0f / 6;
+    p = p * x + 0.5f;
+    p = p * x + 1.0f;
+    return (x > -0.5f && x < 0.5f) ? x * p : exp_f32(x) - 1.0f;
 }
 
 /* base ** exponent for base > 0 (callers keep base = 0 out). */
@@ -288,6 +307,7 @@ static void entmax_anchored(double* v, int64_t count, double alpha, double start
 #define KEY uint64_t
 #define SUFFIX f64
 #define EXP exp_f64
+#define EXPM1 expm1
 #define LOG log
 #define POW pow_f64
 #define SQRT sqrt
@@ -301,6 +321,7 @@ static void entmax_anchored(double* v, int64_t count, double alpha, double start
 #undef KEY
 #undef SUFFIX
 #undef EXP
+#undef EXPM1
 #undef LOG
 #undef POW
 #undef SQRT
@@ -314,6 +335,7 @@ static void entmax_anchored(double* v, int64_t count, double alpha, double start
 #define KEY uint32_t
 #define SUFFIX f32
 #define EXP exp_f32
+#define EXPM1 expm1_f32
 #define LOG log_f32
 #define POW pow_f32
 #define SQRT sqrtf /* not sqrt: a double round trip per element */

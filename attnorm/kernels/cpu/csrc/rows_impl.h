@@ -1,6 +1,6 @@
 /*
  * Row kernels for one floating type, included by rows.c once per type with REAL
- * (float or double), SUFFIX (f32, f64), EXP, LOG, POW, EPS, REAL_MAX, NEXT_BELOW and
+ * (float or double), SUFFIX (f32, f64), EXP, EXPM1, LOG, POW, EPS, REAL_MAX, NEXT_BELOW and
  * WIDE_ENTMAX defined.  Sums over a row are accumulated in double, except sums of
  * exponentials (terms in (0, 1]).  "Pass" below means one sweep over a row of
  * `length` values: the first reads it from memory (length * sizeof(REAL) bytes), the
@@ -186,7 +186,7 @@ static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, int variant,
  * position of weight w and gradient 0 (w = 0: none; its score s is read for
  * param_grad 2 only): it leaves sum(y g) alone, receives *dsink = m w (0 - sum(y g))
  * and adds its terms to the per-row sums.  Two passes (three with param_grad 2), sums
- * in double.
+ * in double.  x may be gx itself (each x[i] is read before gx[i] is written).
  */
 static void FN(softmax_grad_row)(const REAL* y, const REAL* g, const REAL* x, REAL* gx, int64_t length, REAL m,
                                  int param_grad, REAL* per_row, REAL w, REAL s, REAL* dsink) {
@@ -220,10 +220,11 @@ static void FN(softmax_grad_row)(const REAL* y, const REAL* g, const REAL* x, RE
     } else if (param_grad == 2) {
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < length; i++) {
+            const REAL xi = x[i]; /* read before gx[i] is written: x may be gx (capped scores) */
             REAL dz = y[i] * (g[i] - mean);
             gx[i] = m * dz;
-            int used = y[i] > 0 && x[i] > -INFINITY && x[i] < INFINITY;
-            sum += used ? (double)dz * (x[i] - shift) : 0;
+            int used = y[i] > 0 && xi > -INFINITY && xi < INFINITY;
+            sum += used ? (double)dz * (xi - shift) : 0;
         }
         sum += sink_used ? (double)dz_sink * (s - shift) : 0;
         *per_row = (REAL)sum;
@@ -317,7 +318,8 @@ static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int no
  * w = exp((x - c0) - c1): the difference first, exact for nearby scores.  Rows with
  * gate 0 get 0, rows holding NaN get NaN.  The sink (-inf: none) is one more
  * position with gradient 0: nothing in P and Q, but it may share the paths through
- * low and high; *dsink is its dx.  Two passes.
+ * low and high; *dsink is its dx.  Two passes; x may be gx itself (each x[i] is read
+ * before gx[i] is written).
  */
 static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, int64_t length, int normalized,
                                        const REAL* stats, REAL sink, REAL* dsink) {
@@ -792,6 +794,46 @@ static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, double k_value,
     for (int64_t i = 0; i < length; i++) y[i] *= inverse;
 }
 
+/* ---- soft-capping (kernels/README.md, "Soft-capping") -------------------------- */
+
+/*
+ * c(x) = cap tanh(x / cap), overflow-free: with v = 2 x / cap and em = e^-|v| - 1 in
+ * (-1, 0], tanh(|x| / cap) = -em / (2 + em); expm1 keeps small scores exact and
+ * 2 + em >= 1 keeps large ones (|v| = +inf gives 1).  c(-inf) = -inf (still not
+ * allowed), c(+inf) = cap, c(NaN) = NaN.  `twice_inverse` is 2 / cap.
+ */
+static inline REAL FN(soft_cap)(REAL xi, REAL cap, REAL twice_inverse) {
+    const REAL v = xi * twice_inverse;
+    const REAL em = EXPM1(v < 0 ? v : -v);
+    const REAL t = -em / (2 + em);
+    return xi == -INFINITY ? xi : cap * (v < 0 ? -t : t);
+}
+
+/* dc/dx = 1 - tanh(x / cap)^2 = 4 e / (1 + e)^2 with e = e^(-2 |x| / cap): no
+ * cancellation anywhere (1 - t^2 loses every digit once t rounds to 1).  0 at
+ * infinite and NaN scores, as in the reference. */
+static inline REAL FN(cap_slope)(REAL xi, REAL twice_inverse) {
+    const REAL v = xi * twice_inverse;
+    const REAL e = EXP(v < 0 ? v : -v);
+    const REAL one_plus_e = 1 + e;
+    return xi - xi == 0 ? 4 * e / (one_plus_e * one_plus_e) : 0;
+}
+
+/* c(x) of a row written to `capped` (which may be the output row); returns it.  One pass. */
+static const REAL* FN(cap_row)(const REAL* x, int64_t length, double cap, REAL* capped) {
+    const REAL bound = (REAL)cap, twice_inverse = (REAL)(2 / cap);
+#pragma omp simd
+    for (int64_t i = 0; i < length; i++) capped[i] = FN(soft_cap)(x[i], bound, twice_inverse);
+    return capped;
+}
+
+/* gx, the gradient with respect to c(x), carried to the raw scores x: gx *= dc/dx.  One pass. */
+static void FN(through_cap)(const REAL* x, int64_t length, double cap, REAL* gx) {
+    const REAL twice_inverse = (REAL)(2 / cap);
+#pragma omp simd
+    for (int64_t i = 0; i < length; i++) gx[i] *= FN(cap_slope)(x[i], twice_inverse);
+}
+
 /* ---- entry points: rows split across threads ---------------------------------- */
 
 /*
@@ -803,12 +845,26 @@ static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, double k_value,
  * in and the weights out, both in cache; the row is still read from memory once and
  * y written once).  The backward passes take the sink's weight (0: none; SA-Softmax's
  * its score, -inf: none) and write dsink[r] (NULL: none), with no extra pass.
+ *
+ * Soft-capping: `cap` > 0 caps the scores (0: off; the sink is never capped).  The
+ * row is capped once, in the pass that reads it from memory, into a row the kernel
+ * then works on in cache: y itself for softmax (which reads each x[i] before writing
+ * y[i]), a per-thread buffer of length values for SA-Softmax, the buffer that holds
+ * the extended row for entmax and top-k (the copy caps, so no extra pass there).  The
+ * backward passes multiply dx by dc/dx at the raw scores in one more pass (through_cap);
+ * those that read scores (softmax's param_grad 2, SA-Softmax) first write c(x) into
+ * dx's row and run in place.  One tanh (an expm1) per score in a forward, an exp (and
+ * an expm1 when scores are read) in a backward.  The check is per row, so without a cap
+ * every kernel runs exactly the loops it ran before.
  */
 
-/* The extended row: x copied into `extended`, the sink at position `length`.  One pass. */
-static const REAL* FN(extend_row)(const REAL* x, int64_t length, REAL sink, REAL* extended) {
-    memcpy(extended, x, length * sizeof(REAL));
-    extended[length] = sink;
+/* The row entmax and top-k see, in `extended`: x (capped when cap > 0), then the sink at
+ * position `length` when there is one.  One pass. */
+static const REAL* FN(extend_row)(const REAL* x, int64_t length, double cap, int has_sink, REAL sink,
+                                  REAL* extended) {
+    if (cap > 0) FN(cap_row)(x, length, cap, extended);
+    else memcpy(extended, x, length * sizeof(REAL));
+    if (has_sink) extended[length] = sink;
     return extended;
 }
 
@@ -821,77 +877,99 @@ static REAL FN(split_row)(const REAL* extended, int64_t length, REAL* y) {
 /* log_count: NULL for variant 0. */
 int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
                                 const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
-                                REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight, int threads) {
+                                REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight, double cap,
+                                int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
     for (int64_t r = 0; r < rows; r++) {
         REAL unused, no_sink;
-        FN(softmax_row)(x + r * length, y + r * length, length, variant, ROW_PARAM(first, r),
-                        ROW_PARAM(second, r), (REAL)ROW_PARAM(sink, r), multiplier + r,
-                        log_count ? log_count + r : &unused, sink_weight ? sink_weight + r : &no_sink);
+        const REAL* row = x + r * length;
+        if (cap > 0) row = FN(cap_row)(row, length, cap, y + r * length); /* softmax_row runs in place */
+        FN(softmax_row)(row, y + r * length, length, variant, ROW_PARAM(first, r), ROW_PARAM(second, r),
+                        (REAL)ROW_PARAM(sink, r), multiplier + r, log_count ? log_count + r : &unused,
+                        sink_weight ? sink_weight + r : &no_sink);
     }
     return 0;
 }
 
-/* x: NULL unless param_grad is 2; per_row: NULL when param_grad is 0; sink (the scores): read
- * for param_grad 2 only. */
+/* x: NULL unless param_grad is 2 or cap > 0 (the raw scores); per_row: NULL when param_grad is 0;
+ * sink (the scores): read for param_grad 2 only. */
 int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, const REAL* x, REAL* gx, int64_t rows, int64_t length,
                                  double multiplier, const REAL* multiplier_rows, int param_grad, REAL* per_row,
                                  double sink_weight, const REAL* sink_weight_rows, double sink, const REAL* sink_rows,
-                                 REAL* dsink, int threads) {
+                                 REAL* dsink, double cap, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
     for (int64_t r = 0; r < rows; r++) {
         REAL no_sink;
-        FN(softmax_grad_row)(y + r * length, g + r * length, x ? x + r * length : NULL, gx + r * length, length,
+        const REAL* scores = x ? x + r * length : NULL;
+        if (cap > 0 && param_grad == 2) scores = FN(cap_row)(scores, length, cap, gx + r * length);
+        FN(softmax_grad_row)(y + r * length, g + r * length, scores, gx + r * length, length,
                              (REAL)ROW_PARAM(multiplier, r), param_grad, per_row ? per_row + r : NULL,
                              (REAL)ROW_PARAM(sink_weight, r), (REAL)ROW_PARAM(sink, r), dsink ? dsink + r : &no_sink);
+        if (cap > 0) FN(through_cap)(x + r * length, length, cap, gx + r * length);
     }
     return 0;
 }
 
 int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized,
-                                      REAL* stats, double sink, const REAL* sink_rows, REAL* sink_weight,
+                                      REAL* stats, double sink, const REAL* sink_rows, REAL* sink_weight, double cap,
                                       int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
-    for (int64_t r = 0; r < rows; r++) {
-        REAL no_sink;
-        FN(self_adjusted_row)(x + r * length, y + r * length, length, normalized, stats + SA_STATS * r,
-                              (REAL)ROW_PARAM(sink, r), sink_weight ? sink_weight + r : &no_sink);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
+    {
+        REAL* capped = cap > 0 ? malloc(length * sizeof(REAL)) : NULL; /* c(x): the row is read again */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (capped || !(cap > 0)) {
+                REAL no_sink;
+                const REAL* row = x + r * length;
+                if (capped) row = FN(cap_row)(row, length, cap, capped);
+                FN(self_adjusted_row)(row, y + r * length, length, normalized, stats + SA_STATS * r,
+                                      (REAL)ROW_PARAM(sink, r), sink_weight ? sink_weight + r : &no_sink);
+            } else {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+        free(capped);
     }
-    return 0;
+    return failed;
 }
 
 int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
                                        int normalized, const REAL* stats, double sink, const REAL* sink_rows,
-                                       REAL* dsink, int threads) {
+                                       REAL* dsink, double cap, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
     for (int64_t r = 0; r < rows; r++) {
         REAL no_sink;
-        FN(self_adjusted_grad_row)(x + r * length, g + r * length, gx + r * length, length, normalized,
-                                   stats + SA_STATS * r, (REAL)ROW_PARAM(sink, r), dsink ? dsink + r : &no_sink);
+        const REAL* row = x + r * length;
+        if (cap > 0) row = FN(cap_row)(row, length, cap, gx + r * length); /* the gradient row runs in place */
+        FN(self_adjusted_grad_row)(row, g + r * length, gx + r * length, length, normalized, stats + SA_STATS * r,
+                                   (REAL)ROW_PARAM(sink, r), dsink ? dsink + r : &no_sink);
+        if (cap > 0) FN(through_cap)(x + r * length, length, cap, gx + r * length);
     }
     return 0;
 }
 
 int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double alpha,
                                const REAL* alpha_rows, REAL* gate, double sink, const REAL* sink_rows,
-                               REAL* sink_weight, int threads) {
+                               REAL* sink_weight, double cap, int threads) {
     const int64_t width = length + (sink_weight != NULL); /* the row entmax_row sees */
+    const int copied = sink_weight != NULL || cap > 0;    /* ... through a per-thread buffer */
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
     {
         REAL* t = malloc((width + PAD) * sizeof(REAL));
         int32_t* index = malloc(width * sizeof(int32_t));
         double* wide = malloc((width + PAD) * sizeof(double));
-        REAL* extended = sink_weight ? malloc(2 * width * sizeof(REAL)) : NULL; /* [x, sink], then its weights */
+        REAL* extended = copied ? malloc(2 * width * sizeof(REAL)) : NULL; /* [c(x), sink], then its weights */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            if (t && index && wide && (extended || !sink_weight)) {
+            if (t && index && wide && (extended || !copied)) {
                 const REAL* row = x + r * length;
                 REAL* out = y + r * length;
-                if (sink_weight) {
-                    row = FN(extend_row)(row, length, (REAL)ROW_PARAM(sink, r), extended);
-                    out = extended + width;
-                }
+                if (copied) row = FN(extend_row)(row, length, cap, sink_weight != NULL, (REAL)ROW_PARAM(sink, r),
+                                                 extended);
+                if (sink_weight) out = extended + width;
                 FN(entmax_row)(row, out, width, ROW_PARAM(alpha, r), gate + r, t, index, wide);
                 if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
             } else {
@@ -907,11 +985,12 @@ int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t len
     return failed;
 }
 
-/* alpha_grad: NULL, or one value per row for d/d alpha of sum(g y). */
+/* alpha_grad: NULL, or one value per row for d/d alpha of sum(g y).  x: the raw scores, NULL
+ * unless cap > 0. */
 int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t rows, int64_t length,
                                 double gate, const REAL* gate_rows, double alpha, const REAL* alpha_rows,
                                 REAL* alpha_grad, double sink_weight, const REAL* sink_weight_rows, REAL* dsink,
-                                int threads) {
+                                const REAL* x, double cap, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
     {
@@ -925,6 +1004,7 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
                                     (REAL)ROW_PARAM(gate, r), ROW_PARAM(alpha, r), index, slope,
                                     alpha_grad ? alpha_grad + r : NULL, (REAL)ROW_PARAM(sink_weight, r),
                                     dsink ? dsink + r : &no_sink);
+                if (cap > 0) FN(through_cap)(x + r * length, length, cap, gx + r * length);
             } else {
 #pragma omp atomic write
                 failed = 1;
@@ -938,27 +1018,26 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
 
 int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
                              double temperature, const REAL* temperature_rows, REAL* multiplier, double sink,
-                             const REAL* sink_rows, REAL* sink_weight, int threads) {
+                             const REAL* sink_rows, REAL* sink_weight, double cap, int threads) {
     const int64_t width = length + (sink_weight != NULL); /* the row topk_row sees */
+    const int copied = sink_weight != NULL || cap > 0;    /* ... through a per-thread buffer */
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
     {
         REAL* work = malloc((width + MAX_TOPK_GROUPS) * sizeof(REAL));
         int32_t* index = malloc(width * sizeof(int32_t));
         KEY* keys = malloc((width + MAX_TOPK_GROUPS) * sizeof(KEY));
-        REAL* extended = sink_weight ? malloc(2 * width * sizeof(REAL)) : NULL; /* [x, sink], then its weights */
+        REAL* extended = copied ? malloc(2 * width * sizeof(REAL)) : NULL; /* [c(x), sink], then its weights */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            if (work && index && keys && (extended || !sink_weight)) {
+            if (work && index && keys && (extended || !copied)) {
                 const REAL* row = x + r * length;
                 REAL* out = y + r * length;
-                int64_t uncounted = 0; /* the sink is not one of the n a fraction counts */
-                if (sink_weight) {
-                    const REAL score = (REAL)ROW_PARAM(sink, r);
-                    row = FN(extend_row)(row, length, score, extended);
-                    out = extended + width;
-                    uncounted = score != -INFINITY;
-                }
+                const REAL score = (REAL)ROW_PARAM(sink, r);
+                if (copied) row = FN(extend_row)(row, length, cap, sink_weight != NULL, score, extended);
+                if (sink_weight) out = extended + width;
+                /* the sink is not one of the n a fraction counts */
+                const int64_t uncounted = sink_weight != NULL && score != -INFINITY;
                 FN(topk_row)(row, out, width, k, is_fraction, ROW_PARAM(temperature, r), multiplier + r, work, index,
                              keys, uncounted);
                 if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
