@@ -94,9 +94,11 @@ def test_learnable_scalable_softmax_gets_the_capped_scores_gradient():
     out = module(x, attnorm.causal_mask(), softcap=CAP, sink=sink)
     s, bias = (p.detach().clone().requires_grad_() for p in (module.s, module.bias))  # (3, 1, 1) each
     n = torch.arange(1, SHAPE[-2] + 1, dtype=torch.float64).reshape(-1, 1)  # causal: query i sees i + 1 keys
-    scores = torch.where(torch.ones(SHAPE[-2:], dtype=torch.bool).tril(), capped(x), -math.inf)
-    extended = torch.cat([scores, sink.expand(*SHAPE[:-1], 1)], -1)  # the sink is scaled, not capped
-    expected = torch.softmax((s * torch.log(n) + bias) * extended, -1)[..., :-1]
+    allowed = torch.ones(SHAPE[-2], SHAPE[-1] + 1, dtype=torch.bool).tril()
+    allowed[:, -1] = True  # the sink
+    extended = torch.cat([capped(x), sink.expand(*SHAPE[:-1], 1)], -1)  # the sink is scaled, not capped
+    logits = ((s * torch.log(n) + bias) * extended).masked_fill(~allowed, -math.inf)  # masked after scaling
+    expected = torch.softmax(logits, -1)[..., :-1]
     torch.testing.assert_close(out, expected)
     got = torch.autograd.grad(out.sum() + out.square().sum(), (x, sink, module.s, module.bias))
     wanted = torch.autograd.grad(expected.sum() + expected.square().sum(), (x, sink, s, bias))
