@@ -16,7 +16,7 @@ Two score modifiers (:func:`modifier_arguments`) are shared too:
 
 * **softcap** (constexpr ``SOFTCAP``): ``S = cap tanh(scale Q K^T / cap) (+ additive)``,
   the cap before the additive mask (Gemma 2).  ``tanh`` is written with one ``exp`` of
-  ``-2|x|`` (:func:`stable_tanh`: no overflow, ±1 at ±inf, NaN stays NaN; libdevice is
+  ``-2|x|`` (:func:`.blocks.stable_tanh`: no overflow, ±1 at ±inf, NaN stays NaN; libdevice is
   not available under the interpreter), one exp and one division per score more;
   :func:`score_tile_slope` also returns the cap's derivative ``1 - tanh^2`` for the
   backward kernels (``dS_raw = dS (1 - tanh^2)``);
@@ -44,6 +44,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnorm.kernels.rules import AttentionMask
+from attnorm.kernels.triton.blocks import stable_tanh
 
 __all__ = [
     "key_block_bounds",
@@ -191,18 +192,6 @@ def sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SI
     else:
         scores = tl.full((BLOCK_M,), float("-inf"), ACC)
     return scores
-
-
-@triton.jit
-def stable_tanh(x):
-    """``tanh(x)`` as ``sign(x) (1 - e) / (1 + e)``, ``e = exp(-2|x|)`` in (0, 1]: never overflows.
-
-    Absolute error a few ulps of 1 (the relative error grows as ``|x|`` falls below
-    ``eps``, harmless where ``cap tanh(x / cap)`` is compared with scores of order 1).
-    """
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
 
 
 @triton.jit

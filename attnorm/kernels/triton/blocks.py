@@ -18,6 +18,16 @@ picked out by ``at_sink``.  The sink costs no memory traffic but its score (and 
 per-row output): a streamed row whose length is a multiple of the block takes one more
 step per pass for it, a block of masked loads.  Without ``HAS_SINK`` none of this is
 compiled.
+
+Soft-capping (``kernels/README.md``, "Soft-capping") happens in ``load_block`` too, when
+the constexpr ``SOFTCAP`` is set: the row's scores become ``c(x) = cap tanh(x / cap)``
+(``soft_cap``) as they are read, after the allowed positions are found and before the
+sink is put in (the sink is not capped), so every rule and statistic after it sees the
+capped row: ``c(+inf) = cap`` is finite, so +inf scores no longer make a +inf row.  The
+cap is a runtime value (``load_softcap``); it costs no memory traffic but one scalar read
+per row, and one ``exp`` and one division per score per pass.  Backwards carry ``dx``
+through the cap with ``through_cap``, reading the raw scores.  Without ``SOFTCAP`` none of
+this is compiled.
 """
 
 from __future__ import annotations
@@ -33,12 +43,16 @@ __all__ = [
     "load_row",
     "load_row_param",
     "load_sink",
+    "load_softcap",
     "row_extent",
     "scaled",
     "scan_row",
     "sink_taken",
+    "soft_cap",
+    "stable_tanh",
     "store_row",
     "store_sink",
+    "through_cap",
 ]
 
 
@@ -94,13 +108,81 @@ def scaled(shifted, multiplier):
 
 
 @triton.jit
-def load_block(X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE):
+def stable_tanh(x):
+    """``tanh(x)`` as ``sign(x) (1 - e) / (1 + e)``, ``e = exp(-2|x|)`` in (0, 1]: never overflows.
+
+    Absolute error a few ulps of 1 (the relative error grows as ``|x|`` falls below
+    ``eps``, harmless where ``cap tanh(x / cap)`` is compared with scores of order 1).
+    """
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _capping_tanh(u):
+    """``tanh(u)`` to a few ulps relative for every ``u``.
+
+    :func:`stable_tanh` computes ``1 - exp(-2|u|)``, which cancels for small ``|u|``
+    (an absolute error of about ``eps``: ``cap * eps`` in ``cap tanh(x / cap)``, 5e-4 in
+    float32 for a cap of 1e4); below ``|u| = 1/16`` the odd series to ``u^11``
+    (truncation below ``4e-15`` relative) replaces it.
+    """
+    s = u * u
+    series = 0.13333333333333333 + s * (-0.05396825396825397 + s * (0.021869488536155203 + s * -0.008863235529902197))
+    series = u * (1.0 + s * (-0.3333333333333333 + s * series))
+    return tl.where(tl.abs(u) < 0.0625, series, stable_tanh(u))
+
+
+@triton.jit
+def load_softcap(values, SOFTCAP: tl.constexpr, COMPUTE: tl.constexpr):
+    """The cap, one element at ``values`` (:func:`attnorm.kernels.triton.launch.softcap_arg`), in ``COMPUTE``.
+
+    1, never read, without ``SOFTCAP``.
+    """
+    softcap = tl.full((), 1.0, COMPUTE)
+    if SOFTCAP:
+        softcap = tl.load(values).to(COMPUTE)
+    return softcap
+
+
+@triton.jit
+def soft_cap(x, softcap, SOFTCAP: tl.constexpr):
+    """``c(x) = softcap tanh(x / softcap)`` under ``SOFTCAP`` (``x`` itself without).
+
+    ``c(-inf) = -inf`` (a -inf score stays not allowed), ``c(+inf) = softcap``,
+    ``c(NaN) = NaN``.
+    """
+    if SOFTCAP:
+        x = tl.where(x == float("-inf"), x, softcap * _capping_tanh(x / softcap))
+    return x
+
+
+@triton.jit
+def through_cap(X, row, cols, length, x_row_stride, dx, softcap, SOFTCAP: tl.constexpr, COMPUTE: tl.constexpr):
+    """A backward's ``dx`` at ``cols`` of ``row`` carried through the cap (``dx`` itself without ``SOFTCAP``).
+
+    ``dx`` is the gradient with respect to ``c(x)``; it is multiplied by
+    ``dc / dx = 1 - tanh(x / softcap)^2`` at the raw scores ``x``, read here (0 past
+    the row).  The slope is 0 at ±inf (tanh is ±1 there) and at NaN, as in the reference.
+    """
+    if SOFTCAP:
+        x = tl.load(X + row * x_row_stride + cols, mask=cols < length, other=0.0).to(COMPUTE)
+        t = _capping_tanh(x / softcap)
+        dx = dx * tl.where(x == x, 1.0 - t * t, 0.0)
+    return dx
+
+
+@triton.jit
+def load_block(X, row, cols, length, x_row_stride, masking, sink, softcap, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK,
+               SOFTCAP, COMPUTE):
     """Scores of ``row`` at ``cols`` (in ``COMPUTE``) and whether each position is allowed.
 
     ``masking`` is the tuple of :class:`attnorm.kernels.triton.launch.MaskArgs`
     ``.args``; the causal diagonal and key lengths are evaluated from the row index,
-    nothing is read for them but one key length per row.  With ``HAS_SINK`` position
-    ``length`` holds ``sink``, allowed whatever the mask says unless it is -inf.
+    nothing is read for them but one key length per row.  With ``SOFTCAP`` the scores
+    are :func:`soft_cap`'s ``c(x)``.  With ``HAS_SINK`` position ``length`` holds ``sink``
+    (not capped), allowed whatever the mask says unless it is -inf.
     """
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal = (
         masking
@@ -115,6 +197,7 @@ def load_block(X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAU
         allowed = allowed & (cols <= row % num_queries + diagonal)
     if LENGTHS:
         allowed = allowed & (cols < tl.load(lengths_ptr + (row // rows_per_batch) * lengths_stride))
+    x = soft_cap(x, softcap, SOFTCAP)
     if HAS_SINK:
         sink_position = cols == length
         x = tl.where(sink_position, sink, x)
@@ -136,7 +219,8 @@ def keep_posinf(x, allowed, posinf_row):
 
 
 @triton.jit
-def load_row(X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE):
+def load_row(X, row, cols, length, x_row_stride, masking, sink, softcap, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK,
+             SOFTCAP, COMPUTE):
     """A whole row (and its sink) in registers under the shared rules.
 
     Returns ``(x, allowed, posinf_row, nan_row, count)``: scores and allowed
@@ -145,7 +229,8 @@ def load_row(X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSA
     sink not counted (``sum(allowed)`` is the number after it, the sink's included).
     """
     x, allowed = load_block(
-        X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+        X, row, cols, length, x_row_stride, masking, sink, softcap,
+        BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
     )
     count = tl.sum(allowed.to(tl.int32), 0)
     if HAS_SINK:
@@ -184,8 +269,8 @@ def load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, si
 
 
 @triton.jit
-def scan_row(X, row, length, x_row_stride, masking, sink, scale, BLOCK, ONLINE_SUM, BOOL_MASK, CAUSAL, LENGTHS,
-             HAS_SINK, COMPUTE):
+def scan_row(X, row, length, x_row_stride, masking, sink, softcap, scale, BLOCK, ONLINE_SUM, BOOL_MASK, CAUSAL,
+             LENGTHS, HAS_SINK, SOFTCAP, COMPUTE):
     """First pass over a long row (and its sink): statistics of its allowed scores.
 
     Returns ``(count, posinf_count, nan_count, max_x, min_x, sum_below_max, sum_exp)``:
@@ -208,7 +293,8 @@ def scan_row(X, row, length, x_row_stride, masking, sink, scale, BLOCK, ONLINE_S
     for start in range(0, row_extent(length, HAS_SINK), BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x, allowed = load_block(
-            X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+            X, row, cols, length, x_row_stride, masking, sink, softcap,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
         )
         posinf = allowed & (x == float("inf"))
         nan = allowed & (x != x)

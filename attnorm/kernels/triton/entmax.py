@@ -29,6 +29,9 @@ With a sink (``kernels/README.md``) the forward runs on the extended row ``[x, s
 ``[y, sink_weight]`` with gradient ``[g, 0]``; the sink's weight and gradient come out
 per row.
 
+With a cap (``kernels/README.md``, "Soft-capping") the forward runs on ``c(x)``, capped
+as it is read; the backward reads the raw scores to multiply ``dx`` by the cap's slope.
+
 Backward (closed form, saves only ``y`` and a per-row gate that is 0 in +inf rows):
 ``dx = gppr * g - gppr * sum(gppr * g) / sum(gppr)`` with ``gppr = y^(2 - alpha)`` on
 the support, and ``d alpha = beta * (sum(g S) - sum(S) / sum(gppr) * sum(g gppr))``
@@ -52,11 +55,13 @@ from attnorm.kernels.triton.blocks import (
     load_row,
     load_row_param,
     load_sink,
+    load_softcap,
     row_extent,
     scan_row,
     sink_taken,
     store_row,
     store_sink,
+    through_cap,
 )
 
 __all__ = ["entmax_backward", "entmax_forward"]
@@ -98,11 +103,12 @@ def _block_sums(z, allowed, tau, power, softmax_row):
 
 
 @triton.jit
-def _load_z(X, row, cols, length, x_row_stride, masking, sink, posinf_row, top, multiplier,
-            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE):
+def _load_z(X, row, cols, length, x_row_stride, masking, sink, softcap, posinf_row, top, multiplier,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE):
     """``z = (alpha - 1) (x - max x)`` for one block of a long row, and its allowed positions."""
     x, allowed = load_block(
-        X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+        X, row, cols, length, x_row_stride, masking, sink, softcap,
+        BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
     )
     x, allowed = keep_posinf(x, allowed, posinf_row)
     return (x - top) * multiplier, allowed
@@ -110,8 +116,8 @@ def _load_z(X, row, cols, length, x_row_stride, masking, sink, posinf_row, top, 
 
 @triton.jit
 def _row_sums(
-    X, row, length, x_row_stride, masking, sink, posinf_row, top, multiplier, tau, power, softmax_row,
-    BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
+    X, row, length, x_row_stride, masking, sink, softcap, posinf_row, top, multiplier, tau, power, softmax_row,
+    BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
 ):
     """:func:`_block_sums` over a long row, streamed from memory."""
     mass = tl.zeros((), COMPUTE)
@@ -120,8 +126,8 @@ def _row_sums(
     support_z = tl.zeros((), COMPUTE)
     for start in range(0, row_extent(length, HAS_SINK), BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        z, allowed = _load_z(X, row, cols, length, x_row_stride, masking, sink, posinf_row, top, multiplier,
-                             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE)
+        z, allowed = _load_z(X, row, cols, length, x_row_stride, masking, sink, softcap, posinf_row, top, multiplier,
+                             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE)
         block_mass, block_slope, block_support, block_z = _block_sums(z, allowed, tau, power, softmax_row)
         mass += block_mass
         slope += block_slope
@@ -161,8 +167,8 @@ def _anchored_block(x, allowed, pivot, w, multiplier, power):
 
 @triton.jit
 def _anchored_sums(
-    X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, pivot, w, multiplier, power,
-    SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
+    X, row, length, x_row_stride, masking, sink, softcap, posinf_row, x, allowed, pivot, w, multiplier, power,
+    SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
 ):
     """:func:`_anchored_block` over the row: in registers (SINGLE) or streamed."""
     if SINGLE:
@@ -175,7 +181,8 @@ def _anchored_sums(
         for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             block_x, block_allowed = load_block(
-                X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+                X, row, cols, length, x_row_stride, masking, sink, softcap,
+                BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
             )
             block_x, block_allowed = keep_posinf(block_x, block_allowed, posinf_row)
             block_mass, block_slope, block_above, block_below = _anchored_block(
@@ -190,8 +197,8 @@ def _anchored_sums(
 
 @triton.jit
 def _anchor(
-    X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, start, top, multiplier, power, max_iters,
-    SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
+    X, row, length, x_row_stride, masking, sink, softcap, posinf_row, x, allowed, start, top, multiplier, power,
+    max_iters, SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
 ):
     """The pivot ``x_s`` and its weight ``w`` (module docstring), walking from the score ``start``."""
     # Walk: F(c) = H(0) at candidate c; F < 1 means c is in the support.  Down while it
@@ -205,8 +212,8 @@ def _anchor(
     walking = True
     while walking:
         mass, _, above, below = _anchored_sums(
-            X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, candidate, zero, multiplier, power,
-            SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
+            X, row, length, x_row_stride, masking, sink, softcap, posinf_row, x, allowed, candidate, zero, multiplier,
+            power, SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
         )
         in_support = mass < 1
         pivot = tl.where(in_support, candidate, pivot)
@@ -226,16 +233,16 @@ def _anchor(
     descending = True
     while descending:
         mass, slope, _, _ = _anchored_sums(
-            X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, pivot, w, multiplier, power,
-            SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
+            X, row, length, x_row_stride, masking, sink, softcap, posinf_row, x, allowed, pivot, w, multiplier, power,
+            SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
         )
         step = tl.maximum(w - (mass - 1) / tl.where(slope > 0, slope, 1.0), 0.0)
         iteration += 1
         descending = (step < w) & (iteration < max_iters)
         w = tl.where(step < w, step, w)
     mass, _, _, _ = _anchored_sums(
-        X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, pivot, w, multiplier, power,
-        SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
+        X, row, length, x_row_stride, masking, sink, softcap, posinf_row, x, allowed, pivot, w, multiplier, power,
+        SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
     )
     return pivot, w, mass
 
@@ -244,10 +251,10 @@ def _anchor(
 def _entmax_forward_kernel(
     X, OUT, GATE, alpha_values, alpha_stride,
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
-    sink_values, sink_stride, SINK_WEIGHT,
+    sink_values, sink_stride, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride, max_iters,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr,
-    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     """alpha-entmax of one row (see the module docstring for the method).
@@ -260,6 +267,9 @@ def _entmax_forward_kernel(
     (statistics, write).  A bool mask adds one byte per element and pass.
     ``HAS_SINK``: the sink is position ``length`` of every pass (one scalar read, held
     in a register) and its weight one more per-row scalar written; no extra pass.
+    ``SOFTCAP``: x is capped as it is read in every pass (one
+    scalar read per row, one ``exp`` and one division per element and pass); no extra
+    pass or byte.
     """
     masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
                diagonal)
@@ -269,10 +279,12 @@ def _entmax_forward_kernel(
     multiplier = tl.where(softmax_row, 1.0, alpha - 1)
     power = tl.where(softmax_row, 1.0, 1.0 / multiplier)
     sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         x, allowed, posinf_row, nan_row, _ = load_row(
-            X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+            X, row, cols, length, x_row_stride, masking, sink, softcap,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
         )
         count = tl.sum(allowed.to(tl.int32), 0)
         top = tl.max(tl.where(allowed, x, float("-inf")), 0)
@@ -283,8 +295,8 @@ def _entmax_forward_kernel(
         x = tl.zeros((), COMPUTE)  # the row stays in memory
         allowed = tl.zeros((), tl.int1)
         count, posinf_count, nan_count, top, _, sum_below_max, _ = scan_row(
-            X, row, length, x_row_stride, masking, sink, 1.0, BLOCK, False, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK,
-            COMPUTE,
+            X, row, length, x_row_stride, masking, sink, softcap, 1.0, BLOCK, False,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
         )
         posinf_row = posinf_count > 0
         if HAS_SINK:
@@ -311,8 +323,8 @@ def _entmax_forward_kernel(
             mass, slope, support, support_z = _block_sums(z, allowed, tau, power, softmax_row)
         else:
             mass, slope, support, support_z = _row_sums(
-                X, row, length, x_row_stride, masking, sink, posinf_row, top, multiplier, tau, power, softmax_row,
-                BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
+                X, row, length, x_row_stride, masking, sink, softcap, posinf_row, top, multiplier, tau, power,
+                softmax_row, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
             )
         above = mass >= 1
         low = tl.where(above, tau, low)
@@ -343,15 +355,16 @@ def _entmax_forward_kernel(
             for block_start in range(0, row_extent(length, HAS_SINK), BLOCK):
                 cols = block_start + tl.arange(0, BLOCK)
                 block_x, block_allowed = load_block(
-                    X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+                    X, row, cols, length, x_row_stride, masking, sink, softcap,
+                    BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
                 )
                 block_x, block_allowed = keep_posinf(block_x, block_allowed, posinf_row)
                 in_support = block_allowed & ((block_x - top) * multiplier > tau)
                 start = tl.minimum(start, tl.min(tl.where(in_support, block_x, float("inf")), 0))
         start = tl.where(start == float("inf"), top, start)
         pivot, w, total = _anchor(
-            X, row, length, x_row_stride, masking, sink, posinf_row, x, allowed, start, top, multiplier, power,
-            max_iters, SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE,
+            X, row, length, x_row_stride, masking, sink, softcap, posinf_row, x, allowed, start, top, multiplier, power,
+            max_iters, SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
         )
     sink_weight = tl.zeros((), COMPUTE)
     if SINGLE:
@@ -367,13 +380,14 @@ def _entmax_forward_kernel(
             cols = block_start + tl.arange(0, BLOCK)
             if anchored:
                 block_x, block_allowed = load_block(
-                    X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+                    X, row, cols, length, x_row_stride, masking, sink, softcap,
+                    BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
                 )
                 block_x, block_allowed = keep_posinf(block_x, block_allowed, posinf_row)
                 y = _anchored(block_x, block_allowed, pivot, w, multiplier, power) / total
             else:
-                z, block_allowed = _load_z(X, row, cols, length, x_row_stride, masking, sink, posinf_row, top,
-                                           multiplier, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE)
+                z, block_allowed = _load_z(X, row, cols, length, x_row_stride, masking, sink, softcap, posinf_row, top,
+                                           multiplier, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE)
                 y = _weights(z, block_allowed, tau, power, softmax_row, exact_tau, total)
             store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
             if HAS_SINK:
@@ -400,10 +414,10 @@ def _backward_block_sums(y, g, alpha, beta, ALPHA_GRAD: tl.constexpr):
 
 @triton.jit
 def _entmax_backward_kernel(
-    Y, G, DX, D_ALPHA, gate_values, gate_stride, alpha_values, alpha_stride,
-    sink_weight_values, sink_weight_stride, DSINK,
-    length, y_row_stride, g_row_stride, dx_row_stride,
-    BLOCK: tl.constexpr, SINGLE: tl.constexpr, ALPHA_GRAD: tl.constexpr, HAS_SINK: tl.constexpr,
+    Y, G, X, DX, D_ALPHA, gate_values, gate_stride, alpha_values, alpha_stride,
+    sink_weight_values, sink_weight_stride, DSINK, softcap_value,
+    length, y_row_stride, g_row_stride, x_row_stride, dx_row_stride,
+    BLOCK: tl.constexpr, SINGLE: tl.constexpr, ALPHA_GRAD: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     """Closed-form entmax backward for one row (formulas in the module docstring); NaN rows give NaN.
@@ -412,12 +426,15 @@ def _entmax_backward_kernel(
     once, ``3 L itemsize``, plus the per-row gate (and alpha's gradient); a
     multi-pass row reads y and g twice (sums, then dx), ``5 L itemsize``.
     ``HAS_SINK``: the row is ``[y, sink_weight]`` with gradient ``[g, 0]``, the sink's
-    weight one scalar read per row and its gradient one written.
+    weight one scalar read per row and its gradient one written.  ``SOFTCAP``: ``dx`` is
+    carried through the cap's slope at the raw scores x, read once where dx is written
+    (``L`` x elements more); without it x is never read.
     """
     row = tl.program_id(0).to(tl.int64)
     alpha = load_row_param(alpha_values, alpha_stride, row).to(COMPUTE)
     gate = load_row_param(gate_values, gate_stride, row).to(COMPUTE)
     sink_weight = load_sink(sink_weight_values, sink_weight_stride, row, HAS_SINK, COMPUTE)
+    softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     beta = tl.where(alpha == 1, 0.0, 1.0 / tl.where(alpha == 1, 2.0, alpha - 1))
     if SINGLE:
         cols = tl.arange(0, BLOCK)
@@ -427,9 +444,10 @@ def _entmax_backward_kernel(
         nan_row = tl.sum((y != y).to(tl.int32), 0) > 0
         mean_g = gppr_g / tl.where(gppr_sum > 0, gppr_sum, 1.0)
         dx = gate * _power(y, 2 - alpha) * (g - mean_g)
-        store_row(DX, row, cols, length, dx_row_stride, dx, nan_row)
         if HAS_SINK:
             store_sink(DSINK, row, at_sink(cols, length, dx), nan_row)
+        dx = through_cap(X, row, cols, length, x_row_stride, dx, softcap, SOFTCAP, COMPUTE)
+        store_row(DX, row, cols, length, dx_row_stride, dx, nan_row)
     else:
         gppr_g = tl.zeros((), COMPUTE)
         gppr_sum = tl.zeros((), COMPUTE)
@@ -455,9 +473,10 @@ def _entmax_backward_kernel(
             y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, sink_weight, HAS_SINK,
                                         COMPUTE)
             dx = gate * _power(y, 2 - alpha) * (g - mean_g)
-            store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
             if HAS_SINK:
                 dsink += at_sink(cols, length, dx)
+            dx = through_cap(X, row, cols, length, x_row_stride, dx, softcap, SOFTCAP, COMPUTE)
+            store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
         if HAS_SINK:
             store_sink(DSINK, row, dsink, nan > 0)
     if ALPHA_GRAD:
@@ -471,7 +490,7 @@ def _max_iterations(x: Tensor) -> int:
 
 
 def entmax_forward(
-    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None
+    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None, softcap: float | None = None
 ) -> tuple[Tensor, ...]:
     """alpha-entmax over the allowed positions of each row, any ``alpha >= 1`` per row.
 
@@ -484,13 +503,15 @@ def entmax_forward(
         alpha: python number or tensor ``(..., 1)`` broadcastable to ``x``, >= 1.
         sink: the score of a virtual key after each row, ``x.shape[:-1]`` (or ``(..., 1)``), or
             None: entmax of the extended row ``[x, sink]`` (``tau`` makes it sum to 1).
+        softcap: a cap ``> 0``, or None: entmax of ``c(x) = softcap tanh(x / softcap)``
+            (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
 
     Returns:
         ``(y, gate)``: weights like ``x``; ``gate`` per row ``x.shape[:-1]``, 1, or 0 in rows
         holding +inf.  With a ``sink``, ``(y, gate, sink_weight)``: the sink's weight per row.
 
     Raises:
-        ValueError: ``sink`` of another shape.
+        ValueError: ``sink`` of another shape, or a ``softcap`` that is not a finite number > 0.
     """
     run = launch.prepare(x, sink is not None)
     gate = run.row_stats()
@@ -499,10 +520,10 @@ def entmax_forward(
     launch.run(
         _entmax_forward_kernel, run,
         run.rows, run.out, gate, *launch.row_param(alpha, x), *masking.args,
-        *launch.sink_scores(sink, x), gate if sink_weight is None else sink_weight,
+        *launch.sink_scores(sink, x), gate if sink_weight is None else sink_weight, launch.softcap_arg(softcap, x),
         run.length, run.rows.stride(0), run.out.stride(0), _max_iterations(x),
-        BLOCK=run.config.block, SINGLE=run.config.single, HAS_SINK=sink is not None, COMPUTE=launch.compute_dtype(x),
-        **masking.constants,
+        BLOCK=run.config.block, SINGLE=run.config.single, HAS_SINK=sink is not None, SOFTCAP=softcap is not None,
+        COMPUTE=launch.compute_dtype(x), **masking.constants,
     )
     outputs = (run.out.reshape(x.shape), gate.reshape(x.shape[:-1]))
     return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
@@ -510,7 +531,7 @@ def entmax_forward(
 
 def entmax_backward(
     y: Tensor, grad: Tensor, gate: Tensor, alpha: float | Tensor, alpha_grad: bool,
-    sink_weight: Tensor | None = None,
+    sink_weight: Tensor | None = None, x: Tensor | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, ...]:
     """The closed-form entmax Jacobian-vector product, from the output alone.
 
@@ -527,12 +548,20 @@ def entmax_backward(
         sink_weight: the forward's sink weight per row ``y.shape[:-1]``, or None: the product
             for the extended row ``[y, sink_weight]`` with gradient ``[g, 0]`` (alpha's
             gradient includes the sink's terms).
+        x: the forward's raw scores, read only with ``softcap``.
+        softcap: the forward's cap, or None: ``dx`` is carried through it,
+            ``dx = (1 - tanh(x / softcap)^2) dc`` (0 where ``x`` is infinite).
 
     Returns:
         ``(dx, per_row)``: ``dx`` like ``y``; alpha's gradient per row ``y.shape[:-1]`` in the
         accumulation dtype, or None.  With ``sink_weight``, ``(dx, per_row, dsink)``: the
         gradient of the sink's score per row, like ``per_row``.
+
+    Raises:
+        ValueError: ``softcap`` without ``x``, or a ``softcap`` that is not a finite number > 0.
     """
+    launch.check_raw_scores(x, softcap)
+    saved_x = launch.rows_view(y if x is None else x)
     has_sink = sink_weight is not None
     run = launch.prepare(y, has_sink)
     g = launch.rows_view(grad)
@@ -540,12 +569,13 @@ def entmax_backward(
     dsink = run.row_stats() if has_sink else None
     launch.run(
         _entmax_backward_kernel, run,
-        run.rows, g, run.out, run.out if d_alpha is None else d_alpha,
+        run.rows, g, saved_x, run.out, run.out if d_alpha is None else d_alpha,
         *launch.per_row_param(gate, y), *launch.row_param(alpha, y),
         *(launch.per_row_param(sink_weight, y) if has_sink else (run.rows, 0)), run.out if dsink is None else dsink,
-        run.length, run.rows.stride(0), g.stride(0), run.out.stride(0),
+        launch.softcap_arg(softcap, y),
+        run.length, run.rows.stride(0), g.stride(0), saved_x.stride(0), run.out.stride(0),
         BLOCK=run.config.block, SINGLE=run.config.single, ALPHA_GRAD=bool(alpha_grad), HAS_SINK=has_sink,
-        COMPUTE=launch.compute_dtype(y),
+        SOFTCAP=softcap is not None, COMPUTE=launch.compute_dtype(y),
     )
     outputs = (run.out.reshape(y.shape), None if d_alpha is None else d_alpha.reshape(y.shape[:-1]))
     return outputs if dsink is None else (*outputs, dsink.reshape(y.shape[:-1]))

@@ -13,6 +13,9 @@ outputs (an element a kernel forgets to write then fails).
 A sink per row (``kernels/README.md``) is one more position after the row: the
 kernel reads its score through :func:`sink_scores` (``(values, stride)`` like a row
 parameter) and a single-block row needs a block of ``L + 1`` lanes (:func:`prepare`).
+
+Soft-capping (``kernels/README.md``) passes the cap through :func:`softcap_arg` and the
+constexpr ``SOFTCAP``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from attnorm import validation
 from attnorm.kernels import rules
 from attnorm.kernels.inductor import launchable
 
@@ -35,6 +39,7 @@ __all__ = [
     "Launch",
     "MaskArgs",
     "block_config",
+    "check_raw_scores",
     "compute_dtype",
     "empty",
     "launchable",
@@ -45,6 +50,7 @@ __all__ = [
     "rows_view",
     "run",
     "sink_scores",
+    "softcap_arg",
 ]
 
 SINGLE_BLOCK_MAX = 8192
@@ -179,6 +185,32 @@ def sink_scores(sink: Tensor | None, x: Tensor) -> tuple[Tensor, int]:
         raise ValueError(f"sink must have shape {tuple(x.shape[:-1])} or {rows} (broadcastable), got "
                          f"{tuple(sink.shape)}")
     return row_param(column, x)
+
+
+def softcap_arg(softcap: float | None, x: Tensor) -> Tensor:
+    """The cap as the kernels read it: one element in the accumulation dtype of ``x``.
+
+    A tensor rather than a number: a python float reaches a kernel as float32, and
+    float64 rows compute the cap in float64.  None (no cap) gives ``x``, a pointer the
+    kernel never reads (its ``SOFTCAP`` is False).
+
+    Raises:
+        ValueError: a cap that is not a finite number > 0.
+    """
+    if softcap is None:
+        return x
+    cap = validation.check_softcap(softcap)
+    return torch.full((1,), cap, dtype=rules.accumulation_dtype(x.dtype), device=x.device)
+
+
+def check_raw_scores(x: Tensor | None, softcap: float | None) -> None:
+    """Check that a capped backward has the raw scores it carries ``dx`` through.
+
+    Raises:
+        ValueError: ``softcap`` given without ``x``.
+    """
+    if softcap is not None and x is None:
+        raise ValueError("softcap needs the raw scores x (the forward's input), got x=None")
 
 
 class MaskArgs(NamedTuple):

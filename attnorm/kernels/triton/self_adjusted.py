@@ -36,11 +36,13 @@ from attnorm.kernels.triton.blocks import (
     load_block,
     load_row,
     load_sink,
+    load_softcap,
     row_extent,
     scan_row,
     sink_taken,
     store_row,
     store_sink,
+    through_cap,
 )
 
 __all__ = ["self_adjusted_backward", "self_adjusted_forward"]
@@ -85,10 +87,10 @@ def _output(x, allowed, weights, low, high, posinf_row, NORMALIZED: tl.constexpr
 def _self_adjusted_forward_kernel(
     X, OUT, STATS,
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
-    sink_values, sink_stride, SINK_WEIGHT,
+    sink_values, sink_stride, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, NORMALIZED: tl.constexpr,
-    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     """SA-Softmax of one row; writes its stats ``(c0, c1, low, high, gate)`` for the backward.
@@ -99,16 +101,21 @@ def _self_adjusted_forward_kernel(
     ``L * (2 in + out)``.  A bool mask adds one byte per element and pass.
     ``HAS_SINK``: the sink is position ``length`` of every pass (one scalar read, held
     in a register) and its output value one more per-row scalar written; no extra pass.
+    ``SOFTCAP``: x is capped as it is read in every pass (one
+    scalar read per row, one ``exp`` and one division per element and pass); no extra
+    pass or byte.
     """
     masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
                diagonal)
     row = tl.program_id(0).to(tl.int64)
     sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     sink_weight = tl.zeros((), COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         x, allowed, posinf_row, nan_row, _ = load_row(
-            X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+            X, row, cols, length, x_row_stride, masking, sink, softcap,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
         )
         live = tl.sum(allowed.to(tl.int32), 0) > 0
         top = tl.where(live, tl.max(tl.where(allowed, x, float("-inf")), 0), 0.0)
@@ -122,8 +129,8 @@ def _self_adjusted_forward_kernel(
             sink_weight = at_sink(cols, length, out)
     else:
         count, posinf_count, nan_count, top, min_x, _, total = scan_row(
-            X, row, length, x_row_stride, masking, sink, 1.0, BLOCK, True, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK,
-            COMPUTE,
+            X, row, length, x_row_stride, masking, sink, softcap, 1.0, BLOCK, True,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
         )
         posinf_row = posinf_count > 0
         nan_row = nan_count > 0
@@ -136,7 +143,8 @@ def _self_adjusted_forward_kernel(
         for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x, allowed = load_block(
-                X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+                X, row, cols, length, x_row_stride, masking, sink, softcap,
+                BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
             )
             x, allowed = keep_posinf(x, allowed, posinf_row)
             weights = tl.where(allowed, tl.exp(x - top) / tl.where(total > 0, total, 1.0), 0.0)
@@ -187,15 +195,16 @@ def _input_grad(x, allowed, g, c0, c1, low, high, phi_g_w, g_w, at_low, at_high,
 
 @triton.jit
 def _load_backward_block(
-    X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, live, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK,
-    COMPUTE,
+    X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, softcap, live,
+    BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
 ):
     """Scores (0 where not used), used positions (none when not ``live``), NaN at allowed positions, the gradient.
 
     The sink's gradient (position ``length`` with ``HAS_SINK``) is 0.
     """
     x, allowed = load_block(
-        X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+        X, row, cols, length, x_row_stride, masking, sink, softcap,
+        BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
     )
     nan = tl.sum((allowed & (x != x)).to(tl.int32), 0)
     allowed = tl.where(live, allowed, False)
@@ -207,10 +216,10 @@ def _load_backward_block(
 def _self_adjusted_backward_kernel(
     X, G, DX, STATS, stats_row_stride, stats_col_stride,
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
-    sink_values, sink_stride, DSINK,
+    sink_values, sink_stride, DSINK, softcap_value,
     length, x_row_stride, g_row_stride, dx_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, NORMALIZED: tl.constexpr,
-    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     """SA-Softmax backward of one row (formula in the module docstring); NaN rows give NaN.
@@ -219,7 +228,9 @@ def _self_adjusted_backward_kernel(
     writes dx once, ``3 L itemsize``, plus 5 per-row scalars (and the bool mask, if
     given); a multi-pass row reads x and g twice (sums, then dx), ``5 L itemsize``.
     ``HAS_SINK``: the row is ``[x, sink]`` with gradient ``[g, 0]``, the sink's score one
-    scalar read per row and its gradient one written.
+    scalar read per row and its gradient one written.  ``SOFTCAP``: the weights are
+    recomputed from ``c(x)`` and ``dx`` is carried through the cap's slope at the raw x,
+    read again where dx is written (the elements just read: from cache), no extra pass.
     """
     masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
                diagonal)
@@ -231,18 +242,20 @@ def _self_adjusted_backward_kernel(
     high = tl.load(stats + 3 * stats_col_stride).to(COMPUTE)
     live = tl.load(stats + 4 * stats_col_stride) != 0
     sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     dsink = tl.zeros((), COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         x, allowed, nan, g = _load_backward_block(
-            X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, live, BOOL_MASK, CAUSAL, LENGTHS,
-            HAS_SINK, COMPUTE,
+            X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, softcap, live,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
         )
         phi_g_w, g_w, at_low, at_high = _block_sums(x, allowed, g, c0, c1, low, high, NORMALIZED)
         dx = _input_grad(x, allowed, g, c0, c1, low, high, phi_g_w, g_w, at_low, at_high, NORMALIZED)
-        store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
         if HAS_SINK:
             dsink = at_sink(cols, length, dx)
+        dx = through_cap(X, row, cols, length, x_row_stride, dx, softcap, SOFTCAP, COMPUTE)
+        store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
     else:
         phi_g_w = tl.zeros((), COMPUTE)
         g_w = tl.zeros((), COMPUTE)
@@ -252,8 +265,8 @@ def _self_adjusted_backward_kernel(
         for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x, allowed, block_nan, g = _load_backward_block(
-                X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, live, BOOL_MASK, CAUSAL, LENGTHS,
-                HAS_SINK, COMPUTE,
+                X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, softcap, live,
+                BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
             )
             block_phi_g_w, block_g_w, block_low, block_high = _block_sums(
                 x, allowed, g, c0, c1, low, high, NORMALIZED
@@ -266,19 +279,20 @@ def _self_adjusted_backward_kernel(
         for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x, allowed, _, g = _load_backward_block(
-                X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, live, BOOL_MASK, CAUSAL, LENGTHS,
-                HAS_SINK, COMPUTE,
+                X, G, row, cols, length, x_row_stride, g_row_stride, masking, sink, softcap, live,
+                BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
             )
             dx = _input_grad(x, allowed, g, c0, c1, low, high, phi_g_w, g_w, at_low, at_high, NORMALIZED)
-            store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
             if HAS_SINK:
                 dsink += at_sink(cols, length, dx)
+            dx = through_cap(X, row, cols, length, x_row_stride, dx, softcap, SOFTCAP, COMPUTE)
+            store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
     if HAS_SINK:
         store_sink(DSINK, row, dsink, nan > 0)
 
 
 def self_adjusted_forward(
-    x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None
+    x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None, softcap: float | None = None
 ) -> tuple[Tensor, ...]:
     """SA-Softmax ``y = phi(x) softmax(x)`` over the allowed positions of each row.
 
@@ -289,15 +303,18 @@ def self_adjusted_forward(
         sink: the score of a virtual key after each row, ``x.shape[:-1]`` (or ``(..., 1)``), or
             None: SA-Softmax of the extended row ``[x, sink]`` (the sink in ``low``, ``high``
             and the softmax).
+        softcap: a cap ``> 0``, or None: SA-Softmax of ``c(x) = softcap tanh(x / softcap)``
+            (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
 
     Returns:
         ``(y, stats)``: weights like ``x``; ``stats`` of shape ``x.shape[:-1] + (5,)`` in the
         accumulation dtype, ``(c0, c1, low, high, gate)`` with softmax weights
         ``exp((x - c0) - c1)`` and ``gate`` 0 in rows holding +inf or fully masked.  With a
         ``sink``, ``(y, stats, sink_weight)``: the sink's output value ``phi(sink) w`` per row.
+        With ``softcap`` the stats are those of ``c(x)``.
 
     Raises:
-        ValueError: ``sink`` of another shape.
+        ValueError: ``sink`` of another shape, or a ``softcap`` that is not a finite number > 0.
     """
     run = launch.prepare(x, sink is not None)
     stats = run.row_stats(_STATS)
@@ -306,17 +323,18 @@ def self_adjusted_forward(
     launch.run(
         _self_adjusted_forward_kernel, run,
         run.rows, run.out, stats, *masking.args,
-        *launch.sink_scores(sink, x), stats if sink_weight is None else sink_weight,
+        *launch.sink_scores(sink, x), stats if sink_weight is None else sink_weight, launch.softcap_arg(softcap, x),
         run.length, run.rows.stride(0), run.out.stride(0),
         BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=bool(normalized), HAS_SINK=sink is not None,
-        COMPUTE=launch.compute_dtype(x), **masking.constants,
+        SOFTCAP=softcap is not None, COMPUTE=launch.compute_dtype(x), **masking.constants,
     )
     outputs = (run.out.reshape(x.shape), stats.reshape(*x.shape[:-1], _STATS))
     return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
 
 
 def self_adjusted_backward(
-    x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool, sink: Tensor | None = None
+    x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool, sink: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """SA-Softmax's ``dx``, recomputing the softmax weights from ``x`` and ``stats``.
 
@@ -328,6 +346,9 @@ def self_adjusted_backward(
         normalized: the forward's variant.
         sink: the forward's sink scores, or None: the backward of the extended row ``[x, sink]``
             with gradient ``[g, 0]``.
+        softcap: the forward's cap, or None: the weights are recomputed from ``c(x)`` (``x``
+            raw, capped as it is read) and ``dx`` is carried through the cap,
+            ``dx = (1 - tanh(x / softcap)^2) dc`` (0 where ``x`` is infinite).
 
     Returns:
         ``dx`` like ``x`` (0 in rows whose gate is 0, NaN in rows holding NaN).  With a
@@ -335,7 +356,7 @@ def self_adjusted_backward(
         in the accumulation dtype.
 
     Raises:
-        ValueError: ``sink`` of another shape.
+        ValueError: ``sink`` of another shape, or a ``softcap`` that is not a finite number > 0.
     """
     run = launch.prepare(x, sink is not None)
     g = launch.rows_view(grad)
@@ -345,10 +366,10 @@ def self_adjusted_backward(
     launch.run(
         _self_adjusted_backward_kernel, run,
         run.rows, g, run.out, row_stats, row_stats.stride(0), row_stats.stride(1), *masking.args,
-        *launch.sink_scores(sink, x), run.out if dsink is None else dsink,
+        *launch.sink_scores(sink, x), run.out if dsink is None else dsink, launch.softcap_arg(softcap, x),
         run.length, run.rows.stride(0), g.stride(0), run.out.stride(0),
         BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=bool(normalized), HAS_SINK=sink is not None,
-        COMPUTE=launch.compute_dtype(x), **masking.constants,
+        SOFTCAP=softcap is not None, COMPUTE=launch.compute_dtype(x), **masking.constants,
     )
     dx = run.out.reshape(x.shape)
     return dx if dsink is None else (dx, dsink.reshape(x.shape[:-1]))

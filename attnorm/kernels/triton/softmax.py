@@ -15,6 +15,10 @@ With a sink (``kernels/README.md``) both run on the extended row: the forward on
 ``[x, sink]`` (``n`` still counts the real positions only) and the backward on
 ``[y, sink_weight]``, ``[g, 0]`` (and ``[x, sink]``); the sink's weight and gradient
 come out per row.
+
+With a cap (``kernels/README.md``, "Soft-capping") the forward runs on ``c(x)``, capped
+as it is read; the backward reads the raw scores and multiplies ``dx`` by the cap's
+slope ``1 - tanh(x / cap)^2`` (the sink's gradient is not capped).
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ from attnorm.kernels.triton.blocks import (
     load_row,
     load_row_param,
     load_sink,
+    load_softcap,
     row_extent,
     scaled,
     scan_row,
+    soft_cap,
     store_row,
     store_sink,
+    through_cap,
 )
 
 __all__ = ["softmax_backward", "softmax_forward"]
@@ -57,10 +64,10 @@ def _multiplier(first, second, count, VARIANT: tl.constexpr):
 def _softmax_forward_kernel(
     X, OUT, MULTIPLIER, LOG_COUNT, first_values, first_stride, second_values, second_stride,
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
-    sink_values, sink_stride, SINK_WEIGHT,
+    sink_values, sink_stride, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, VARIANT: tl.constexpr,
-    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     """``y = softmax(m x)`` for one row; writes ``m`` (0 in +inf rows) and, for variant 1, ``log max(n, 1)``.
@@ -73,6 +80,9 @@ def _softmax_forward_kernel(
     ``L * (3 in + out)``).  A bool mask adds one byte per element and pass.
     ``HAS_SINK``: the sink is position ``length`` of every pass (one scalar read, held
     in a register) and its weight one more per-row scalar written; no extra pass.
+    ``SOFTCAP``: x is capped as it is read in every pass (one
+    scalar read per row, one ``exp`` and one division per element and pass); no extra
+    pass or byte.
     """
     masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
                diagonal)
@@ -80,11 +90,13 @@ def _softmax_forward_kernel(
     first = load_row_param(first_values, first_stride, row).to(COMPUTE)
     second = load_row_param(second_values, second_stride, row).to(COMPUTE)
     sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     sink_weight = tl.zeros((), COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         x, allowed, posinf_row, nan_row, count = load_row(
-            X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+            X, row, cols, length, x_row_stride, masking, sink, softcap,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
         )
         multiplier = _multiplier(first, second, count, VARIANT)
         any_allowed = tl.sum(allowed.to(tl.int32), 0) > 0
@@ -101,8 +113,8 @@ def _softmax_forward_kernel(
         online = VARIANT == 0  # temperature: m is known up front, so max and sum go online
         scale = 1.0 / first
         count, posinf_count, nan_count, max_x, min_x, _, sum_exp = scan_row(
-            X, row, length, x_row_stride, masking, sink, scale, BLOCK, online, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK,
-            COMPUTE,
+            X, row, length, x_row_stride, masking, sink, softcap, scale, BLOCK, online,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
         )
         posinf_row = posinf_count > 0
         nan_row = nan_count > 0
@@ -114,7 +126,8 @@ def _softmax_forward_kernel(
             for start in range(0, row_extent(length, HAS_SINK), BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 x, allowed = load_block(
-                    X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+                    X, row, cols, length, x_row_stride, masking, sink, softcap,
+                    BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
                 )
                 x, allowed = keep_posinf(x, allowed, posinf_row)
                 sum_exp += tl.sum(tl.where(allowed, tl.exp(scaled(x - shift, multiplier)), 0.0), 0)
@@ -122,7 +135,8 @@ def _softmax_forward_kernel(
         for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x, allowed = load_block(
-                X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+                X, row, cols, length, x_row_stride, masking, sink, softcap,
+                BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
             )
             x, allowed = keep_posinf(x, allowed, posinf_row)
             y = tl.where(allowed, tl.exp(scaled(x - shift, multiplier)) / total, 0.0)
@@ -161,9 +175,13 @@ def _block_sums(y, g, x, PARAM_GRAD: tl.constexpr):
 
 
 @triton.jit
-def _load_scores(X, row, cols, length, x_row_stride, sink, HAS_SINK: tl.constexpr, COMPUTE: tl.constexpr):
-    """The scores at ``cols`` (0 past the row; with ``HAS_SINK`` the sink's at position ``length``)."""
-    x = tl.load(X + row * x_row_stride + cols, mask=cols < length, other=0.0).to(COMPUTE)
+def _load_scores(X, row, cols, length, x_row_stride, sink, softcap, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
+                 COMPUTE: tl.constexpr):
+    """The scores the forward used at ``cols`` (0 past the row).
+
+    Capped under ``SOFTCAP``; with ``HAS_SINK`` the sink's score (not capped) at position ``length``.
+    """
+    x = soft_cap(tl.load(X + row * x_row_stride + cols, mask=cols < length, other=0.0).to(COMPUTE), softcap, SOFTCAP)
     if HAS_SINK:
         x = tl.where(cols == length, sink, x)
     return x
@@ -172,9 +190,9 @@ def _load_scores(X, row, cols, length, x_row_stride, sink, HAS_SINK: tl.constexp
 @triton.jit
 def _softmax_backward_kernel(
     Y, G, X, DX, PARAM_GRAD_OUT, multiplier_values, multiplier_stride,
-    sink_weight_values, sink_weight_stride, sink_values, sink_stride, DSINK,
+    sink_weight_values, sink_weight_stride, sink_values, sink_stride, DSINK, softcap_value,
     length, y_row_stride, g_row_stride, x_row_stride, dx_row_stride,
-    BLOCK: tl.constexpr, SINGLE: tl.constexpr, PARAM_GRAD: tl.constexpr, HAS_SINK: tl.constexpr,
+    BLOCK: tl.constexpr, SINGLE: tl.constexpr, PARAM_GRAD: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     """``dx = m y (g - sum(y g))`` and the per-row parameter gradient.
@@ -186,6 +204,9 @@ def _softmax_backward_kernel(
     dx; x once), ``5 L itemsize``.  Per-row scalars add 4 bytes each (8 for float64).
     ``HAS_SINK``: the row is ``[y, sink_weight]`` with gradient ``[g, 0]`` (and ``[x, sink]``),
     the sink's weight (and score) one scalar read per row, its gradient one written.
+    ``SOFTCAP``: x is the raw scores; ``dx`` is carried through the cap at them (x read
+    once more in the pass that writes dx: ``L`` x elements more) and ``PARAM_GRAD`` 2
+    sums over ``c(x)``.
     """
     row = tl.program_id(0).to(tl.int64)
     multiplier = load_row_param(multiplier_values, multiplier_stride, row).to(COMPUTE)
@@ -193,6 +214,7 @@ def _softmax_backward_kernel(
     sink = tl.zeros((), COMPUTE)
     if PARAM_GRAD == 2:
         sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     dsink = tl.zeros((), COMPUTE)
     x = tl.zeros((BLOCK,), COMPUTE)
     if SINGLE:
@@ -201,12 +223,13 @@ def _softmax_backward_kernel(
         y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, sink_weight, HAS_SINK,
                                     COMPUTE)
         if PARAM_GRAD == 2:
-            x = _load_scores(X, row, cols, length, x_row_stride, sink, HAS_SINK, COMPUTE)
+            x = _load_scores(X, row, cols, length, x_row_stride, sink, softcap, HAS_SINK, SOFTCAP, COMPUTE)
         y_g, y_g_v, y_v, posinf = _block_sums(y, g, x, PARAM_GRAD)
         dx = multiplier * y * (g - y_g)
-        tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=inside)
         if HAS_SINK:
             dsink = at_sink(cols, length, dx)
+        dx = through_cap(X, row, cols, length, x_row_stride, dx, softcap, SOFTCAP, COMPUTE)
+        tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=inside)
     else:
         y_g = tl.zeros((), COMPUTE)
         y_g_v = tl.zeros((), COMPUTE)
@@ -217,7 +240,7 @@ def _softmax_backward_kernel(
             y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, sink_weight, HAS_SINK,
                                         COMPUTE)
             if PARAM_GRAD == 2:
-                x = _load_scores(X, row, cols, length, x_row_stride, sink, HAS_SINK, COMPUTE)
+                x = _load_scores(X, row, cols, length, x_row_stride, sink, softcap, HAS_SINK, SOFTCAP, COMPUTE)
             block_y_g, block_y_g_v, block_y_v, block_posinf = _block_sums(y, g, x, PARAM_GRAD)
             y_g += block_y_g
             y_g_v += block_y_g_v
@@ -229,9 +252,10 @@ def _softmax_backward_kernel(
             y, g = load_output_and_grad(Y, G, row, cols, length, y_row_stride, g_row_stride, sink_weight, HAS_SINK,
                                         COMPUTE)
             dx = multiplier * y * (g - y_g)
-            tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=inside)
             if HAS_SINK:
                 dsink += at_sink(cols, length, dx)
+            dx = through_cap(X, row, cols, length, x_row_stride, dx, softcap, SOFTCAP, COMPUTE)
+            tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=inside)
     param_grad = y_g_v - y_g * y_v  # sum(dz v)
     if PARAM_GRAD == 1:
         tl.store(PARAM_GRAD_OUT + row, -multiplier * param_grad)
@@ -243,7 +267,7 @@ def _softmax_backward_kernel(
 
 def softmax_forward(
     x: Tensor, mask: rules.RowMask, variant: int, first: float | Tensor, second: float | Tensor,
-    sink: Tensor | None = None,
+    sink: Tensor | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, ...]:
     """``y = softmax(m x)`` over the allowed positions of each row.
 
@@ -255,6 +279,8 @@ def softmax_forward(
         first, second: python numbers or tensors ``(..., 1)`` broadcastable to ``x``.
         sink: the score of a virtual key after each row, ``x.shape[:-1]`` (or ``(..., 1)``), or
             None: the softmax of the extended row ``m [x, sink]``, ``n`` not counting the sink.
+        softcap: a cap ``> 0``, or None: the softmax of ``c(x) = softcap tanh(x / softcap)``
+            (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
 
     Returns:
         ``(y, multiplier, log_count)``: weights like ``x``; ``m`` per row ``x.shape[:-1]``
@@ -262,7 +288,8 @@ def softmax_forward(
         With a ``sink``, ``(y, multiplier, log_count, sink_weight)``: the sink's weight per row.
 
     Raises:
-        ValueError: ``variant`` is not 0 or 1, or ``sink`` of another shape.
+        ValueError: ``variant`` is not 0 or 1, ``sink`` of another shape, or a ``softcap``
+            that is not a finite number > 0.
     """
     if variant not in (0, 1):
         raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
@@ -276,9 +303,10 @@ def softmax_forward(
         run.rows, run.out, multiplier, multiplier if log_count is None else log_count,
         *launch.row_param(first, x), *launch.row_param(second, x), *masking.args,
         *launch.sink_scores(sink, x), multiplier if sink_weight is None else sink_weight,
+        launch.softcap_arg(softcap, x),
         run.length, run.rows.stride(0), run.out.stride(0),
         BLOCK=run.config.block, SINGLE=run.config.single, VARIANT=variant, HAS_SINK=sink is not None,
-        COMPUTE=launch.compute_dtype(x), **masking.constants,
+        SOFTCAP=softcap is not None, COMPUTE=launch.compute_dtype(x), **masking.constants,
     )
     per_row = x.shape[:-1]
     log_count = None if log_count is None else log_count.reshape(per_row)
@@ -288,7 +316,7 @@ def softmax_forward(
 
 def softmax_backward(
     y: Tensor, grad: Tensor, multiplier: float | Tensor, x: Tensor | None, param_grad: int,
-    sink_weight: Tensor | None = None, sink: Tensor | None = None,
+    sink_weight: Tensor | None = None, sink: Tensor | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, ...]:
     """``dx = m y (g - sum(y g))`` and, per ``param_grad``, a per-row parameter gradient.
 
@@ -296,7 +324,7 @@ def softmax_backward(
         y: the forward's weights ``(..., L)``.
         grad: the incoming gradient, like ``y``.
         multiplier: ``m`` per row (``y.shape[:-1]``, the forward's output) or a number.
-        x: the scores, needed for ``param_grad`` 2.
+        x: the forward's (raw) scores, needed for ``param_grad`` 2 and with ``softcap``.
         param_grad: 0 none; 1 the temperature's, ``-m sum(dz log y)``; 2 the multiplier's,
             ``sum(dz x)`` (0 in rows holding +inf), with ``dz = y (g - sum(y g))``.
         sink_weight: the forward's sink weight per row ``y.shape[:-1]``, or None: the backward
@@ -304,6 +332,9 @@ def softmax_backward(
             gradient includes the sink's terms.
         sink: the forward's sink scores, needed with ``sink_weight`` for ``param_grad`` 2
             (the extended ``[x, sink]``).
+        softcap: the forward's cap, or None: ``dx`` is carried through it,
+            ``dx = (1 - tanh(x / softcap)^2) m dz`` (0 where ``x`` is infinite), and
+            ``param_grad`` 2 sums ``dz c(x)``.
 
     Returns:
         ``(dx, per_row)``: ``dx`` like ``y``; ``per_row`` of shape ``y.shape[:-1]`` in the
@@ -312,7 +343,8 @@ def softmax_backward(
 
     Raises:
         ValueError: ``param_grad`` not 0, 1 or 2, or 2 without ``x`` (or with ``sink_weight``
-            but without ``sink``); ``sink`` without ``sink_weight``.
+            but without ``sink``); ``sink`` without ``sink_weight``; ``softcap`` without ``x``
+            or not a finite number > 0.
     """
     if param_grad not in (0, 1, 2) or (param_grad == 2 and x is None):
         given = "with x" if x is not None else "without x"
@@ -321,6 +353,7 @@ def softmax_backward(
         raise ValueError("sink is read only with sink_weight (the forward's weight of the sink), got sink_weight None")
     if sink_weight is not None and param_grad == 2 and sink is None:
         raise ValueError("param_grad 2 with sink_weight needs the sink scores, got sink None")
+    launch.check_raw_scores(x, softcap)
     has_sink = sink_weight is not None
     run = launch.prepare(y, has_sink)
     g = launch.rows_view(grad)
@@ -333,9 +366,10 @@ def softmax_backward(
         run.rows, g, saved_x, run.out, run.out if per_row is None else per_row,
         *launch.per_row_param(multiplier, y),
         *weight_args, *launch.sink_scores(sink if param_grad == 2 else None, y), run.out if dsink is None else dsink,
+        launch.softcap_arg(softcap, y),
         run.length, run.rows.stride(0), g.stride(0), saved_x.stride(0), run.out.stride(0),
         BLOCK=run.config.block, SINGLE=run.config.single, PARAM_GRAD=param_grad, HAS_SINK=has_sink,
-        COMPUTE=launch.compute_dtype(y),
+        SOFTCAP=softcap is not None, COMPUTE=launch.compute_dtype(y),
     )
     outputs = (run.out.reshape(y.shape), None if per_row is None else per_row.reshape(y.shape[:-1]))
     return outputs if dsink is None else (*outputs, dsink.reshape(y.shape[:-1]))

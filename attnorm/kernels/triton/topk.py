@@ -19,6 +19,10 @@ With a sink (``kernels/README.md``) the search runs on the extended row ``[x, si
 the sink competes for a slot and, at the highest index, loses every tie; ``n`` of a
 fractional k counts the real positions only, an integer k counts slots over the real
 positions and the sink together.
+
+With a cap (``kernels/README.md``, "Soft-capping") the search and the weights run on
+``c(x)``, capped as it is read (+inf scores become the cap, so no row holds +inf but
+through its sink).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from attnorm.kernels.triton.blocks import (
     load_row,
     load_row_param,
     load_sink,
+    load_softcap,
     row_extent,
     scaled,
     scan_row,
@@ -93,8 +98,8 @@ def _sink_keep_count(count, available, k, IS_FRACTION: tl.constexpr):
 
 
 @triton.jit
-def _count_at_least(X, row, length, x_row_stride, masking, sink, posinf_row, threshold, keys, SINGLE, BLOCK,
-                    BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS):
+def _count_at_least(X, row, length, x_row_stride, masking, sink, softcap, posinf_row, threshold, keys, SINGLE, BLOCK,
+                    BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE, KEY, KEY_BITS):
     """Allowed positions whose key is >= threshold: from ``keys`` in registers (SINGLE) or streamed."""
     if SINGLE:
         found = tl.sum((keys >= threshold).to(tl.int32), 0)
@@ -103,7 +108,8 @@ def _count_at_least(X, row, length, x_row_stride, masking, sink, posinf_row, thr
         for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x, allowed = load_block(
-                X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+                X, row, cols, length, x_row_stride, masking, sink, softcap,
+                BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
             )
             x, allowed = keep_posinf(x, allowed, posinf_row)
             found += tl.sum((_order_keys(x, allowed, KEY, KEY_BITS) >= threshold).to(tl.int32), 0)
@@ -111,20 +117,20 @@ def _count_at_least(X, row, length, x_row_stride, masking, sink, posinf_row, thr
 
 
 @triton.jit
-def _kth_key(X, row, length, x_row_stride, masking, sink, posinf_row, keep, keys, SINGLE, BLOCK,
-             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS):
+def _kth_key(X, row, length, x_row_stride, masking, sink, softcap, posinf_row, keep, keys, SINGLE, BLOCK,
+             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE, KEY, KEY_BITS):
     """The largest key t with ``count(key >= t) >= keep`` (the keep-th largest key), bit by bit."""
     key_min: tl.constexpr = -(1 << (KEY_BITS - 1))
     # The sign bit first: t >= 0 or t < 0; then t + 2^bit never overflows.
     threshold = tl.zeros((), KEY)
-    found = _count_at_least(X, row, length, x_row_stride, masking, sink, posinf_row, threshold, keys, SINGLE, BLOCK,
-                            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS)
+    found = _count_at_least(X, row, length, x_row_stride, masking, sink, softcap, posinf_row, threshold, keys, SINGLE,
+                            BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE, KEY, KEY_BITS)
     threshold = tl.where(found >= keep, threshold, key_min)
     one = tl.full((), 1, KEY)
     for step in range(KEY_BITS - 1):
         candidate = threshold + (one << (one * (KEY_BITS - 2 - step)))
-        found = _count_at_least(X, row, length, x_row_stride, masking, sink, posinf_row, candidate, keys, SINGLE,
-                                BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS)
+        found = _count_at_least(X, row, length, x_row_stride, masking, sink, softcap, posinf_row, candidate, keys,
+                                SINGLE, BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE, KEY, KEY_BITS)
         threshold = tl.where(found >= keep, candidate, threshold)
     return threshold
 
@@ -133,10 +139,10 @@ def _kth_key(X, row, length, x_row_stride, masking, sink, posinf_row, keep, keys
 def _topk_forward_kernel(
     X, OUT, MULTIPLIER, k_param, temperature_values, temperature_stride,
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
-    sink_values, sink_stride, SINK_WEIGHT,
+    sink_values, sink_stride, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, IS_FRACTION: tl.constexpr,
-    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr,
+    BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
     COMPUTE: tl.constexpr, KEY: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """Top-k softmax of one row; also writes ``1 / temperature`` (0 in +inf rows) for the backward.
@@ -148,6 +154,9 @@ def _topk_forward_kernel(
     mask adds one byte per element and pass.  ``HAS_SINK``: the sink is position
     ``length`` of every pass (one scalar read, held in a register) and its weight one
     more per-row scalar written; no extra pass.
+    ``SOFTCAP``: x is capped as it is read in every pass (one
+    scalar read per row, one ``exp`` and one division per element and pass); no extra
+    pass or byte.
     """
     masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
                diagonal)
@@ -155,19 +164,21 @@ def _topk_forward_kernel(
     scale = 1.0 / load_row_param(temperature_values, temperature_stride, row).to(COMPUTE)
     k = tl.load(k_param)
     sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     sink_weight = tl.zeros((), COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         x, allowed, posinf_row, nan_row, count = load_row(
-            X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+            X, row, cols, length, x_row_stride, masking, sink, softcap,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
         )
         if HAS_SINK:
             keep = _sink_keep_count(count, tl.sum(allowed.to(tl.int32), 0), k, IS_FRACTION)
         else:
             keep = tl.minimum(_keep_count(count, k, IS_FRACTION), tl.sum(allowed.to(tl.int32), 0))
         keys = _order_keys(x, allowed, KEY, KEY_BITS)
-        threshold = _kth_key(X, row, length, x_row_stride, masking, sink, posinf_row, keep, keys, True, BLOCK,
-                             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS)
+        threshold = _kth_key(X, row, length, x_row_stride, masking, sink, softcap, posinf_row, keep, keys, True, BLOCK,
+                             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE, KEY, KEY_BITS)
         greater = keys > threshold
         ties = keys == threshold
         tie_slots = keep - tl.sum(greater.to(tl.int32), 0)
@@ -183,8 +194,8 @@ def _topk_forward_kernel(
             sink_weight = at_sink(cols, length, y)
     else:
         count, posinf_count, nan_count, max_x, _, _, _ = scan_row(
-            X, row, length, x_row_stride, masking, sink, 1.0, BLOCK, False, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK,
-            COMPUTE,
+            X, row, length, x_row_stride, masking, sink, softcap, 1.0, BLOCK, False,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE,
         )
         posinf_row = posinf_count > 0
         nan_row = nan_count > 0
@@ -193,8 +204,8 @@ def _topk_forward_kernel(
             keep = _sink_keep_count(count, available, k, IS_FRACTION)
         else:
             keep = tl.minimum(_keep_count(count, k, IS_FRACTION), tl.where(posinf_row, posinf_count, count))
-        threshold = _kth_key(X, row, length, x_row_stride, masking, sink, posinf_row, keep, 0, False, BLOCK,
-                             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE, KEY, KEY_BITS)
+        threshold = _kth_key(X, row, length, x_row_stride, masking, sink, softcap, posinf_row, keep, 0, False, BLOCK,
+                             BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE, KEY, KEY_BITS)
         kth = tl.where(keep > 0, _key_value(threshold, COMPUTE, KEY_BITS), 0.0)
         top = tl.where(max_x == float("-inf"), 0.0, max_x)
         shift = tl.where(scale >= 0, top, kth)
@@ -203,7 +214,8 @@ def _topk_forward_kernel(
         for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x, allowed = load_block(
-                X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+                X, row, cols, length, x_row_stride, masking, sink, softcap,
+                BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
             )
             x, allowed = keep_posinf(x, allowed, posinf_row)
             greater = _order_keys(x, allowed, KEY, KEY_BITS) > threshold
@@ -216,7 +228,8 @@ def _topk_forward_kernel(
         for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x, allowed = load_block(
-                X, row, cols, length, x_row_stride, masking, sink, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, COMPUTE
+                X, row, cols, length, x_row_stride, masking, sink, softcap,
+                BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
             )
             x, allowed = keep_posinf(x, allowed, posinf_row)
             keys = _order_keys(x, allowed, KEY, KEY_BITS)
@@ -235,7 +248,7 @@ def _topk_forward_kernel(
 
 def topk_forward(
     x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor,
-    sink: Tensor | None = None,
+    sink: Tensor | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, ...]:
     """Softmax of ``x / temperature`` over the kept positions of each row, exact zeros elsewhere.
 
@@ -250,6 +263,8 @@ def topk_forward(
         sink: the score of a virtual key after each row, ``x.shape[:-1]`` (or ``(..., 1)``), or
             None: top-k of the extended row ``[x, sink]`` (the sink may take a slot and loses
             every tie; ``n`` of a fraction does not count it, an integer ``k`` does).
+        softcap: a cap ``> 0``, or None: top-k of ``c(x) = softcap tanh(x / softcap)``
+            (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
 
     Returns:
         ``(y, multiplier)``: weights like ``x``; ``1 / temperature`` per row ``x.shape[:-1]``,
@@ -257,7 +272,7 @@ def topk_forward(
         weight per row.
 
     Raises:
-        ValueError: ``sink`` of another shape.
+        ValueError: ``sink`` of another shape, or a ``softcap`` that is not a finite number > 0.
     """
     run = launch.prepare(x, sink is not None)
     multiplier = run.row_stats()
@@ -269,10 +284,11 @@ def topk_forward(
         _topk_forward_kernel, run,
         run.rows, run.out, multiplier, k_value, *launch.row_param(temperature, x), *masking.args,
         *launch.sink_scores(sink, x), multiplier if sink_weight is None else sink_weight,
+        launch.softcap_arg(softcap, x),
         run.length, run.rows.stride(0), run.out.stride(0),
         BLOCK=run.config.block, SINGLE=run.config.single, IS_FRACTION=bool(is_fraction), HAS_SINK=sink is not None,
-        COMPUTE=launch.compute_dtype(x), KEY=tl.int64 if wide else tl.int32, KEY_BITS=64 if wide else 32,
-        **masking.constants,
+        SOFTCAP=softcap is not None, COMPUTE=launch.compute_dtype(x), KEY=tl.int64 if wide else tl.int32,
+        KEY_BITS=64 if wide else 32, **masking.constants,
     )
     outputs = (run.out.reshape(x.shape), multiplier.reshape(x.shape[:-1]))
     return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
