@@ -250,12 +250,13 @@ def row_mask(kind: str, length: int):
     return None
 
 
-def row_call(make, dtype, length: int, mask: str):
+def row_call(make, dtype, length: int, mask: str, sink: bool = False, softcap: float | None = None):
     import torch
 
     def call():
         x = torch.randn(BATCH, ROW_HEADS, ROW_QUERIES, length).to(dtype).requires_grad_()
-        y = make()(x, row_mask(mask, length))
+        sinks = torch.randn(1, ROW_HEADS, 1, 1).requires_grad_() if sink else None
+        y = make()(x, row_mask(mask, length), sink=sinks, softcap=softcap)
         y.backward(torch.randn_like(y))
 
     return call
@@ -274,6 +275,12 @@ def row_cases():
                 name = str(dtype).removeprefix("torch.")
                 yield (f"rows {family} {name} {path} causal+lengths",
                        row_call(make, dtype, ROW_LENGTHS[path], "causal+lengths"))
+        # The modifiers' variants (HAS_SINK, SOFTCAP): every row path in bfloat16 under a bool mask.
+        for sink, softcap in ((True, None), (False, 30.0), (True, 30.0)):
+            label = " + ".join(["sink"] * sink + ["softcap"] * (softcap is not None))
+            for path, length in ROW_LENGTHS.items():
+                yield (f"rows {family} bf16 {path} bool {label}",
+                       row_call(make, torch.bfloat16, length, "bool", sink, softcap))
 
 
 def attention_normalizers() -> dict:
