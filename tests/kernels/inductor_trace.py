@@ -91,6 +91,7 @@ def main() -> None:
         module = attnorm.make(spec, backend="triton")
         results[f"rows/{spec}"] = graphs_of(lambda t, m=module: m(t).square().sum(), x)
         results[f"sink/{spec}"] = graphs_of(lambda t, s, m=module: m(t, sink=s).square().sum(), x, sink)
+        results[f"softcap/{spec}"] = graphs_of(lambda t, m=module: m(t, softcap=5.0).square().sum(), x)
     q, k, v = (torch.randn(1, 4, 40, 16, requires_grad=True) for _ in range(3))
     kv = torch.randn(1, 2, 40, 16, requires_grad=True)
     fused = {

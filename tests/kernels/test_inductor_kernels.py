@@ -45,10 +45,11 @@ def test_row_ops_decompose_into_one_kernel_forward_and_backward(traced, spec):
     assert traced[f"rows/{spec}"] == [{"kernels": 1, "ops": []}, {"kernels": 1, "ops": []}]
 
 
+@pytest.mark.parametrize("modifier", ["sink", "softcap"])
 @pytest.mark.parametrize("spec", ROWS)
-def test_row_ops_with_a_sink_decompose_into_one_kernel_forward_and_backward(traced, spec):
+def test_row_ops_with_a_sink_or_a_cap_decompose_into_one_kernel_forward_and_backward(traced, spec, modifier):
     # The sink's gradient is summed over the rows a head's sink serves: a reduction, not an op.
-    assert traced[f"sink/{spec}"] == [{"kernels": 1, "ops": []}, {"kernels": 1, "ops": []}]
+    assert traced[f"{modifier}/{spec}"] == [{"kernels": 1, "ops": []}, {"kernels": 1, "ops": []}]
 
 
 @pytest.mark.parametrize("case", ["sparsemax", "entmax", "sa_softmax", "sa_softmax:normalized=false", "topk:k=3",
