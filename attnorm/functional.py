@@ -6,6 +6,19 @@ Every function maps ``x`` to weights along ``dim`` under the shared rules of
 :class:`attnorm.masks.StructuredMask`.  ``backend`` picks the implementation
 (``"auto"``, ``"reference"``, ``"native"``, ``"triton"``; None = the global
 default; see :mod:`attnorm.kernels.backends`).
+
+The six functions with row kernels (softmax to top-k) also take two score modifiers,
+computed inside the kernels:
+
+* ``sink``: the score of a virtual key appended to every row, whose weight is dropped
+  (an attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
+  broadcastable to ``x`` and constant along ``dim``.  It is scaled like a key, takes part
+  in every row statistic, may take a top-k slot (losing ties) and is not counted in
+  ``n``; its gradient flows back like a parameter's.
+* ``softcap``: normalise ``softcap * tanh(x / softcap)`` instead of ``x`` (Gemma 2's
+  soft-capping); -inf stays -inf and the sink is not capped.
+
+``kernels/README.md`` ("A sink per row", "Soft-capping") states both rules in full.
 """
 
 from __future__ import annotations
@@ -56,12 +69,8 @@ def softmax(
         temperature: T > 0 (float or tensor broadcastable to ``x``, constant along ``dim``).
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
-        sink: score of a virtual key appended to every row whose weight is dropped (an
-            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
-            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
-            in ``n``; see ``kernels/README.md``.
-        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
-            computed in the kernels as they read ``x``; -inf stays -inf).
+        sink: a virtual key's score per row, its weight dropped (see the module docstring).
+        softcap: normalise ``softcap * tanh(x / softcap)`` instead (see the module docstring).
 
     Returns:
         Weights like ``x``; each row with an allowed position sums to 1.
@@ -91,12 +100,8 @@ def scalable_softmax(
         bias: additive term of the multiplier (same rules as ``s``).
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
-        sink: score of a virtual key appended to every row whose weight is dropped (an
-            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
-            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
-            in ``n``; see ``kernels/README.md``.
-        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
-            computed in the kernels as they read ``x``; -inf stays -inf).
+        sink: a virtual key's score per row, its weight dropped (see the module docstring).
+        softcap: normalise ``softcap * tanh(x / softcap)`` instead (see the module docstring).
 
     Returns:
         Weights like ``x``; rows sum to 1.
@@ -126,12 +131,8 @@ def self_adjusted_softmax(
         normalized: use the min-max normalised factor (weights in [0, 1]).
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
-        sink: score of a virtual key appended to every row whose weight is dropped (an
-            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
-            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
-            in ``n``; see ``kernels/README.md``.
-        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
-            computed in the kernels as they read ``x``; -inf stays -inf).
+        sink: a virtual key's score per row, its weight dropped (see the module docstring).
+        softcap: normalise ``softcap * tanh(x / softcap)`` instead (see the module docstring).
 
     Returns:
         Weights like ``x``.
@@ -154,12 +155,8 @@ def sparsemax(
         dim: axis to normalise over.
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
-        sink: score of a virtual key appended to every row whose weight is dropped (an
-            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
-            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
-            in ``n``; see ``kernels/README.md``.
-        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
-            computed in the kernels as they read ``x``; -inf stays -inf).
+        sink: a virtual key's score per row, its weight dropped (see the module docstring).
+        softcap: normalise ``softcap * tanh(x / softcap)`` instead (see the module docstring).
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.
@@ -185,12 +182,8 @@ def entmax(
         dim: axis to normalise over.
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
-        sink: score of a virtual key appended to every row whose weight is dropped (an
-            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
-            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
-            in ``n``; see ``kernels/README.md``.
-        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
-            computed in the kernels as they read ``x``; -inf stays -inf).
+        sink: a virtual key's score per row, its weight dropped (see the module docstring).
+        softcap: normalise ``softcap * tanh(x / softcap)`` instead (see the module docstring).
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.
@@ -225,12 +218,8 @@ def topk_softmax(
         temperature: T > 0, as in :func:`softmax`.
         mask: bool mask broadcastable to ``x``, True = may attend; or a StructuredMask.
         backend: ``"auto"``, ``"reference"``, ``"native"``, ``"triton"`` (``"torch"``: alias) or None.
-        sink: score of a virtual key appended to every row whose weight is dropped (an
-            attention sink; softmax_1 is ``softmax(x, sink=0.0)``): a number or a tensor
-            broadcastable to ``x``, constant along ``dim``.  Scaled like a key, not counted
-            in ``n``; see ``kernels/README.md``.
-        softcap: when given, normalise ``softcap * tanh(x / softcap)`` (Gemma 2's soft-capping,
-            computed in the kernels as they read ``x``; -inf stays -inf).
+        sink: a virtual key's score per row, its weight dropped (see the module docstring).
+        softcap: normalise ``softcap * tanh(x / softcap)`` instead (see the module docstring).
 
     Returns:
         Sparse weights like ``x``; rows sum to 1.

@@ -35,8 +35,9 @@ def close(got: Tensor, expected: Tensor | list | float, dtype: torch.dtype, **ov
     torch.testing.assert_close(got.double(), expected, equal_nan=True, **{**TOLERANCE[dtype], **overrides})
 
 
-def masks() -> dict[str, rules.RowMask]:
-    batch, _, queries, keys = SHAPE
+def masks(shape: tuple[int, ...] = SHAPE) -> dict[str, rules.RowMask]:
+    """Each mask kind over scores of ``shape``, with a fully masked row."""
+    batch, _, queries, keys = shape
     dense = torch.rand(batch, 1, queries, keys, generator=torch.Generator().manual_seed(1)) > 0.3
     dense[1, 0, 1] = False  # a fully masked row
     return {

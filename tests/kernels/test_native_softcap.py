@@ -20,6 +20,7 @@ from torch import Tensor
 
 from attnorm.kernels import reference, rules
 from attnorm.kernels.cpu import build, native
+from tests.kernels.test_native_sinks import masks
 
 pytestmark = pytest.mark.skipif(not build.usable(), reason="native kernels unavailable (no C compiler)")
 
@@ -49,19 +50,7 @@ def slope(x: Tensor, cap: float) -> Tensor:
     return torch.where(x.isfinite(), torch.cosh(x / cap).reciprocal().square(), 0.0)
 
 
-def masks() -> dict[str, rules.RowMask]:
-    batch, _, queries, keys = SHAPE
-    dense = torch.rand(batch, 1, queries, keys, generator=torch.Generator().manual_seed(1)) > 0.3
-    dense[1, 0, 1] = False  # a fully masked row
-    return {
-        "none": NO_MASK,
-        "bool": rules.RowMask(tensor=dense),
-        "causal": rules.RowMask(diagonal=-1),  # query 0 has no key
-        "key_lengths": rules.RowMask(key_lengths=torch.tensor([keys, 2])),
-    }
-
-
-MASKS = masks()
+MASKS = masks(SHAPE)
 
 
 def scores(dtype: torch.dtype, seed: int = 0) -> Tensor:

@@ -29,15 +29,16 @@ from attnorm.kernels.triton import launch  # noqa: E402
 # The interpreter evaluates masked-off lanes too (e.g. exp(-inf - -inf)); numpy warns about them.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-F64 = torch.float64
-BATCH, QUERIES = 2, 3  # scores (B, 1, Lq, L): six rows
-LENGTHS = {"single-block": 15, "multi-pass": 16}
-FORCED_BLOCK = 8
-TOLERANCES = {
-    torch.float32: {"atol": 2e-6, "rtol": 2e-5},
-    torch.bfloat16: {"atol": 8e-3, "rtol": 1.6e-2},
-}
-GRADIENT_SLACK = 5
+from tests.kernels.test_triton_sinks import (  # noqa: E402  (the same rows, paths and tolerances)
+    BATCH,
+    F64,
+    FORCED_BLOCK,
+    GRADIENT_SLACK,
+    LENGTHS,
+    QUERIES,
+    TOLERANCES,
+)
+
 # (mask, cap, sink, dtype): each mask kind once, caps small to large, a sink in half of them.
 CASES = (
     ("none", 0.5, False, torch.float32),
