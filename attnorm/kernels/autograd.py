@@ -51,12 +51,6 @@ def _live(multiplier: Tensor, value: Tensor) -> Tensor:
     return torch.where(multiplier.unsqueeze(-1) == 0, 0.0, value)
 
 
-def _extended(row: Tensor, last: Tensor | None) -> Tensor:
-    """``[row, last]``: a row extended by its sink's value (``last`` per row; 0 when None)."""
-    column = row.new_zeros(row.shape[:-1] + (1,)) if last is None else last.reshape(row.shape[:-1] + (1,))
-    return torch.cat([row, column.to(row.dtype)], dim=-1)
-
-
 def _split_sink(dx: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """``dx`` over an extended row as the real positions' gradient and the sink's (None without a sink)."""
     return (dx, None) if sink is None else (dx[..., :-1], dx[..., -1])
@@ -80,8 +74,8 @@ def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | No
     if softcap is not None:
         x = capped(raw, softcap)
     if sink is not None:
-        y, grad = _extended(y, _sink_weight_of(y, sink_weight)), _extended(grad, None)
-        x = None if x is None else _extended(x, sink)
+        y, grad = sinks.append(y, _sink_weight_of(y, sink_weight)), sinks.append(grad)
+        x = None if x is None else sinks.append(x, sink)
     dx, dsink = _split_sink(jacobians.softmax_vjp(y, grad, m), sink)
     if softcap is not None:
         dx = dx * cap_slope(raw, softcap)
@@ -246,7 +240,7 @@ class _Entmax(_RowFunction):
         else:
             alpha = ctx.alpha if alpha_rows is None else alpha_rows
             if sink is not None:
-                y, grad = _extended(y, _sink_weight_of(y, sink_weight)), _extended(grad, None)
+                y, grad = sinks.append(y, _sink_weight_of(y, sink_weight)), sinks.append(grad)
             dx, dsink = _split_sink(jacobians.entmax_vjp(y, grad, gate.unsqueeze(-1), alpha), sink)
             if ctx.softcap is not None:
                 dx = dx * cap_slope(raw, ctx.softcap)
@@ -283,7 +277,7 @@ class _SelfAdjustedSoftmax(_RowFunction):
                 x = capped(raw, ctx.softcap)
             if sink is not None:
                 x, row_mask, _ = sinks.extend(x, row_mask, sink)
-                grad = _extended(grad, None)
+                grad = sinks.append(grad)
             dx, dsink = _split_sink(jacobians.self_adjusted_vjp(x, row_mask, grad, ctx.normalized), sink)
             if ctx.softcap is not None:
                 dx = dx * cap_slope(raw, ctx.softcap)

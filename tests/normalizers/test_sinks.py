@@ -220,3 +220,17 @@ def test_vmap_over_a_sink():
 def test_a_bad_sink_names_the_argument(sink, error, match):
     with pytest.raises(error, match=match):
         F.softmax(torch.zeros(SHAPE), sink=sink)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+def test_double_backward_with_a_per_head_sink_and_learnable_parameters(backend):
+    """The recorded backward extends rows by a sink broadcast over batch and queries (a per-head column)."""
+    x, sink = _inputs(seed=11)
+    grads = {}
+    for name in (backend, "reference"):
+        module = attnorm.ScalableSoftmax(learnable=True, num_heads=3, backend=name).double().to(DEVICE)
+        out = module(x, attnorm.causal_mask(), sink=sink)
+        (dx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+        grads[name] = torch.autograd.grad(dx.square().sum(), (x, sink, module.s, module.bias))
+    for name, actual, reference in zip(("x", "sink", "s", "bias"), grads[backend], grads["reference"], strict=True):
+        torch.testing.assert_close(actual, reference, msg=name)

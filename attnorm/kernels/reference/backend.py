@@ -31,7 +31,7 @@ from attnorm.kernels.reference.rows import (
     rows_of,
     shifted_scaled,
 )
-from attnorm.kernels.reference.sinks import extend, extended_weights, sink_column
+from attnorm.kernels.reference.sinks import append, extend, weights_of
 from attnorm.kernels.reference.softmax import (
     self_adjusted_parts,
     self_adjusted_softmax,
@@ -151,8 +151,8 @@ def topk_forward(
     if softcap is not None:
         return _as_input(topk_forward(_capped(x, softcap), mask, k, is_fraction, temperature, sink), x)
     if sink is not None:
-        work, extended, rows, weights = _sunk(x, mask, sink, "topk_softmax", k=k, is_fraction=is_fraction,
-                                              temperature=temperature)
+        work, rows, _, weights = _sunk(x, mask, sink, "topk_softmax", k=k, is_fraction=is_fraction,
+                                       temperature=temperature)
         multiplier = _multiplier(rows, 1 / as_param(temperature, work))
         return _real(weights, x), multiplier, _sink_weight(weights)
     work = _working(x)
@@ -174,7 +174,7 @@ def entmax_forward(
     if softcap is not None:
         return _as_input(entmax_forward(_capped(x, softcap), mask, alpha, sink), x)
     if sink is not None:
-        work, _, rows, weights = _sunk(x, mask, sink, "entmax", alpha=alpha)
+        work, rows, _, weights = _sunk(x, mask, sink, "entmax", alpha=alpha)
         gate = (~rows.posinf_row).squeeze(-1).to(work.dtype)
         return _real(weights, x), gate, _sink_weight(weights)
     work = _working(x)
@@ -219,7 +219,7 @@ def self_adjusted_forward(
     if softcap is not None:
         return _as_input(self_adjusted_forward(_capped(x, softcap), mask, normalized, sink), x)
     if sink is not None:
-        work, extended, rows, weights = _sunk(x, mask, sink, "self_adjusted_softmax", normalized=normalized)
+        _, rows, _, weights = _sunk(x, mask, sink, "self_adjusted_softmax", normalized=normalized)
         _, low, high = self_adjusted_parts(rows)
         return _real(weights, x), self_adjusted_stats(rows, low, high), _sink_weight(weights)
     work = _working(x)
@@ -241,9 +241,7 @@ def self_adjusted_backward(
         return _through_cap(out, x, softcap, x)
     if sink is not None:
         extended, keep, _ = extend(_working(x), mask, sink)
-        grad = _working(grad)
-        grad = torch.cat([grad, grad.new_zeros(grad.shape[:-1] + (1,))], dim=-1)
-        dx = self_adjusted_backward(extended, keep, grad, stats, normalized)
+        dx = self_adjusted_backward(extended, keep, append(_working(grad)), stats, normalized)
         return _real(dx, x), _sink_grad(dx)
     work, grad_work = _working(x), _working(grad)
     rows = rows_of(work, mask)
@@ -257,13 +255,12 @@ def self_adjusted_backward(
 # ---- a sink per row (kernels/README.md, "A sink per row") ----------------------------------
 
 
-def _sunk(x: Tensor, mask: rules.RowMask, sink: Tensor, kernel: str, **params) -> tuple[Tensor, Tensor, Rows, Tensor]:
-    """``x`` in the accumulation dtype, the extended row, its rows and its weights (the sink's last)."""
+def _sunk(x: Tensor, mask: rules.RowMask, sink: Tensor, kernel: str, **params) -> tuple[Tensor, Rows, Tensor, Tensor]:
+    """``x`` in the accumulation dtype, the extended row's rows, the real allowed keys per row ``(..., 1)`` and
+    the extended row's weights (the sink's last)."""
     work = _working(x)
-    params = {name: as_param(value, work) if name in ("temperature", "s", "bias", "alpha") else value
-              for name, value in params.items()}
-    extended, keep, _ = extend(work, mask, sink_column(sink, work))
-    return work, extended, rows_of(extended, keep), extended_weights(kernel, work, mask, sink, **params)
+    extended, keep, count = extend(work, mask, sink)
+    return work, rows_of(extended, keep), count, weights_of(kernel, extended, keep, count, **params)
 
 
 def _real(weights: Tensor, x: Tensor) -> Tensor:
@@ -280,34 +277,23 @@ def _sink_grad(dx: Tensor) -> Tensor:
 
 
 def _sunk_softmax_forward(x, mask, variant, first, second, sink) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    work = _working(x)
-    _, keep, count = extend(work, mask, sink_column(sink, work))
     if variant == 0:
-        kernel, params, log_count = "softmax", {"temperature": as_param(first, work)}, None
-        multiplier = 1 / params["temperature"]
+        work, rows, _, weights = _sunk(x, mask, sink, "softmax", temperature=first)
+        multiplier, log_count = 1 / as_param(first, work), None
     elif variant == 1:
-        kernel, params = "scalable_softmax", {"s": as_param(first, work), "bias": as_param(second, work)}
+        work, rows, count, weights = _sunk(x, mask, sink, "scalable_softmax", s=first, bias=second)
         log_count = torch.log(count.clamp_min(1).to(work.dtype))
-        multiplier = params["s"] * log_count + params["bias"]
+        multiplier = as_param(first, work) * log_count + as_param(second, work)
         log_count = log_count.squeeze(-1)
     else:
         raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
-    work, _, rows, weights = _sunk(x, mask, sink, kernel, **params)
     return _real(weights, x), _multiplier(rows, multiplier), log_count, _sink_weight(weights)
 
 
 def _extended_backward_inputs(y: Tensor, grad: Tensor, sink_weight: Tensor, x: Tensor | None,
                               sink: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """``[y, sink_weight]``, ``[g, 0]`` and ``[x, sink]`` (None without ``x``), in the accumulation dtype."""
-    work = _working(y)
-    column = sink_weight.to(work.dtype).reshape(work.shape[:-1] + (1,))
-    y = torch.cat([work, column], dim=-1)
-    grad = _working(grad)
-    grad = torch.cat([grad, grad.new_zeros(grad.shape[:-1] + (1,))], dim=-1)
-    if x is not None:
-        x = _working(x)
-        x = torch.cat([x, sink_column(sink, x)], dim=-1)
-    return y, grad, x
+    return append(_working(y), sink_weight), append(_working(grad)), None if x is None else append(_working(x), sink)
 
 
 # ---- soft-capping (kernels/README.md, "Soft-capping") -------------------------------------

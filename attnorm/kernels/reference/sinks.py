@@ -24,7 +24,7 @@ from attnorm.kernels.reference.rows import as_param, finish, masked_softmax, row
 from attnorm.kernels.reference.softmax import self_adjusted_softmax, softmax, topk_keep
 from attnorm.kernels.reference.sparse import entmax
 
-__all__ = ["extend", "extended_weights", "sink_column"]
+__all__ = ["append", "extend", "extended_weights", "sink_column", "weights_of"]
 
 
 def sink_column(sink: float | Tensor, x: Tensor) -> Tensor:
@@ -41,12 +41,19 @@ def sink_column(sink: float | Tensor, x: Tensor) -> Tensor:
     return sink.to(x.dtype).expand(rows)
 
 
+def append(row: Tensor, last: float | Tensor | None = None) -> Tensor:
+    """``[row, last]``: rows extended by one value each (as :func:`sink_column` takes it; 0 when None).
+
+    Differentiable in ``row`` and ``last`` (a broadcast ``last`` gets its gradient summed back).
+    """
+    return torch.cat([row, sink_column(0.0 if last is None else last, row)], dim=-1)
+
+
 def extend(x: Tensor, mask: rules.RowMask, sink: float | Tensor) -> tuple[Tensor, rules.RowMask, Tensor]:
     """``[x, sink]``, its mask (the sink always allowed) and the real allowed positions per row ``(..., 1)``."""
     real = rules.allowed(x, mask).expand(x.shape)
-    extended = torch.cat([x, sink_column(sink, x)], dim=-1)
     keep = torch.cat([real, real.new_ones(real.shape[:-1] + (1,))], dim=-1)
-    return extended, rules.RowMask(keep, None, None), rules.allowed_count(real)
+    return append(x, sink), rules.RowMask(keep, None, None), rules.allowed_count(real)
 
 
 def extended_weights(kernel: str, x: Tensor, mask: rules.RowMask, sink: float | Tensor, **params: Any) -> Tensor:
@@ -69,7 +76,11 @@ def extended_weights(kernel: str, x: Tensor, mask: rules.RowMask, sink: float | 
     Raises:
         ValueError: an unknown ``kernel``.
     """
-    extended, keep, count = extend(x, mask, sink)
+    return weights_of(kernel, *extend(x, mask, sink), **params)
+
+
+def weights_of(kernel: str, extended: Tensor, keep: rules.RowMask, count: Tensor, **params: Any) -> Tensor:
+    """:func:`extended_weights` from :func:`extend`'s outputs (``count``: the real allowed keys per row)."""
     if kernel == "softmax":
         return softmax(extended, keep, params["temperature"])
     if kernel == "entmax":
