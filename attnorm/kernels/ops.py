@@ -233,6 +233,17 @@ def _empty(x: Tensor) -> Tensor:
     return x.new_empty(0, dtype=rules.accumulation_dtype(x.dtype))
 
 
+def _absent(x: Tensor) -> Tensor:
+    """What a kernel returns for an absent per-row output: a fresh :func:`_empty`, made cheaply.
+
+    ``x.new()`` (an empty tensor of ``x``'s dtype and device) costs half of ``new_empty``'s
+    0.7 us, a share of a tiny call; fake kernels keep :func:`_empty`.
+    """
+    if x.dtype is rules.accumulation_dtype(x.dtype) and type(x) is Tensor:
+        return x.new()
+    return _empty(x)
+
+
 def _sink_out(x: Tensor, sink: Tensor | None) -> Tensor:
     """Fake sink output: one value per row with a sink, empty without."""
     return _empty(x) if sink is None else _rows(x)
@@ -261,7 +272,7 @@ _SOFTMAX_KINDS = ("x", "bcast", None, "lengths")
 def _softmax_fwd(kernels, x, mask, diagonal, key_lengths, temperature, temperature_rows, sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
     out = kernels.softmax_forward(x, mask, 0, _param(temperature, temperature_rows), 0.0, **_with_sink(sink, softcap))
-    return out[0], out[1], out[3] if sink is not None else _empty(x)
+    return out[0], out[1], out[3] if sink is not None else _absent(x)
 
 
 softmax_fwd = _define(
@@ -280,7 +291,7 @@ def _scalable_softmax_fwd(kernels, x, mask, diagonal, key_lengths, s, s_rows, bi
                           backend):
     mask = _row_mask(mask, diagonal, key_lengths)
     out = kernels.softmax_forward(x, mask, 1, _param(s, s_rows), _param(bias, bias_rows), **_with_sink(sink, softcap))
-    return out[0], out[1], out[2], out[3] if sink is not None else _empty(x)
+    return out[0], out[1], out[2], out[3] if sink is not None else _absent(x)
 
 
 scalable_softmax_fwd = _define(
@@ -300,7 +311,7 @@ def _topk_softmax_fwd(kernels, x, mask, diagonal, key_lengths, k, is_fraction, t
     mask = _row_mask(mask, diagonal, key_lengths)
     temperature = _param(temperature, temperature_rows)
     out = kernels.topk_forward(x, mask, k, is_fraction, temperature, **_with_sink(sink, softcap))
-    return out[0], out[1], out[2] if sink is not None else _empty(x)
+    return out[0], out[1], out[2] if sink is not None else _absent(x)
 
 
 topk_softmax_fwd = _define(
@@ -319,11 +330,11 @@ def _softmax_bwd(kernels, y, grad, multiplier, x, param_grad, sink_weight, sink,
     capping = {} if softcap is None else {"softcap": softcap}
     if sink_weight is None:
         dx, per_row = kernels.softmax_backward(y, grad, multiplier, x, param_grad, **capping)
-        dsink = _empty(multiplier)
+        dsink = _absent(multiplier)
     else:
         dx, per_row, dsink = kernels.softmax_backward(y, grad, multiplier, x, param_grad, sink_weight=sink_weight,
                                                       sink=sink, **capping)
-    return dx, per_row if per_row is not None else _empty(multiplier), dsink
+    return dx, per_row if per_row is not None else _absent(multiplier), dsink
 
 
 softmax_bwd = _define(
@@ -346,7 +357,7 @@ softmax_bwd = _define(
 def _entmax_fwd(kernels, x, mask, diagonal, key_lengths, alpha, alpha_rows, sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
     out = kernels.entmax_forward(x, mask, _param(alpha, alpha_rows), **_with_sink(sink, softcap))
-    return out[0], out[1], out[2] if sink is not None else _empty(x)
+    return out[0], out[1], out[2] if sink is not None else _absent(x)
 
 
 entmax_fwd = _define(
@@ -365,11 +376,11 @@ def _entmax_bwd(kernels, y, grad, gate, alpha, alpha_rows, alpha_grad, sink_weig
     capping = {} if softcap is None else {"x": x, "softcap": softcap}
     if sink_weight is None:
         dx, per_row = kernels.entmax_backward(y, grad, gate, alpha, alpha_grad, **capping)
-        dsink = _empty(gate)
+        dsink = _absent(gate)
     else:
         dx, per_row, dsink = kernels.entmax_backward(y, grad, gate, alpha, alpha_grad, sink_weight=sink_weight,
                                                      **capping)
-    return dx, per_row if per_row is not None else _empty(gate), dsink
+    return dx, per_row if per_row is not None else _absent(gate), dsink
 
 
 entmax_bwd = _define(
@@ -392,7 +403,7 @@ entmax_bwd = _define(
 def _self_adjusted_fwd(kernels, x, mask, diagonal, key_lengths, normalized, sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
     out = kernels.self_adjusted_forward(x, mask, normalized, **_with_sink(sink, softcap))
-    return out[0], out[1], out[2] if sink is not None else _empty(x)
+    return out[0], out[1], out[2] if sink is not None else _absent(x)
 
 
 self_adjusted_softmax_fwd = _define(
@@ -409,7 +420,7 @@ self_adjusted_softmax_fwd = _define(
 def _self_adjusted_bwd(kernels, x, mask, diagonal, key_lengths, grad, stats, normalized, sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
     if sink is None:
-        return kernels.self_adjusted_backward(x, mask, grad, stats, normalized, **_with_sink(None, softcap)), _empty(x)
+        return kernels.self_adjusted_backward(x, mask, grad, stats, normalized, **_with_sink(None, softcap)), _absent(x)
     return kernels.self_adjusted_backward(x, mask, grad, stats, normalized, **_with_sink(sink, softcap))
 
 

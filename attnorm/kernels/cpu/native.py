@@ -133,13 +133,22 @@ def _raw_scores(x: Tensor | None, like: Tensor) -> Tensor:
     return _like(x, like, "x")
 
 
-def _address(tensor: Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
+def _address(tensor: Tensor | None) -> int:
+    """A tensor's address as C takes it; 0 (NULL) for None."""
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def _launch(name: str, dtype: torch.dtype, *arguments: object) -> None:
-    """Call kernel ``name`` for rows of ``dtype`` (tensors already as addresses), the thread count last."""
-    if build.kernel(name, dtype)(*arguments, torch.get_num_threads()) != 0:
+    """Call kernel ``name`` for rows of ``dtype`` (tensors already as addresses), the thread count last.
+
+    Raises:
+        MemoryError: the kernel could not allocate its row buffers.
+        RuntimeError: the library and this module disagree on the kernel's arguments.
+    """
+    status = build.kernel(name, dtype)(*arguments, torch.get_num_threads())
+    if status == build.PACKED_MISMATCH:
+        raise RuntimeError(f"attnorm native kernel {name} was built for other arguments: rebuild its cache")
+    if status != 0:
         raise MemoryError(f"attnorm native kernel {name} could not allocate its row buffers")
 
 

@@ -1054,4 +1054,54 @@ int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t lengt
     return failed;
 }
 
+/* Packed entry points: the kernels above with their arguments unpacked from slots, in order. */
+int FN(attnorm_softmax_forward_packed)(const char* packed) {
+    attnorm_slot a[16];
+    if (!unpack(packed, a, 16)) return PACKED_MISMATCH;
+    return FN(attnorm_softmax_forward)(a[0].p, a[1].p, a[2].i, a[3].i, (int)a[4].i, a[5].d, a[6].p, a[7].d, a[8].p,
+                                       a[9].p, a[10].p, a[11].d, a[12].p, a[13].p, a[14].d, (int)a[15].i);
+}
+
+int FN(attnorm_softmax_backward_packed)(const char* packed) {
+    attnorm_slot a[17];
+    if (!unpack(packed, a, 17)) return PACKED_MISMATCH;
+    return FN(attnorm_softmax_backward)(a[0].p, a[1].p, a[2].p, a[3].p, a[4].i, a[5].i, a[6].d, a[7].p, (int)a[8].i,
+                                        a[9].p, a[10].d, a[11].p, a[12].d, a[13].p, a[14].p, a[15].d, (int)a[16].i);
+}
+
+int FN(attnorm_self_adjusted_forward_packed)(const char* packed) {
+    attnorm_slot a[11];
+    if (!unpack(packed, a, 11)) return PACKED_MISMATCH;
+    return FN(attnorm_self_adjusted_forward)(a[0].p, a[1].p, a[2].i, a[3].i, (int)a[4].i, a[5].p, a[6].d, a[7].p,
+                                             a[8].p, a[9].d, (int)a[10].i);
+}
+
+int FN(attnorm_self_adjusted_backward_packed)(const char* packed) {
+    attnorm_slot a[12];
+    if (!unpack(packed, a, 12)) return PACKED_MISMATCH;
+    return FN(attnorm_self_adjusted_backward)(a[0].p, a[1].p, a[2].p, a[3].i, a[4].i, (int)a[5].i, a[6].p, a[7].d,
+                                              a[8].p, a[9].p, a[10].d, (int)a[11].i);
+}
+
+int FN(attnorm_entmax_forward_packed)(const char* packed) {
+    attnorm_slot a[12];
+    if (!unpack(packed, a, 12)) return PACKED_MISMATCH;
+    return FN(attnorm_entmax_forward)(a[0].p, a[1].p, a[2].i, a[3].i, a[4].d, a[5].p, a[6].p, a[7].d, a[8].p, a[9].p,
+                                      a[10].d, (int)a[11].i);
+}
+
+int FN(attnorm_entmax_backward_packed)(const char* packed) {
+    attnorm_slot a[16];
+    if (!unpack(packed, a, 16)) return PACKED_MISMATCH;
+    return FN(attnorm_entmax_backward)(a[0].p, a[1].p, a[2].p, a[3].i, a[4].i, a[5].d, a[6].p, a[7].d, a[8].p,
+                                       a[9].p, a[10].d, a[11].p, a[12].p, a[13].p, a[14].d, (int)a[15].i);
+}
+
+int FN(attnorm_topk_forward_packed)(const char* packed) {
+    attnorm_slot a[14];
+    if (!unpack(packed, a, 14)) return PACKED_MISMATCH;
+    return FN(attnorm_topk_forward)(a[0].p, a[1].p, a[2].i, a[3].i, a[4].d, (int)a[5].i, a[6].d, a[7].p, a[8].p,
+                                    a[9].d, a[10].p, a[11].p, a[12].d, (int)a[13].i);
+}
+
 #undef FN
