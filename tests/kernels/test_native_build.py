@@ -144,3 +144,30 @@ def test_concurrent_first_calls_build_once(tmp_path):
     info = run_fresh(tmp_path / "cache", THREADS, CC=str(wrapper))
     assert info["results"] == [True] * 8 and info["available"]
     assert log.read_text().count("run") == 1
+
+
+
+def test_a_packed_call_with_the_wrong_slot_count_is_refused(monkeypatch):
+    """C checks the count Python packs before it reads a slot, and the caller names the kernel."""
+    import ctypes
+    import struct
+
+    import torch
+
+    from attnorm.kernels.cpu import build, native
+
+    if not build.usable():
+        pytest.skip("no native kernels on this machine")
+    entry = build.library().attnorm_softmax_forward_packed_f32
+    slots = len(build.SIGNATURES["attnorm_softmax_forward"])
+    short = struct.pack("=q", slots - 1) + bytes(8 * (slots - 1))
+    assert entry(ctypes.c_char_p(short)) == build.PACKED_MISMATCH
+    # A caller that packs every argument but states one slot fewer: C must refuse it.
+    layout = "=" + "".join(build._SLOTS[kind] for kind in build.SIGNATURES["attnorm_softmax_forward"])
+    monkeypatch.setitem(build._callers, ("attnorm_softmax_forward", torch.float32),
+                        lambda *arguments: entry(struct.pack("=q", slots - 1) + struct.pack(layout, *arguments)))
+    x, y = torch.zeros(1, 2), torch.full((1, 2), float("nan"))
+    with pytest.raises(RuntimeError, match="attnorm_softmax_forward was built for other arguments"):
+        native._launch("attnorm_softmax_forward", torch.float32, x.data_ptr(), y.data_ptr(), 1, 2, 0, 1.0, 0, 0.0, 0,
+                       0, 0, float("-inf"), 0, 0, 0.0)
+    assert y.isnan().all()  # nothing was written
