@@ -154,8 +154,9 @@ def test_a_packed_call_with_the_wrong_slot_count_is_refused(monkeypatch):
 
     import torch
 
-    from attnorm.kernels.cpu import build, native
+    from attnorm.kernels.cpu import native
 
+    build = native.build  # the module native calls through (other tests may re-import attnorm)
     if not build.usable():
         pytest.skip("no native kernels on this machine")
     entry = build.library().attnorm_softmax_forward_packed_f32
@@ -164,10 +165,10 @@ def test_a_packed_call_with_the_wrong_slot_count_is_refused(monkeypatch):
     assert entry(ctypes.c_char_p(short)) == build.PACKED_MISMATCH
     # A caller that packs every argument but states one slot fewer: C must refuse it.
     layout = "=" + "".join(build._SLOTS[kind] for kind in build.SIGNATURES["attnorm_softmax_forward"])
-    monkeypatch.setitem(build._callers, ("attnorm_softmax_forward", torch.float32),
-                        lambda *arguments: entry(struct.pack("=q", slots - 1) + struct.pack(layout, *arguments)))
-    x, y = torch.zeros(1, 2), torch.full((1, 2), float("nan"))
+    monkeypatch.setattr(build, "kernel", lambda name, dtype: lambda *arguments: entry(
+        struct.pack("=q", slots - 1) + struct.pack(layout, *arguments)))
+    x, y, multiplier = torch.zeros(1, 2), torch.full((1, 2), float("nan")), torch.full((1,), float("nan"))
     with pytest.raises(RuntimeError, match="attnorm_softmax_forward was built for other arguments"):
         native._launch("attnorm_softmax_forward", torch.float32, x.data_ptr(), y.data_ptr(), 1, 2, 0, 1.0, 0, 0.0, 0,
-                       0, 0, float("-inf"), 0, 0, 0.0)
-    assert y.isnan().all()  # nothing was written
+                       multiplier.data_ptr(), 0, float("-inf"), 0, 0, 0.0)
+    assert y.isnan().all() and multiplier.isnan().all()  # nothing was written

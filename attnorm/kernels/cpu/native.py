@@ -210,7 +210,7 @@ def softmax_forward(
     first, first_rows = _per_row(first, row_shape, dtype, "first")
     second, second_rows = _per_row(second, row_shape, dtype, "second")
     sink_score, sink_rows = _sink(sink, row_shape, dtype)
-    y = _new(shape, dtype)
+    y = torch.empty_like(scores)  # contiguous like scores; cheaper than _new
     multiplier = _new(row_shape, dtype)
     log_count = _new(row_shape, dtype) if variant == 1 else None
     sink_weight = None if sink is None else _new(row_shape, dtype)
@@ -330,7 +330,7 @@ def topk_forward(
     row_shape, length = shape[:-1], shape[-1]
     temperature, temperature_rows = _per_row(temperature, row_shape, dtype, "temperature")
     sink_score, sink_rows = _sink(sink, row_shape, dtype)
-    y = _new(shape, dtype)
+    y = torch.empty_like(scores)  # contiguous like scores; cheaper than _new
     multiplier = _new(row_shape, dtype)
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_topk_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, float(k),
@@ -380,7 +380,7 @@ def entmax_forward(
     row_shape, length = shape[:-1], shape[-1]
     alpha, alpha_rows = _per_row(alpha, row_shape, dtype, "alpha")
     sink_score, sink_rows = _sink(sink, row_shape, dtype)
-    y = _new(shape, dtype)
+    y = torch.empty_like(scores)  # contiguous like scores; cheaper than _new
     gate = _new(row_shape, dtype)
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_entmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, alpha,
@@ -485,7 +485,7 @@ def self_adjusted_forward(
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
     sink_score, sink_rows = _sink(sink, row_shape, dtype)
-    y = _new(shape, dtype)
+    y = torch.empty_like(scores)  # contiguous like scores; cheaper than _new
     stats = _new((*row_shape, _SA_STATS), dtype)
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_self_adjusted_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length,
