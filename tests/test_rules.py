@@ -8,6 +8,7 @@ get weight 0 and gradient 0; fully masked rows give zeros), +inf and NaN scores,
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -18,7 +19,9 @@ from normalizers.references import CASES, Case, reference_masked
 from torch.autograd import gradcheck, gradgradcheck
 
 import attnorm
+from tests.conftest import DEVICE
 
+TRITON = importlib.util.find_spec("triton") is not None
 APIS = ("module", "functional")
 
 
@@ -334,3 +337,47 @@ def test_gradgradcheck(case):
     if case.sparse:
         assert_support_is_stable(fn, x)
     assert gradgradcheck(fn, (x.requires_grad_(True),))
+
+
+# ---------------------------------------------------------------- NaN rows: NaN gradients
+
+_NAN_ROW_BACKENDS = ["reference"] + ["native"] * (DEVICE == "cpu") + ["triton"] * TRITON
+_LEARNABLE = {  # a functional form with a per-row tensor parameter (None: none), and its value
+    "softmax": (lambda x, p, **kw: attnorm.functional.softmax(x, temperature=p, **kw), 0.7),
+    "scalable_softmax": (lambda x, p, **kw: attnorm.functional.scalable_softmax(x, s=p, **kw), 0.5),
+    "topk_softmax": (lambda x, p, **kw: attnorm.functional.topk_softmax(x, k=3, temperature=p, **kw), 1.1),
+    "entmax_1.3": (lambda x, p, **kw: attnorm.functional.entmax(x, alpha=p, **kw), 1.3),
+    "entmax_1.5": (lambda x, p, **kw: attnorm.functional.entmax(x, alpha=p, **kw), 1.5),
+    "sparsemax": (lambda x, p, **kw: attnorm.functional.sparsemax(x, **kw), None),
+    "self_adjusted": (lambda x, p, **kw: attnorm.functional.self_adjusted_softmax(x, **kw), None),
+    "self_adjusted_normalized": (
+        lambda x, p, **kw: attnorm.functional.self_adjusted_softmax(x, normalized=True, **kw), None),
+}
+
+
+@pytest.mark.parametrize("with_sink", [False, True], ids=["", "sink"])
+@pytest.mark.parametrize("backend", _NAN_ROW_BACKENDS)
+@pytest.mark.parametrize("name", list(_LEARNABLE))
+def test_a_row_holding_nan_gets_nan_gradients_and_the_others_none(name, backend, with_sink):
+    """As torch.softmax: every score of the row, its parameter and its sink get NaN; other rows stay finite.
+
+    The upstream gradient is 0 on the NaN row's outputs, as when a loss leaves them out.
+    """
+    function, value = _LEARNABLE[name]
+    x = random_scores(3, 8, seed=5).to(DEVICE)
+    x[1, 3] = math.nan
+    x.requires_grad_()
+    mask = torch.ones(3, 8, dtype=torch.bool, device=DEVICE)
+    mask[1, 6] = False  # a masked position: NaN too, like its weight
+    param = None if value is None else torch.full((3, 1), value, dtype=x.dtype, device=DEVICE, requires_grad=True)
+    sink = torch.full((3, 1), 0.3, dtype=x.dtype, device=DEVICE, requires_grad=True) if with_sink else None
+    y = function(x, param, mask=mask, backend=backend, sink=sink)
+    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+    weights = torch.arange(8.0, dtype=x.dtype, device=DEVICE).expand(3, 8).clone()
+    weights[1] = 0
+    (torch.where(y.isnan(), 0.0, y) * weights).sum().backward()
+    assert x.grad[1].isnan().all()
+    assert not x.grad[[0, 2]].isnan().any()
+    for leaf in (param, sink):
+        if leaf is not None:
+            assert leaf.grad[1].isnan().all() and not leaf.grad[[0, 2]].isnan().any(), leaf.shape

@@ -9,7 +9,8 @@ implemented once, here, and every normalizer (and every backend) obeys them:
   A score of -inf counts as masked.  Masked positions get weight 0 and gradient 0;
   a row with no allowed position gives zeros (never NaN).  A row holding +inf
   scores puts all its mass uniformly on them (the limit of the finite case).
-  NaN scores propagate as NaN.
+  A NaN score at an allowed position makes its row NaN, and the row's gradients
+  (scores, parameters, sink) NaN too, as ``torch.softmax`` does.
 * dtype: float16/bfloat16 are computed in float32 and returned in the input
   dtype; float32 and float64 are computed as they are.
 * Tensor parameters (``s``, ``bias``, ``alpha``, ``temperature``) broadcast against

@@ -134,7 +134,8 @@ def without_nan_row(values: torch.Tensor) -> torch.Tensor:
 
 
 def assert_gradient(got, want, dtype, what):
-    """A backward's output against the reference's outside the NaN row (the forward checks NaN propagation)."""
+    """A backward's output against the reference's, the NaN row's NaN included."""
+    assert torch.equal(got.cpu().isnan(), want.cpu().isnan()), what
     assert_close(without_nan_row(got), without_nan_row(want), dtype, GRADIENT_SLACK, what=what)
 
 

@@ -120,7 +120,7 @@ def entmax_vjp(y: Tensor, grad: Tensor, gate: float | Tensor, alpha: float | Ten
     slopes = entmax_slopes(y, alpha)
     weighted = slopes * grad
     correction = _safe_divide(weighted.sum(-1, keepdim=True), slopes.sum(-1, keepdim=True))
-    return gate * (weighted - correction * slopes)
+    return _nan_rows(y, gate * (weighted - correction * slopes))
 
 
 def entmax_alpha_grad(y: Tensor, grad: Tensor, gate: float | Tensor, alpha: float | Tensor) -> Tensor:
@@ -142,7 +142,12 @@ def entmax_alpha_grad(y: Tensor, grad: Tensor, gate: float | Tensor, alpha: floa
     entropic = torch.where(support, y * (beta - _safe_log(y)), 0.0)
     ratio = _safe_divide(entropic.sum(-1, keepdim=True), slopes.sum(-1, keepdim=True))
     total = beta * ((grad * entropic).sum(-1, keepdim=True) - ratio * (grad * slopes).sum(-1, keepdim=True))
-    return gate * torch.where(is_softmax, 0.0, total)
+    return _nan_rows(y, gate * torch.where(is_softmax, 0.0, total))
+
+
+def _nan_rows(y: Tensor, value: Tensor) -> Tensor:
+    """``value`` (per position or per row) with NaN in rows whose weights ``y`` hold NaN: their gradients are NaN."""
+    return torch.where(y.isnan().any(-1, keepdim=True), math.nan, value)
 
 
 def self_adjusted_vjp_from(
@@ -191,4 +196,4 @@ def self_adjusted_vjp(x: Tensor, mask: rules.RowMask, grad: Tensor, normalized: 
     weights, low, high = self_adjusted_parts(rows)
     gate = (rows.any_active & ~rows.posinf_row).to(x.dtype)
     dx = self_adjusted_vjp_from(rows.scores, rows.active, weights, low, high, gate, grad, normalized)
-    return torch.where(rows.nan_row, 0.0, dx)
+    return torch.where(rows.nan_row, math.nan, dx)

@@ -33,6 +33,7 @@ class Rows(NamedTuple):
         posinf_row: bool ``(..., 1)``: the row holds +inf at an allowed position.
         nan_row: bool ``(..., 1)``: the row holds NaN at an allowed position.
         any_active: bool ``(..., 1)``: the row has an active position.
+        raw: ``x`` as given (only :func:`finish` reads it, for the gradients of rows holding NaN).
     """
 
     allowed: Tensor
@@ -41,6 +42,7 @@ class Rows(NamedTuple):
     posinf_row: Tensor
     nan_row: Tensor
     any_active: Tensor
+    raw: Tensor
 
 
 def rows_of(x: Tensor, mask: rules.RowMask) -> Rows:
@@ -51,12 +53,23 @@ def rows_of(x: Tensor, mask: rules.RowMask) -> Rows:
     active = torch.where(posinf_row, posinf, allowed)
     nan_row = (allowed & x.isnan()).any(-1, keepdim=True)
     scores = torch.where(active & x.isfinite(), x, torch.zeros((), dtype=x.dtype, device=x.device))
-    return Rows(allowed, active, scores, posinf_row, nan_row, active.any(-1, keepdim=True))
+    return Rows(allowed, active, scores, posinf_row, nan_row, active.any(-1, keepdim=True), x)
 
 
 def finish(out: Tensor, rows: Rows) -> Tensor:
-    """Rows holding NaN at an allowed position become NaN (their gradient is 0)."""
-    return torch.where(rows.nan_row, torch.full((), math.nan, dtype=out.dtype, device=out.device), out)
+    """Rows holding NaN at an allowed position become NaN, and so do their gradients (as torch.softmax's).
+
+    ``out`` times a per-row factor: 1, or in those rows ``sum(c x)`` with ``c`` a constant
+    NaN, whose value is NaN and whose derivative is NaN at every position (masked ones too,
+    as the kernels' weights there are NaN) and, through ``out``, every parameter.
+    ``c`` is 0 in the other rows, so nothing leaks there.  A ``torch.where`` would give
+    those rows gradient 0.
+    """
+    nan = torch.full((), math.nan, dtype=out.dtype, device=out.device)
+    zero, one = torch.zeros((), dtype=out.dtype, device=out.device), torch.ones((), dtype=out.dtype, device=out.device)
+    coefficient = torch.where(rows.nan_row, nan, zero)
+    poisoned = (rows.raw.to(out.dtype) * coefficient).sum(-1, keepdim=True)
+    return out * torch.where(rows.nan_row, poisoned, one)
 
 
 def as_param(value: float | Tensor, x: Tensor) -> float | Tensor:

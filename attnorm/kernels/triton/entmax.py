@@ -477,11 +477,13 @@ def _entmax_backward_kernel(
                 dsink += at_sink(cols, length, dx)
             dx = through_cap(X, row, cols, length, x_row_stride, dx, softcap, SOFTCAP, COMPUTE)
             store_row(DX, row, cols, length, dx_row_stride, dx, nan > 0)
+        nan_row = nan > 0
         if HAS_SINK:
-            store_sink(DSINK, row, dsink, nan > 0)
+            store_sink(DSINK, row, dsink, nan_row)
     if ALPHA_GRAD:
         ratio = entropy_sum / tl.where(gppr_sum > 0, gppr_sum, 1.0)
-        tl.store(D_ALPHA + row, gate * beta * (entropy_g - ratio * gppr_g))
+        d_alpha = gate * beta * (entropy_g - ratio * gppr_g)
+        tl.store(D_ALPHA + row, tl.where(nan_row, float("nan"), d_alpha))  # NaN in a row holding NaN, as dx
 
 
 def _max_iterations(x: Tensor) -> int:

@@ -185,7 +185,8 @@ static void FN(softmax_row)(const REAL* x, REAL* y, int64_t length, int variant,
  * makes the shift exact; it avoids cancellation on large scores).  A sink is one more
  * position of weight w and gradient 0 (w = 0: none; its score s is read for
  * param_grad 2 only): it leaves sum(y g) alone, receives *dsink = m w (0 - sum(y g))
- * and adds its terms to the per-row sums.  Two passes (three with param_grad 2), sums
+ * and adds its terms to the per-row sums.  A row holding NaN (y NaN, so sum(y g) is)
+ * gets NaN everywhere, its per-row sum included.  Two passes (three with param_grad 2), sums
  * in double.  x may be gx itself (each x[i] is read before gx[i] is written).
  */
 static void FN(softmax_grad_row)(const REAL* y, const REAL* g, const REAL* x, REAL* gx, int64_t length, REAL m,
@@ -216,7 +217,7 @@ static void FN(softmax_grad_row)(const REAL* y, const REAL* g, const REAL* x, RE
             sum += y[i] > 0 ? (double)dz * LOG(y[i] > 0 ? y[i] : 1) : 0;
         }
         sum += w > 0 ? (double)dz_sink * LOG(w) : 0;
-        *per_row = (REAL)(-(double)m * sum);
+        *per_row = mean == mean ? (REAL)(-(double)m * sum) : NAN; /* a row holding NaN: NaN, as dx */
     } else if (param_grad == 2) {
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < length; i++) {
@@ -227,7 +228,7 @@ static void FN(softmax_grad_row)(const REAL* y, const REAL* g, const REAL* x, RE
             sum += used ? (double)dz * (xi - shift) : 0;
         }
         sum += sink_used ? (double)dz_sink * (s - shift) : 0;
-        *per_row = (REAL)sum;
+        *per_row = mean == mean ? (REAL)sum : NAN;
     } else {
 #pragma omp simd
         for (int64_t i = 0; i < length; i++) gx[i] = m * y[i] * (g[i] - mean);
@@ -606,7 +607,8 @@ static double FN(entmax_alpha_grad_row)(const REAL* y, const REAL* g, int64_t le
  * is gathered first (into `index`, s into `slope`) so that pow runs there only.  With
  * alpha_grad, also the row's alpha derivative (entmax_alpha_grad_row), times gate.
  * A sink of weight w (0: none) is one more position with gradient 0: its s joins
- * sum(s) only, and *dsink = gate * s (0 - sum(s g) / sum(s)).
+ * sum(s) only, and *dsink = gate * s (0 - sum(s g) / sum(s)).  A row holding NaN (its
+ * weights NaN) gets NaN gradients, dsink and alpha's included, as softmax's does.
  * Two passes (three with alpha_grad). */
 static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t length, REAL gate, double alpha,
                                 int32_t* index, REAL* slope, REAL* alpha_grad, REAL w, REAL* dsink) {
@@ -617,24 +619,27 @@ static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t 
                             : kind == SOFTMAX  ? positive
                                                : (w > 0 ? POW(positive, (REAL)(2 - alpha)) : 0);
     double slope_total = 0, dot = 0;
+    int64_t nans = 0; /* NaN weights: the row held NaN, and its gradients are NaN (as softmax's) */
     REAL mean;
     if (kind != GENERAL) { /* cheap slopes: two vectorised passes over the row, one loop per kind */
         if (kind == ENTMAX15) {
-#pragma omp simd reduction(+ : slope_total, dot)
+#pragma omp simd reduction(+ : slope_total, dot, nans)
             for (int64_t i = 0; i < length; i++) {
                 REAL s = SQRT(y[i] > 0 ? y[i] : 0);
                 gx[i] = s;
                 slope_total += s;
                 dot += (double)s * g[i];
+                nans += y[i] != y[i];
             }
         } else {
-#pragma omp simd reduction(+ : slope_total, dot)
+#pragma omp simd reduction(+ : slope_total, dot, nans)
             for (int64_t i = 0; i < length; i++) {
                 REAL positive = y[i] > 0 ? y[i] : 0;
                 REAL s = kind == SPARSEMAX ? (REAL)(y[i] > 0) : positive;
                 gx[i] = s;
                 slope_total += s;
                 dot += (double)s * g[i];
+                nans += y[i] != y[i];
             }
         }
         slope_total += sink_slope;
@@ -642,6 +647,8 @@ static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t 
 #pragma omp simd
         for (int64_t i = 0; i < length; i++) gx[i] = gate * (gx[i] * (g[i] - mean));
     } else { /* pow on the support only */
+#pragma omp simd reduction(+ : nans)
+        for (int64_t i = 0; i < length; i++) nans += y[i] != y[i]; /* the support gather skips NaN */
         int64_t count = FN(gather_above)(y, length, 0, slope, index);
         memset(gx, 0, length * sizeof(REAL));
         const REAL power = (REAL)(2 - alpha);
@@ -660,6 +667,11 @@ static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t 
     }
     *dsink = gate * (sink_slope * (0 - mean));
     if (alpha_grad) *alpha_grad = gate * (REAL)FN(entmax_alpha_grad_row)(y, g, length, alpha, slope_total, dot, w);
+    if (nans) {
+        for (int64_t i = 0; i < length; i++) gx[i] = NAN;
+        *dsink = NAN;
+        if (alpha_grad) *alpha_grad = NAN;
+    }
 }
 
 /* ---- top-k softmax ------------------------------------------------------------ */
