@@ -26,13 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from attnorm.kernels import autograd, backends
-from attnorm.kernels.rules import NO_MASK, RowMask, check_key_lengths
+from attnorm.kernels.rules import NO_MASK, RowMask, accumulation_dtype, check_key_lengths
 from attnorm.masks import StructuredMask
 from attnorm.validation import check_softcap
 
 __all__ = ["Checked", "Normalizer", "broadcast_param", "normalize"]
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _check_scores(scores: Any) -> None:
@@ -179,7 +177,7 @@ def normalize(
 
 def _row_sink(sink: float | Tensor, x: Tensor, dim: int) -> Tensor:
     """The sink as a column ``(..., 1)`` against ``x`` moved to normalise over ``dim=-1``, in the kernels' precision."""
-    dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    dtype = accumulation_dtype(x.dtype)
     if isinstance(sink, (int, float)) and not isinstance(sink, bool):
         return torch.full((1,) * x.ndim, float(sink), dtype=dtype, device=x.device)
     if not isinstance(sink, Tensor) or not sink.dtype.is_floating_point:
@@ -194,7 +192,7 @@ def _row_sink(sink: float | Tensor, x: Tensor, dim: int) -> Tensor:
 def _row_params(params: dict[str, Any], x: Tensor, dim: int) -> dict[str, Any]:
     """``params`` with each tensor broadcast against ``x`` moved to normalise over ``dim=-1``, in the
     precision the kernels compute in (float32 for half-precision scores)."""
-    dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    dtype = accumulation_dtype(x.dtype)
     row_params = {}
     for name, value in params.items():
         if isinstance(value, Tensor):
