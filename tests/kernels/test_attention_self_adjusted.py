@@ -192,6 +192,17 @@ def test_ties_at_the_row_extremes(normalized, device):
     check(q, k, v, MASKS["window"](1, 16, 24, device), normalized, scale=0.5)
 
 
+def test_a_row_min_or_max_of_exactly_zero(device):
+    """At ``min x = 0`` (``max x = 0``) ``min(x, 0)`` has a kink: the path through ``low`` (``high``)
+    counts, as the reference's ``clamp`` has it (the first rule of this kernel did not count it)."""
+    q = torch.tensor([[1.0, 0, 0, 0], [-1, 0, 0, 0], [2, 1, 0, 0]], dtype=F64)
+    k = torch.tensor([[0.0, 0, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [0, 1, 0, 0]], dtype=F64)  # key 0 scores 0
+    v = torch.randn(4, 4, generator=torch.Generator().manual_seed(3), dtype=F64)
+    q, k, v = (t.reshape(1, 1, *t.shape).to(device) for t in (q, k, v))
+    # rows: [0, 1, 2, 0] (min 0, twice), [0, -1, -2, 0] (max 0, twice), [0, 2, 4, 1] (min 0 once)
+    check(q, k, v, MASKS["none"](1, 3, 4, device), True, scale=1.0)
+
+
 def test_fully_masked_rows_give_zeros(device):
     """Batch 1 has no key at all, and a dense mask empties one more row: zeros, never NaN."""
     q, k, v = make_qkv(2, 2, 2, 9, 16, 16, 16, torch.float32, device)

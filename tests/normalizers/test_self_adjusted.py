@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 
 import attnorm
@@ -52,3 +55,25 @@ def test_length_one_row_keeps_positive_scores_and_zeroes_the_rest():
     x = torch.tensor([[2.5], [-1.0], [0.0]])
     torch.testing.assert_close(attnorm.SelfAdjustedSoftmax()(x), torch.tensor([[1.0], [0.0], [0.0]]))
     torch.testing.assert_close(attnorm.SelfAdjustedSoftmax(normalized=False)(x), x)
+
+
+_ROW_BACKENDS = ["reference", "native", *(["triton"] if importlib.util.find_spec("triton") else [])]
+
+
+@pytest.mark.parametrize("backend", _ROW_BACKENDS)
+def test_gradient_at_a_row_min_or_max_of_exactly_zero(backend):
+    """``low = min(min x, 0)`` has a kink where ``min x = 0``: every backend counts the path
+    through it there, as autograd of ``clamp`` does (and likewise for ``high`` at ``max x = 0``)."""
+    from tests.conftest import DEVICE
+
+    if backend == "native" and DEVICE != "cpu":
+        pytest.skip("the native kernels take CPU tensors")
+    x = torch.tensor([[0.0, 1.0, 2.0, 0.0], [0.0, -1.0, -2.0, 0.0], [0.0, 2.0, 4.0, 1.0]], dtype=torch.float64)
+    grad = torch.randn(3, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    expected_x = x.clone().requires_grad_()
+    low = expected_x.amin(-1, keepdim=True).clamp(max=0)
+    high = expected_x.amax(-1, keepdim=True).clamp(min=0)
+    ((expected_x - low) / (high - low) * torch.softmax(expected_x, -1) * grad).sum().backward()
+    got_x = x.to(DEVICE).requires_grad_()
+    (F.self_adjusted_softmax(got_x, backend=backend) * grad.to(DEVICE)).sum().backward()
+    torch.testing.assert_close(got_x.grad.cpu(), expected_x.grad)

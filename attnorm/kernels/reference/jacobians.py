@@ -165,7 +165,8 @@ def self_adjusted_vjp_from(
     Plain, ``y = x w``: ``dx = w (g (1 + x) - sum(g y))``.  Normalized, ``y = phi w`` with
     ``phi = (x - low) / span``: ``dx = w (g phi - sum(g y)) + (g w - e_low sum(g w (1 - phi))
     - e_high sum(g w phi)) / span``, where ``e_low`` (``e_high``) splits 1 over the
-    positions holding the row minimum (maximum) when that is below (above) 0, and 0 where
+    positions holding the row minimum (maximum) when that is at most (at least) 0 (at exactly 0, the kink of
+    ``min(x, 0)``, as autograd of ``clamp``), and 0 where
     ``span = 0``.
     """
     if not normalized:
@@ -177,8 +178,8 @@ def self_adjusted_vjp_from(
     gw = grad * weights
     direct = weights * (grad * phi) - weights * (gw * phi).sum(-1, keepdim=True)
     values = scores.detach()
-    at_low = active & (values == low.detach()) & (low.detach() < 0)
-    at_high = active & (values == high.detach()) & (high.detach() > 0)
+    at_low = active & (values == low.detach())  # a min of exactly 0 counts, as clamp's gradient
+    at_high = active & (values == high.detach())
     e_low = at_low.to(scores.dtype) / at_low.sum(-1, keepdim=True).clamp_min(1)
     e_high = at_high.to(scores.dtype) / at_high.sum(-1, keepdim=True).clamp_min(1)
     through_span = gw - e_low * (gw * (1 - phi)).sum(-1, keepdim=True) - e_high * (gw * phi).sum(-1, keepdim=True)

@@ -26,8 +26,9 @@ second pass, only in query blocks that hold such a row.
 * plain: ``ds_j = w_j (g_j (1 + x_j) - P)``;
 * normalized: ``ds_j = w_j (g_j phi_j - P) + (g_j w_j + [x_j = low] (P - Q) / n_low
   - [x_j = high] P / n_high) / span``, the last two the paths through ``low`` (when
-  ``low < 0``) and ``high`` (when ``high > 0``), shared by the ``n_low`` (``n_high``) keys
-  attaining them.
+  ``low <= 0``) and ``high`` (when ``high >= 0``), shared by the ``n_low`` (``n_high``) keys
+  attaining them.  At a row min (max) of exactly 0, where ``min(x, 0)`` has a kink, the path
+  counts, as autograd of ``clamp`` has it; every backend follows that rule.
 
 Plain needs only ``P = dO_i . out_i``: a per-row pre-pass over ``out`` (no K/V), as
 FlashAttention's ``delta``.  Normalized divides by the span, where the terms cancel in
@@ -128,8 +129,8 @@ def _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NO
         phi = _factor(xs, low[:, None], s[:, None], span[:, None], True)
         ds = w * g * phi - w * total[:, None]  # g phi - P could overflow; each product cannot
         positive = span > 0
-        at_low = used & (xs == low[:, None]) & (low < 0)[:, None]
-        at_high = used & (xs == high[:, None]) & (high > 0)[:, None]
+        at_low = used & (xs == low[:, None])  # a row min of exactly 0 counts (module docstring)
+        at_high = used & (xs == high[:, None])
         through = g * w * (s / tl.where(positive, span, 1.0))[:, None] + tl.where(at_low, low_term[:, None], 0.0)
         through -= tl.where(at_high, high_term[:, None], 0.0)
         ds += tl.where(positive[:, None], through, 0.0)

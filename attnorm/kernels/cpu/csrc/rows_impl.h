@@ -315,7 +315,8 @@ static void FN(self_adjusted_row)(const REAL* x, REAL* y, int64_t length, int no
  * With w = softmax(x), P = sum(g phi w), Q = sum(g w):
  * dx_j = w_j (g_j phi_j - P) + g_j w_j phi', phi' = 1 (plain) or 1 / span plus the
  * paths through low and high: (P - Q) / span shared by the positions attaining
- * low when low < 0, -P / span by those attaining high when high > 0.
+ * low when low <= 0, -P / span by those attaining high when high >= 0 (at a row min or
+ * max of exactly 0 the path counts, as autograd's clamp has it).
  * w = exp((x - c0) - c1): the difference first, exact for nearby scores.  Rows with
  * gate 0 get 0, rows holding NaN get NaN.  The sink (-inf: none) is one more
  * position with gradient 0: nothing in P and Q, but it may share the paths through
@@ -362,8 +363,8 @@ static void FN(self_adjusted_grad_row)(const REAL* x, const REAL* g, REAL* gx, i
     }
     const REAL P = (REAL)phi_g_w, Q = (REAL)g_w;
     /* scale / span is 1 / (high - low) */
-    const REAL through_low = normalized && span > 0 && low < 0 ? (P - Q) * scale / span / (REAL)at_low : 0;
-    const REAL through_high = normalized && span > 0 && high > 0 ? P * scale / span / (REAL)at_high : 0;
+    const REAL through_low = normalized && span > 0 && low <= 0 ? (P - Q) * scale / span / (REAL)at_low : 0;
+    const REAL through_high = normalized && span > 0 && high >= 0 ? P * scale / span / (REAL)at_high : 0;
 #pragma omp simd
     for (int64_t i = 0; i < length; i++) {
         REAL xi = x[i];
