@@ -432,3 +432,22 @@ def test_a_decoding_step_mask_that_allows_every_key_builds_nothing(spec):
     assert not built, built
     kr, vr = (t.repeat_interleave(2, dim=1) for t in (k, v))
     torch.testing.assert_close(out, normalizer(q @ kr.transpose(-2, -1) / math.sqrt(8)) @ vr)
+
+
+@pytest.mark.parametrize("backend", [None, "triton"], ids=["default", "triton"])
+@pytest.mark.parametrize("queries", [1, 17], ids=["decoding", "full"])
+def test_half_precision_scores_are_not_rounded_before_a_top_k_selection(queries, backend):
+    """bfloat16 q and k whose two scores, 1 and 1 + 2^-9, round to one bfloat16 value: every
+    route (rows for decoding, blocked, fused) ranks them in float32, so top-1 keeps key 1.
+    The rows routes once took the matmul's bfloat16 scores and kept key 0 (the lower index)."""
+    from tests.conftest import DEVICE
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    device = DEVICE if backend == "triton" else "cpu"
+    q = torch.ones(1, 1, queries, 2, dtype=torch.bfloat16, device=device)
+    k = torch.tensor([[1.0, 0.0], [1.0, 2.0**-9]], dtype=torch.bfloat16, device=device).reshape(1, 1, 2, 2)
+    v = torch.eye(2, dtype=torch.bfloat16, device=device).reshape(1, 1, 2, 2)
+    out = attnorm.attention(q, k, v, attnorm.TopKSoftmax(1, backend=backend), scale=1.0)
+    expected = torch.tensor([0.0, 1.0], dtype=torch.bfloat16, device=device).expand(1, 1, queries, 2)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

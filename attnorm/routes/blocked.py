@@ -65,6 +65,9 @@ def block_rows(q: Tensor, k: Tensor, v: Tensor) -> int:
     return max(1, min(q.shape[-2], budget // row_bytes))
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def blocked_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float,
                       dropout_p: float, groups: int, rows: int, softcap: float | None = None,
                       sinks: Tensor | None = None) -> Tensor:
@@ -128,13 +131,18 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
     lo, hi = _key_span(mask, start, stop, lk) if trim else (0, lk)
     if (lo, hi) != (0, lk):
         k, v, additive_rows = k[..., lo:hi, :], v[..., lo:hi, :], _keys(additive_rows, lo, hi)
+    # Half-precision scores are computed in float32, as the fused kernels compute them: rounded to
+    # bfloat16 (a spacing of 2^-8 relative) they would tie where the fused route does not, and a
+    # top-k selection or an entmax support would differ (decoding against the full sequence).
+    half = q_rows.dtype in _HALF
+    q_wide, k_wide = (q_rows.float(), k.float()) if half else (q_rows, k)
     if groups > 1:
         # (B, Hkv * g, rows, D) -> (B, Hkv, g * rows, D): one product with each key head, no repeated keys.
         lead, rows = q_rows.shape[:-3], stop - start
-        stacked = q_rows.reshape(*lead, k.shape[-3], groups * rows, q.shape[-1])
-        scores = torch.matmul(stacked, k.transpose(-2, -1)).reshape(*lead, q.shape[-3], rows, k.shape[-2])
+        stacked = q_wide.reshape(*lead, k.shape[-3], groups * rows, q.shape[-1])
+        scores = torch.matmul(stacked, k_wide.transpose(-2, -1)).reshape(*lead, q.shape[-3], rows, k.shape[-2])
     else:
-        scores = torch.matmul(q_rows, k.transpose(-2, -1))  # (..., Hq, rows, Lk)
+        scores = torch.matmul(q_wide, k_wide.transpose(-2, -1))  # (..., Hq, rows, Lk)
     scores = scores * scale
     kernel = getattr(normalizer, "kernel", "")
     if softcap is not None and (additive_rows is not None or not kernel):
@@ -155,6 +163,8 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
         weights = normalizer(scores, mask, sink=sink, softcap=softcap)
     else:
         weights = normalizer(scores, mask) if sinks is None else _with_sinks(normalizer, scores, mask, sinks)
+    if half:
+        weights = weights.to(q_rows.dtype)  # the weights a half-precision call returns and multiplies v with
     attended = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     if groups > 1:
         lead, rows = weights.shape[:-3], stop - start

@@ -48,6 +48,10 @@ and split).  Scores as rows add, per key and query row, the float32 score's writ
 row kernel's passes over it and the weight's read by ``w v``: 16 bytes for a one-pass
 normalizer (1.06x the bytes of split-K at one query row per key/value head, 2x at 16),
 about 40 for entmax's threshold search or top-k's radix select (``1 + I + 1`` reads).
+Half-precision q and k are multiplied as float32 copies (scores rounded to bfloat16 would
+tie where the fused kernels' float32 scores do not, and change a top-k selection): the
+copy of K costs 384 more bytes per key at ``D = 64`` (its float32 write and read), which
+``torch.bmm(..., out_dtype=torch.float32)`` on CUDA could avoid; unmeasured.
 A split-K kernel for those multi-pass families would re-read K (128 bytes per key)
 once per pass instead, so for sparsemax, entmax and top-k scores as rows is the
 cheaper design (:mod:`attnorm.kernels.triton.attention_decoding` explains it).
