@@ -10,7 +10,8 @@ registered mask function is called with the pattern::
     and_masks(packed_sequence_mask_function(sequence_ids),
               remap_positions_for_packed_sequence(causal_or_sliding_window, position_ids))
 
-which ``sdpa_mask`` would expand into a dense ``(B, 1, L, L)`` bool tensor.
+(the two parts in the other order in later releases, 5.24 for one), which ``sdpa_mask``
+would expand into a dense ``(B, 1, L, L)`` bool tensor.
 :func:`attnorm_mask` recognises exactly that pattern, for a batch of one row, no padding,
 no cache offsets and outside tracing, and returns the same mask as a
 :class:`~attnorm.StructuredMask`: ``document_mask(cu_seqlens) & causal_mask()`` (or
@@ -108,6 +109,8 @@ def _packed_pattern(mask_function: Callable, local_size: int | None) -> tuple[Te
     parts = () if outer is None else outer.get("mask_functions", ())
     if len(parts) != 2:
         return None
+    if _closure(parts[0], codes["packed"]) is None:  # transformers >= 5.x puts the packed part second
+        parts = parts[::-1]
     packed, remapped = (_closure(part, codes[name]) for part, name in zip(parts, ("packed", "remap"), strict=True))
     if packed is None or remapped is None or not isinstance(packed.get("packed_sequence_mask"), Tensor):
         return None
