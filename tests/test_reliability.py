@@ -134,6 +134,38 @@ def test_jit_trace_neither_crashes_nor_hangs(module):
     torch.testing.assert_close(traced(y), module(y))
 
 
+DEVICE_CONTEXT_MODULES = {
+    "softmax": lambda backend: attnorm.Softmax(0.7, backend=backend),
+    "ssmax": lambda backend: attnorm.ScalableSoftmax(learnable=True, backend=backend),
+    "sparsemax": lambda backend: attnorm.Sparsemax(backend=backend),
+    "entmax": lambda backend: attnorm.Entmax(1.3, learnable=True, backend=backend),
+    "topk": lambda backend: attnorm.TopKSoftmax(k=2, backend=backend),
+    "sa": lambda backend: attnorm.SelfAdjustedSoftmax(backend=backend),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", DEVICE_CONTEXT_MODULES)
+def test_a_device_context_does_not_move_the_kernels_buffers(name, backend):
+    """``with torch.device("meta")`` around a call on real tensors (a model built under a device
+    context): the native kernels allocated per-row outputs on the meta device and C wrote
+    through their pointers (a segfault); every backend now gives what it gives outside."""
+    module = DEVICE_CONTEXT_MODULES[name](backend).to(DEVICE, torch.float64)
+    x = torch.randn(3, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(3, 6, device=DEVICE, dtype=torch.float64)
+
+    def weights_and_grads():
+        y = module(x, attnorm.causal_mask(), sink=0.5)
+        return (y, *torch.autograd.grad(y, [x, *module.parameters()], upstream))
+
+    expected = weights_and_grads()
+    with torch.device("meta"):
+        got = weights_and_grads()
+    for value, reference in zip(got, expected, strict=True):
+        assert value.device == reference.device
+        torch.testing.assert_close(value, reference, rtol=0, atol=0)
+
+
 # ---- state and validation --------------------------------------------------------------------------
 
 

@@ -200,12 +200,14 @@ def _caller(function: ctypes._CFuncPtr, argtypes: tuple[type, ...]) -> Callable[
 
 def _probe(callers: dict[tuple[str, torch.dtype], Callable[..., int]]) -> bool:
     """A tiny known call: softmax of (0, log 3) with a sink of score log 4 is (1/8, 3/8) and 1/2 for the sink."""
-    x = torch.tensor([0.0, math.log(3.0)], dtype=torch.float64)
-    y, multiplier, sink_weight = (torch.full((size,), math.nan, dtype=torch.float64) for size in (2, 1, 1))
+    # On the CPU even inside a device context (``with torch.device(...)``): C writes these.
+    x = torch.tensor([0.0, math.log(3.0)], dtype=torch.float64, device="cpu")
+    y, multiplier, sink_weight = (torch.full((size,), math.nan, dtype=torch.float64, device="cpu")
+                                  for size in (2, 1, 1))
     status = callers["attnorm_softmax_forward", torch.float64](
         x.data_ptr(), y.data_ptr(), 1, 2, 0, 1.0, 0, 1.0, 0, multiplier.data_ptr(), 0, math.log(4.0), 0,
         sink_weight.data_ptr(), 0.0, 1)
-    expected = torch.tensor([0.125, 0.375, 0.5], dtype=torch.float64)
+    expected = torch.tensor([0.125, 0.375, 0.5], dtype=torch.float64, device="cpu")
     return status == 0 and torch.allclose(torch.cat([y, sink_weight]), expected, rtol=0, atol=1e-12) \
         and multiplier.item() == 1.0
 

@@ -183,9 +183,12 @@ def entmax(x: Tensor, mask: rules.RowMask = rules.NO_MASK, alpha: float | Tensor
     if not isinstance(alpha, Tensor) and alpha == 1:
         return finish(masked_softmax(shifted_scaled(rows, 1.0), rows), rows)
     alpha_value = None if isinstance(alpha, Tensor) else float(alpha)
-    alpha = alpha.to(x.dtype) if isinstance(alpha, Tensor) else torch.full((1,) * x.ndim, alpha_value, dtype=x.dtype)
+    if isinstance(alpha, Tensor):
+        alpha = alpha.to(device=x.device, dtype=x.dtype)
+    else:
+        alpha = torch.full((1,) * x.ndim, alpha_value, dtype=x.dtype, device=x.device)
     gate = (~rows.posinf_row).to(x.dtype)
-    return finish(_Entmax.apply(rows.scores, rows.active, alpha.to(x.device), gate, alpha_value), rows)
+    return finish(_Entmax.apply(rows.scores, rows.active, alpha, gate, alpha_value), rows)
 
 
 def sparsemax(x: Tensor, mask: rules.RowMask = rules.NO_MASK) -> Tensor:
