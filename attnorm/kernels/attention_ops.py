@@ -20,6 +20,8 @@ op                                  outputs                                    p
 ``topk_attention_bwd``              dq, dk, dv, d sinks per row
 =================================== ========================================== ==============
 
+Eager calls go through :func:`attnorm.kernels.ops.call` (straight to the kernel when nothing
+but the kernel would be dispatched to).
 Masks travel as the four fields of :class:`~attnorm.kernels.rules.AttentionMask`; every
 op takes ``float? softcap`` and ``Tensor? sinks`` (each row's sink score, broadcastable to
 ``(B, Hq, Lq)``), the entmax op also ``Tensor? logit_scale`` (a per-row multiplier of the
@@ -39,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from attnorm.kernels import backends, inductor
+from attnorm.kernels import backends, inductor, ops
 from attnorm.kernels.rules import AttentionMask, accumulation_dtype, sum_to_shape
 
 __all__ = ["entmax_attention", "self_adjusted_attention", "topk_attention"]
@@ -68,6 +70,7 @@ def _define(name: str, schema: str, kernel: Callable, fake: Callable) -> None:
     _LIBRARY.impl(name, device_kernel, "CUDA")
     torch.library.register_fake(f"attnorm::{name}", fake, lib=_LIBRARY)
     inductor.register(f"attnorm::{name}", kernel, _LIBRARY)
+    ops.register_eager(getattr(torch.ops.attnorm, name).default, device_kernel)
 
 
 def _fake_forward(stats: int) -> Callable:
@@ -156,8 +159,8 @@ _define(
 class _EntmaxAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads, softcap, sinks, logit_scale):
-        return torch.ops.attnorm.entmax_attention_fwd(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads,
-                                                      softcap, sinks, logit_scale)
+        return ops.call(torch.ops.attnorm.entmax_attention_fwd.default, q, k, v, start, stop, dense, additive, scale,
+                        alpha, alpha_heads, softcap, sinks, logit_scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -172,9 +175,9 @@ class _EntmaxAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_stats):
         q, k, v, start, stop, dense, additive, alpha_heads, sinks, logit_scale, out, stats = ctx.saved_tensors
         alpha_grad = alpha_heads is not None and ctx.needs_input_grad[9]
-        dq, dk, dv, d_alpha, d_sinks, d_logit_scale = torch.ops.attnorm.entmax_attention_bwd(
-            q, k, v, out, grad_out.contiguous(), stats, start, stop, dense, additive, ctx.scale, ctx.alpha,
-            alpha_heads, alpha_grad, ctx.softcap, sinks, logit_scale,
+        dq, dk, dv, d_alpha, d_sinks, d_logit_scale = ops.call(
+            torch.ops.attnorm.entmax_attention_bwd.default, q, k, v, out, grad_out.contiguous(), stats, start, stop,
+            dense, additive, ctx.scale, ctx.alpha, alpha_heads, alpha_grad, ctx.softcap, sinks, logit_scale,
         )
         return (dq, dk, dv, None, None, None, None, None, None, d_alpha.to(alpha_heads.dtype) if alpha_grad else None,
                 None, _input_grad(ctx, 11, d_sinks, sinks), _input_grad(ctx, 12, d_logit_scale, logit_scale))
@@ -238,8 +241,8 @@ class _FamilyAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(family, q, k, v, start, stop, dense, additive, sinks, scale, softcap, *params):
-        forward_op = getattr(torch.ops.attnorm, f"{family}_attention_fwd")
-        return forward_op(q, k, v, start, stop, dense, additive, scale, *params, softcap, sinks)
+        forward_op = getattr(torch.ops.attnorm, f"{family}_attention_fwd").default
+        return ops.call(forward_op, q, k, v, start, stop, dense, additive, scale, *params, softcap, sinks)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -251,9 +254,9 @@ class _FamilyAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, _grad_stats):
         q, k, v, start, stop, dense, additive, sinks, out, stats = ctx.saved_tensors
-        backward_op = getattr(torch.ops.attnorm, f"{ctx.family}_attention_bwd")
-        dq, dk, dv, d_sinks = backward_op(q, k, v, out, grad_out.contiguous(), stats, start, stop, dense, additive,
-                                          ctx.scale, *ctx.params, ctx.softcap, sinks)
+        backward_op = getattr(torch.ops.attnorm, f"{ctx.family}_attention_bwd").default
+        dq, dk, dv, d_sinks = ops.call(backward_op, q, k, v, out, grad_out.contiguous(), stats, start, stop, dense,
+                                       additive, ctx.scale, *ctx.params, ctx.softcap, sinks)
         return (None, dq, dk, dv, None, None, None, None, _input_grad(ctx, 8, d_sinks, sinks), None, None,
                 *([None] * len(ctx.params)))
 

@@ -66,8 +66,8 @@ def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | No
     """
     softcap = ctx.softcap
     if not torch.is_grad_enabled():
-        dx, per_row, dsink = ops.softmax_bwd(y, grad, multiplier, x, param_grad, sink_weight, sink, softcap,
-                                             ctx.backend)
+        dx, per_row, dsink = ops.call(ops.softmax_bwd, y, grad, multiplier, x, param_grad, sink_weight, sink,
+                                      softcap, ctx.backend)
         return dx, per_row if param_grad else None, dsink if sink is not None else None
     # Recorded by autograd (double backward, torch.func): the same closed forms, differentiable.
     raw = x
@@ -141,7 +141,7 @@ class _Softmax(_RowFunction):
 
     @staticmethod
     def forward(*args):
-        return ops.softmax_fwd(*args)
+        return ops.call(ops.softmax_fwd, *args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -172,7 +172,7 @@ class _ScalableSoftmax(_RowFunction):
 
     @staticmethod
     def forward(*args):
-        return ops.scalable_softmax_fwd(*args)
+        return ops.call(ops.scalable_softmax_fwd, *args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -203,7 +203,7 @@ class _TopKSoftmax(_RowFunction):
 
     @staticmethod
     def forward(*args):
-        return ops.topk_softmax_fwd(*args)
+        return ops.call(ops.topk_softmax_fwd, *args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -220,7 +220,7 @@ class _Entmax(_RowFunction):
 
     @staticmethod
     def forward(*args):
-        return ops.entmax_fwd(*args)
+        return ops.call(ops.entmax_fwd, *args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -235,8 +235,8 @@ class _Entmax(_RowFunction):
         y, gate, alpha_rows, raw, sink, sink_weight = ctx.saved_tensors
         wants = ctx.needs_input_grad[5]
         if not torch.is_grad_enabled():
-            dx, per_row, dsink = ops.entmax_bwd(y, grad, gate, ctx.alpha, alpha_rows, wants, sink_weight, raw,
-                                                ctx.softcap, ctx.backend)
+            dx, per_row, dsink = ops.call(ops.entmax_bwd, y, grad, gate, ctx.alpha, alpha_rows, wants, sink_weight,
+                                          raw, ctx.softcap, ctx.backend)
         else:
             alpha = ctx.alpha if alpha_rows is None else alpha_rows
             if sink is not None:
@@ -253,7 +253,7 @@ class _SelfAdjustedSoftmax(_RowFunction):
 
     @staticmethod
     def forward(*args):
-        return ops.self_adjusted_softmax_fwd(*args)
+        return ops.call(ops.self_adjusted_softmax_fwd, *args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -267,9 +267,8 @@ class _SelfAdjustedSoftmax(_RowFunction):
     def backward(ctx, grad, _grad_stats, _grad_sink_weight):
         x, mask, key_lengths, stats, sink = ctx.saved_tensors
         if not torch.is_grad_enabled():
-            dx, dsink = ops.self_adjusted_softmax_bwd(
-                x, mask, ctx.diagonal, key_lengths, grad, stats, ctx.normalized, sink, ctx.softcap, ctx.backend
-            )
+            dx, dsink = ops.call(ops.self_adjusted_softmax_bwd, x, mask, ctx.diagonal, key_lengths, grad, stats,
+                                 ctx.normalized, sink, ctx.softcap, ctx.backend)
             dsink = dsink if sink is not None else None
         else:
             raw, row_mask = x, RowMask(mask, ctx.diagonal, key_lengths)
@@ -313,9 +312,7 @@ def _call(function: type[_RowFunction], op, args: tuple, *params: int) -> Tensor
             if args[i] is not None:
                 args[i] = unwrap(args[i])
         return function.eager_apply(*args)[0]
-    if torch.compiler.is_compiling():
-        return op(*args)[0]
-    return op._op(*args)[0]  # what OpOverload.__call__ does, one Python frame less
+    return ops.call(op, *args)[0]
 
 
 def _implementation(backend: str | None, x: Tensor) -> str:

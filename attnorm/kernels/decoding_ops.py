@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnorm.kernels import backends, inductor
+from attnorm.kernels import backends, inductor, ops
 from attnorm.kernels.rules import AttentionMask
 
 __all__ = ["self_adjusted_decoding"]
@@ -60,9 +60,17 @@ _LIBRARY.impl(_NAME, _device_kernel, "CUDA")
 torch.library.register_fake(f"attnorm::{_NAME}", _fake, lib=_LIBRARY)
 torch.library.register_autograd(f"attnorm::{_NAME}", _backward, lib=_LIBRARY)
 inductor.register(f"attnorm::{_NAME}", _device_kernel, _LIBRARY)
+ops.register_eager(getattr(torch.ops.attnorm, _NAME).default, _device_kernel)
 
 
 def self_adjusted_decoding(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,
                            splits: int = 0) -> Tensor:
-    """Split-K Self-Adjusted Softmax attention (both variants) for few query rows; ``splits`` 0: automatic."""
-    return torch.ops.attnorm.self_adjusted_decoding_fwd(q, k, v, *mask, scale, normalized, splits)
+    """Split-K Self-Adjusted Softmax attention (both variants) for few query rows; ``splits`` 0: automatic.
+
+    Straight to the kernel in a plain eager call (:func:`attnorm.kernels.ops.call`) unless
+    an input needs a gradient: the dispatcher then runs the autograd rule, which raises.
+    """
+    op = torch.ops.attnorm.self_adjusted_decoding_fwd.default
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return op(q, k, v, *mask, scale, normalized, splits)
+    return ops.call(op, q, k, v, *mask, scale, normalized, splits)

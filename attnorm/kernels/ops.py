@@ -11,6 +11,14 @@ The op's last argument, ``backend``, overrides that choice on CPU and CUDA (reso
 by :mod:`attnorm.kernels.backends`): ``"triton"`` on CPU tensors runs the Triton kernels
 under ``TRITON_INTERPRET=1`` (how the tests check them), ``"reference"`` the reference.
 
+Eager calls made through :func:`call` on plain tensors, while nothing else is watching
+(no ``torch.compile``, ``torch.export``, ``torch.jit.trace``, ``torch.func`` transform,
+dispatch or function mode, autocast or profiler), go straight to the op's device kernel:
+the dispatcher's round trip through a Python kernel (boxing every argument, the autograd
+fallback, unboxing) costs about as much as everything else in a call on a tiny tensor
+(~10 us of ~30 on a slow 2-core CPU), and would only land in the same kernel.  Every
+other call goes through the dispatcher, so PyTorch sees the op wherever it looks.
+
 Each op also has a fake kernel (shapes only, for ``torch.compile`` and
 ``torch.export``), a vmap rule (rows are independent, so a vmapped dim becomes one
 more leading dim) and, for forward ops, an autocast rule (float16/bfloat16 inputs are
@@ -48,15 +56,17 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import _C, Tensor
 
 from attnorm.kernels import inductor, reference, rules
 from attnorm.kernels.cpu import native
 from attnorm.kernels.rules import RowMask
 
 __all__ = [
+    "call",
     "entmax_bwd",
     "entmax_fwd",
+    "register_eager",
     "scalable_softmax_fwd",
     "self_adjusted_softmax_bwd",
     "self_adjusted_softmax_fwd",
@@ -132,6 +142,7 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
     _LIBRARY.impl(name, lambda *args: body(_kernels("reference"), *args), "CompositeExplicitAutograd")
     torch.library.register_fake(qualified, fake, lib=_LIBRARY)
     op = getattr(torch.ops.attnorm, name).default
+    register_eager(op, device_kernel)
     torch.library.register_vmap(qualified, _vmap_rule(op, vmap_kinds, optional_outputs or {}), lib=_LIBRARY)
     if autocast:
         for device in ("cpu", "cuda"):
@@ -139,6 +150,46 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
     inductor.register(qualified, lambda *args: body(_kernels("triton"), *args), _LIBRARY,
                       wants=lambda args: args[-1] == "triton")
     return op
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+_is_legacy_batched = _C._functorch.is_legacy_batchedtensor
+"""Tensor types :func:`call` hands its kernel directly (a Parameter dispatches as a tensor)."""
+
+_DEVICE_KERNELS: dict[Any, Callable[..., Any]] = {}
+"""Each op's CPU/CUDA kernel, for :func:`call`."""
+
+
+def register_eager(op, kernel: Callable[..., Any]) -> None:
+    """Let :func:`call` run ``kernel``, the op's CPU and CUDA kernel, in plain eager calls of ``op``."""
+    _DEVICE_KERNELS[op] = kernel
+
+
+def call(op, *args: Any) -> Any:
+    """``op(*args)``: straight to the op's CPU/CUDA kernel in a plain eager call, else through the dispatcher.
+
+    Plain: every tensor argument is a ``torch.Tensor`` or an ``nn.Parameter`` (no other
+    subclass: no fake, functional or distributed tensor, whose ``__torch_dispatch__`` the
+    dispatcher would call) and not batched by the legacy vmap (the incoming gradients of
+    ``torch.autograd.functional.jacobian(..., vectorize=True)`` and of
+    ``autograd.grad(..., is_grads_batched=True)``, plain tensors to ``type``); and none of
+    what the dispatcher serves besides the kernel is at work: ``torch.compile`` /
+    ``torch.export`` (``is_compiling``, tested first so that Dynamo reads nothing else),
+    ``torch.func`` transforms, ``torch.jit.trace``, dispatch modes (``FakeTensorMode``,
+    ``FlopCounterMode``, export's tracer), function modes, autocast (the ops' autocast rule
+    casts to float32) or the profiler (which records the op by name).  The kernel is the one
+    the dispatcher would pick: both read the ``backend`` argument (callers pass ``"native"``
+    or ``"triton"`` on CPU/CUDA tensors only).  The checks cost 1-2 us; the dispatcher's
+    round trip ~10 us on a slow CPU.
+    """
+    if (torch.compiler.is_compiling() or _C._are_functorch_transforms_active() or _C._len_torch_dispatch_stack()
+            or _C._is_torch_function_mode_enabled() or _C._get_tracing_state() or _C._is_any_autocast_enabled()
+            or _C._autograd._profiler_enabled()):
+        return op(*args)
+    for arg in args:
+        if isinstance(arg, Tensor) and (type(arg) not in _PLAIN or _is_legacy_batched(arg)):
+            return op(*args)
+    return _DEVICE_KERNELS[op](*args)
 
 
 # ---- vmap: a vmapped dim is one more leading dim of every row tensor -------------------------

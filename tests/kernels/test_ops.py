@@ -14,6 +14,7 @@ import pathlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnorm
 from attnorm.kernels import ops
@@ -385,3 +386,105 @@ def test_disabling_the_native_kernels_switches_auto_to_the_reference():
     with build.disabled():
         assert backends.resolve(None, x.device) == "reference"
     assert backends.resolve(None, x.device) == "native"
+
+
+# ---- eager calls: straight to the kernel, unless something watches ----------------------------
+
+
+class _Names(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the calls :func:`ops.call` makes straight to the forward and backward softmax kernels."""
+    calls = []
+    for op in (ops.softmax_fwd, ops.softmax_bwd):
+        kernel = ops._DEVICE_KERNELS[op]
+
+        def spy(*args, kernel=kernel, name=str(op)):
+            calls.append(name)
+            return kernel(*args)
+
+        monkeypatch.setitem(ops._DEVICE_KERNELS, op, spy)
+    return calls
+
+
+@pytest.mark.parametrize("backend", [b for b in OP_BACKENDS if b != "reference"])
+def test_a_plain_eager_call_runs_the_kernels_without_the_dispatcher(kernel_calls, backend):
+    x = scores(3, 7, requires_grad=True)
+    y = attnorm.Softmax(temperature=0.5, backend=backend)(x)
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y).cumsum(-1))
+    assert kernel_calls == ["attnorm.softmax_fwd.default", "attnorm.softmax_bwd.default"]
+    x64 = x.detach().double().requires_grad_()
+    y64 = torch.softmax(x64 / 0.5, -1)
+    (dx64,) = torch.autograd.grad(y64, x64, torch.ones_like(y64).cumsum(-1))
+    torch.testing.assert_close(y, y64.float())
+    torch.testing.assert_close(dx, dx64.float())
+
+
+def _profiled(run):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        run()
+    return [event.name for event in profiler.events()]
+
+
+def _dispatched(run):
+    with _Names() as mode:
+        run()
+    return mode.names
+
+
+def _traced(run):
+    x = scores(3, 7)
+    # check_trace would rerun the function untraced (a plain eager call) to compare.
+    return [str(torch.jit.trace(lambda t: attnorm.Softmax(temperature=0.5)(t), x, check_trace=False).graph)]
+
+
+def _autocast(run):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        run()
+    return ["attnorm::softmax_fwd"]  # its autocast rule ran: see the dtype check below
+
+
+def _vmapped(run):
+    torch.func.vmap(lambda t: attnorm.Softmax(temperature=0.5)(t))(scores(2, 3, 7))
+    return ["attnorm::softmax_fwd"]
+
+
+WATCHERS = {"profiler": _profiled, "dispatch mode": _dispatched, "jit.trace": _traced, "autocast": _autocast,
+            "vmap": _vmapped}
+
+
+@pytest.mark.parametrize("watcher", WATCHERS)
+def test_whatever_watches_an_eager_call_sees_the_op_through_the_dispatcher(kernel_calls, watcher):
+    """A profiler, a dispatch mode, jit.trace, autocast or a torch.func transform: the op goes
+    through the dispatcher (the direct call is never taken) and shows where each looks."""
+    x = scores(3, 7, dtype=torch.bfloat16 if watcher == "autocast" else torch.float32)
+    results = []
+    seen = WATCHERS[watcher](lambda: results.append(attnorm.Softmax(temperature=0.5)(x)))
+    assert kernel_calls == []
+    assert any("attnorm::softmax_fwd" in name or "attnorm.softmax_fwd" in name for name in seen), seen
+    for y in results:
+        expected = torch.softmax(x.double() / 0.5, -1)
+        if watcher == "autocast":
+            assert y.dtype == torch.float32  # the op's autocast rule: computed and returned in float32
+        torch.testing.assert_close(y, expected.to(y.dtype))
+
+
+def test_gradients_batched_by_the_legacy_vmap_go_through_the_dispatcher(kernel_calls):
+    """``autograd.grad(..., is_grads_batched=True)`` (and ``jacobian(vectorize=True)``) hand the
+    backward legacy-batched gradients, plain tensors to ``type``: the kernel must not get them."""
+    x = scores(3, 7, dtype=torch.float64, requires_grad=True)
+    y = attnorm.Softmax(temperature=0.5)(x)
+    upstream = torch.randn(4, 3, 7, dtype=torch.float64)
+    (batched,) = torch.autograd.grad(y, x, upstream, retain_graph=True, is_grads_batched=True)
+    assert kernel_calls == ["attnorm.softmax_fwd.default"]
+    for grad, g in zip(batched, upstream, strict=True):
+        torch.testing.assert_close(grad, torch.autograd.grad(y, x, g, retain_graph=True)[0])
