@@ -570,6 +570,43 @@ def test_empty_input(device):
     assert y.shape == (0, 7) and multiplier.shape == log_count.shape == (0,)
 
 
+def test_launch_integer_helpers_match_the_definitions():
+    for n in range(0, 5000):
+        assert launch.next_power_of_2(n) == (1 if n <= 1 else 2 ** math.ceil(math.log2(n)))
+        for d in (1, 3, 16, 64):
+            assert launch.cdiv(n, d) == math.ceil(n / d)
+
+
+def test_number_parameters_are_made_once_per_value_in_eager_calls(device, monkeypatch):
+    """A number parameter is one kept element per (value bits, dtype, device): no fill per call
+    (on CUDA a kernel launch), -0.0 apart from 0.0, every NaN one; fresh under a dispatch mode
+    (a tracer sees it) and the store restarts once full."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(launch, "_CONSTANTS", {})
+    x32, x64 = torch.zeros(2, 3, device=device), torch.zeros(2, 3, device=device, dtype=F64)
+    half = launch.row_param(0.5, x32)[0]
+    assert launch.row_param(0.5, x32)[0] is half and launch.softcap_arg(0.5, x32) is half
+    assert half.dtype == torch.float32 and half.device == x32.device and half.tolist() == [0.5]
+    assert launch.row_param(0.5, x64)[0].dtype == F64
+    assert launch.row_param(0.1, x64)[0].item() == 0.1  # float64 rows keep float64 numbers
+    assert math.copysign(1.0, launch.row_param(-0.0, x32)[0].item()) == -1.0
+    assert math.copysign(1.0, launch.row_param(0.0, x32)[0].item()) == 1.0
+    assert launch.row_param(math.nan, x32)[0] is launch.row_param(float("nan"), x32)[0]
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        assert launch.row_param(0.5, x32)[0] is not half
+    monkeypatch.setattr(launch, "CONSTANTS_KEPT", 2)
+    kept = len(launch._CONSTANTS)
+    assert kept > 2
+    launch.row_param(7.0, x32)
+    assert len(launch._CONSTANTS) == 1 and launch.row_param(0.5, x32)[0] is not half
+
+
 def test_source_never_synchronises_with_the_host():
     """No ``.item()``, ``.tolist()``, ``bool(tensor)`` or ``.cpu()`` in the launch code (the kernels cannot)."""
     package = pathlib.Path(kernels.__file__).parent

@@ -128,8 +128,8 @@ def split_count(lk: int, programs: int, block: int, device: torch.device) -> int
     at batch 1 and 8 key/value heads 33 (at most ``Lk / 64``).
     """
     sms = _multiprocessors(device) if device.type == "cuda" else INTERPRETED_SMS
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1))
-    return max(1, min(triton.cdiv(lk, block), wanted))
+    wanted = launch.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1))
+    return max(1, min(launch.cdiv(lk, block), wanted))
 
 
 # ---- device helpers ------------------------------------------------------------------------
@@ -329,12 +329,12 @@ def self_adjusted_decoding_forward(
     if out.numel() == 0:
         return out
     rows = shape.group * shape.lq
-    block_m = min(MAX_STACKED_ROWS, max(16, triton.next_power_of_2(rows)))
-    programs, row_blocks = shape.batch * shape.kv_heads, triton.cdiv(rows, block_m)
-    blocks = max(1, triton.cdiv(shape.lk, shape.block))
+    block_m = min(MAX_STACKED_ROWS, max(16, launch.next_power_of_2(rows)))
+    programs, row_blocks = shape.batch * shape.kv_heads, launch.cdiv(rows, block_m)
+    blocks = max(1, launch.cdiv(shape.lk, shape.block))
     splits = min(splits or split_count(shape.lk, programs * row_blocks, shape.block, q.device), blocks)
-    split_blocks = triton.cdiv(blocks, splits)
-    splits = triton.cdiv(blocks, split_blocks)  # no split left without keys
+    split_blocks = launch.cdiv(blocks, splits)
+    splits = launch.cdiv(blocks, split_blocks)  # no split left without keys
     acc = rules.accumulation_dtype(q.dtype)
     part_stats = launch.empty((programs, splits, rows, PARTIAL_STATS), acc, q.device)
     part_shifted = launch.empty((programs, splits, rows, shape.value_dim), acc, q.device)

@@ -89,7 +89,7 @@ def launch_options(device: torch.device) -> dict[str, int]:
 
 def head_width(dim: int) -> int:
     """A head dim padded to the tile width: a power of 2, at least 16 (``tl.dot``'s smallest)."""
-    return max(16, triton.next_power_of_2(dim))
+    return max(16, launch.next_power_of_2(dim))
 
 
 class Problem(NamedTuple):
@@ -128,12 +128,12 @@ class Problem(NamedTuple):
     @property
     def query_grid(self) -> tuple[int, int]:
         """One program per query block and (batch, query head)."""
-        return triton.cdiv(self.lq, self.block), self.batch * self.heads
+        return launch.cdiv(self.lq, self.block), self.batch * self.heads
 
     @property
     def key_grid(self) -> tuple[int, int]:
         """One program per key block and (batch, key/value head)."""
-        return triton.cdiv(self.lk, self.block), self.batch * self.kv_heads
+        return launch.cdiv(self.lk, self.block), self.batch * self.kv_heads
 
     def row_tensor(self, *extra: int, like: Tensor) -> Tensor:
         """A per-query-row output ``(B, Hq, Lq, *extra)`` in the accumulation dtype (from :func:`launch.empty`)."""

@@ -24,9 +24,8 @@ import math
 from typing import Any, NamedTuple
 
 import torch
-import triton
 import triton.language as tl
-from torch import Tensor
+from torch import _C, Tensor
 
 from attnorm import validation
 from attnorm.kernels import rules
@@ -40,10 +39,13 @@ __all__ = [
     "MaskArgs",
     "block_config",
     "check_raw_scores",
+    "cdiv",
     "compute_dtype",
+    "constant",
     "empty",
     "launchable",
     "mask_args",
+    "next_power_of_2",
     "per_row_param",
     "prepare",
     "row_param",
@@ -73,10 +75,25 @@ class BlockConfig(NamedTuple):
     num_warps: int
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of 2 >= ``n`` (1 for ``n`` <= 1).
+
+    Plain integer arithmetic in the launchers: ``triton.next_power_of_2`` and ``triton.cdiv``
+    are ``ConstexprFunction`` objects in recent Triton (3.9: ~4.5 us a call on a slow CPU,
+    against 0.15 us here), and a launch computes several.
+    """
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers, ``b > 0`` (see :func:`next_power_of_2`)."""
+    return -(-a // b)
+
+
 def block_config(length: int) -> BlockConfig:
     """Block size and warps for rows of ``length`` elements (as in Triton's fused-softmax tutorial)."""
     single = length <= SINGLE_BLOCK_MAX
-    block = triton.next_power_of_2(max(length, 1)) if single else MULTI_PASS_BLOCK
+    block = next_power_of_2(length) if single else MULTI_PASS_BLOCK
     num_warps = 4 if block < 2048 else 8 if block < 4096 else 16
     return BlockConfig(block, single, num_warps)
 
@@ -148,6 +165,35 @@ def rows_view(x: Tensor) -> Tensor:
     return rows if rows.stride(-1) == 1 or length == 1 else rows.contiguous()
 
 
+_CONSTANTS: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+CONSTANTS_KEPT = 1024
+"""Most one-element constants :func:`constant` keeps (then it starts again)."""
+
+
+def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A one-element tensor holding ``value`` that kernels read (never write), made once in eager calls.
+
+    A number parameter (a temperature, Scalable-Softmax's ``s`` and bias, alpha) and the cap
+    reach the kernels as one element in the accumulation dtype (a python float would be
+    float32 in a float64 kernel).  ``torch.full`` per call costs ~2 us on the CPU and, on
+    CUDA, one fill kernel launch per parameter: Softmax's forward launched two besides its
+    own.  Kept per ``(value bits, dtype, device)``, at most :data:`CONSTANTS_KEPT` of them.
+    A fresh tensor is made where a tracer must see it or a kept one could not be used:
+    under ``torch.compile``, a dispatch mode (export, fake tensors), ``torch.jit.trace``, and
+    while a CUDA graph is being captured (its fill would run only at replay).
+    """
+    if (torch.compiler.is_compiling() or _C._len_torch_dispatch_stack() or _C._get_tracing_state()
+            or device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.full((1,), value, dtype=dtype, device=device)
+    key = (value.hex(), dtype, device)  # bits: -0.0 is not 0.0, and every NaN is one key
+    kept = _CONSTANTS.get(key)
+    if kept is None:
+        if len(_CONSTANTS) >= CONSTANTS_KEPT:
+            _CONSTANTS.clear()
+        kept = _CONSTANTS[key] = torch.full((1,), value, dtype=dtype, device=device)
+    return kept
+
+
 def row_param(value: float | Tensor, x: Tensor) -> tuple[Tensor, int]:
     """A row parameter as ``(values, stride)``: row ``r`` of ``x`` reads ``values[r * stride]``.
 
@@ -157,7 +203,7 @@ def row_param(value: float | Tensor, x: Tensor) -> tuple[Tensor, int]:
     """
     dtype = rules.accumulation_dtype(x.dtype)
     if not isinstance(value, Tensor):
-        return torch.full((1,), float(value), dtype=dtype, device=x.device), 0
+        return constant(float(value), dtype, x.device), 0
     values = value.detach().to(device=x.device, dtype=dtype)
     values = values.expand(*x.shape[:-1], 1).reshape(-1)
     return values, values.stride(0) if values.numel() > 1 else 0
@@ -200,7 +246,7 @@ def softcap_arg(softcap: float | None, x: Tensor) -> Tensor:
     if softcap is None:
         return x
     cap = validation.check_softcap(softcap)
-    return torch.full((1,), cap, dtype=rules.accumulation_dtype(x.dtype), device=x.device)
+    return constant(cap, rules.accumulation_dtype(x.dtype), x.device)
 
 
 def check_raw_scores(x: Tensor | None, softcap: float | None) -> None:
