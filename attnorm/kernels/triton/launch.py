@@ -165,9 +165,9 @@ def rows_view(x: Tensor) -> Tensor:
     return rows if rows.stride(-1) == 1 or length == 1 else rows.contiguous()
 
 
-_CONSTANTS: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+_CONSTANTS: dict[tuple[str, torch.dtype, torch.device, int], Tensor] = {}
 CONSTANTS_KEPT = 1024
-"""Most one-element constants :func:`constant` keeps (then it starts again)."""
+"""Most one-element constants :func:`constant` keeps; once full, it makes fresh ones."""
 
 
 def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -177,20 +177,27 @@ def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     reach the kernels as one element in the accumulation dtype (a python float would be
     float32 in a float64 kernel).  ``torch.full`` per call costs ~2 us on the CPU and, on
     CUDA, one fill kernel launch per parameter: Softmax's forward launched two besides its
-    own.  Kept per ``(value bits, dtype, device)``, at most :data:`CONSTANTS_KEPT` of them.
-    A fresh tensor is made where a tracer must see it or a kept one could not be used:
-    under ``torch.compile``, a dispatch mode (export, fake tensors), ``torch.jit.trace``, and
-    while a CUDA graph is being captured (its fill would run only at replay).
+    own.  Kept per ``(value bits, dtype, device, CUDA stream)``, at most
+    :data:`CONSTANTS_KEPT` of them, and never dropped: the kernels that read a kept tensor
+    run on the stream that filled it (ordered after the fill), and none is freed while a
+    kernel may still read it.  A fresh tensor is made where a tracer must see it
+    or a kept one could not be used: under ``torch.compile``, a dispatch mode (export, fake
+    tensors), ``torch.jit.trace``, and while a CUDA graph is being captured (its fill would
+    run only at replay).
     """
-    if (torch.compiler.is_compiling() or _C._len_torch_dispatch_stack() or _C._get_tracing_state()
-            or device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if torch.compiler.is_compiling() or _C._len_torch_dispatch_stack() or _C._get_tracing_state():
         return torch.full((1,), value, dtype=dtype, device=device)
-    key = (value.hex(), dtype, device)  # bits: -0.0 is not 0.0, and every NaN is one key
+    stream = 0
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.full((1,), value, dtype=dtype, device=device)
+        stream = torch.cuda.current_stream(device).stream_id
+    key = (value.hex(), dtype, device, stream)  # bits: -0.0 is not 0.0, and every NaN is one key
     kept = _CONSTANTS.get(key)
     if kept is None:
-        if len(_CONSTANTS) >= CONSTANTS_KEPT:
-            _CONSTANTS.clear()
-        kept = _CONSTANTS[key] = torch.full((1,), value, dtype=dtype, device=device)
+        kept = torch.full((1,), value, dtype=dtype, device=device)
+        if len(_CONSTANTS) < CONSTANTS_KEPT:
+            _CONSTANTS[key] = kept
     return kept
 
 
