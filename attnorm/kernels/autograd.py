@@ -22,7 +22,8 @@ import inspect
 
 import torch
 from torch import Tensor
-from torch.autograd import Function
+from torch._C._functorch import TransformType
+from torch.autograd import Function, forward_ad
 
 from attnorm.kernels import backends, ops, reference, rules
 from attnorm.kernels.reference import jacobians, sinks
@@ -316,8 +317,35 @@ def _call(function: type[_RowFunction], op, args: tuple, *params: int) -> Tensor
 
 
 def _implementation(backend: str | None, x: Tensor) -> str:
+    """The backend that computes this call; the reference while a forward-mode derivative may be taken.
+
+    The kernels' Functions have no ``jvp``, and with no input requiring grad :func:`_call`
+    skips them: under ``torch.autograd.forward_ad`` the tangent was silently dropped, under
+    ``torch.func.jvp``/``jacfwd`` a kernel got functorch's wrapper (a data-pointer error).
+    The reference is differentiated by torch (softmax, Scalable-Softmax, top-k), or raises
+    torch's clear NotImplementedError (its sparsemax, entmax and Self-Adjusted Functions).
+
+    Raises:
+        NotImplementedError: forward mode with ``"native"`` or ``"triton"`` asked for by name.
+    """
     # x.is_cpu is cheaper than x.device.type (which builds a device object and a string).
-    return backends.resolve(backend, "cpu" if x.is_cpu else x.device)
+    implementation = backends.resolve(backend, "cpu" if x.is_cpu else x.device)
+    if implementation == "reference" or torch.compiler.is_compiling() or not _forward_mode():
+        return implementation
+    requested = backends.get_backend() if backend is None else backend
+    if requested in ("native", "triton"):
+        raise NotImplementedError(f"forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad) runs on "
+                                  f"backend='reference' only; backend={requested!r} was asked for")
+    return "reference"
+
+
+def _forward_mode() -> bool:
+    """True inside ``torch.autograd.forward_ad.dual_level`` or a ``torch.func.jvp``/``jacfwd`` transform."""
+    if forward_ad._current_level >= 0:
+        return True
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    return any(layer.key() == TransformType.Jvp for layer in torch._C._functorch.get_interpreter_stack())
 
 
 def _sink(sink: Tensor | None, x: Tensor) -> Tensor | None:

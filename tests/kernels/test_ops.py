@@ -488,3 +488,56 @@ def test_gradients_batched_by_the_legacy_vmap_go_through_the_dispatcher(kernel_c
     assert kernel_calls == ["attnorm.softmax_fwd.default"]
     for grad, g in zip(batched, upstream, strict=True):
         torch.testing.assert_close(grad, torch.autograd.grad(y, x, g, retain_graph=True)[0])
+
+
+# ---- forward mode: the reference, or a clear error; never a dropped tangent --------------------
+
+FORWARD_MODE_SMOOTH = {  # differentiated by torch on the reference
+    "softmax_T0.7": MODULES["softmax_T0.7"], "ssmax": MODULES["ssmax"], "topk2": MODULES["topk2"],
+}
+FORWARD_MODE_UNSUPPORTED = {"sparsemax": MODULES["sparsemax"], "entmax1.3": MODULES["entmax1.3"], "sa": MODULES["sa"]}
+
+
+def _dual_tangent(module, x, t):
+    import torch.autograd.forward_ad as forward_ad
+
+    with forward_ad.dual_level():
+        return forward_ad.unpack_dual(module(forward_ad.make_dual(x, t), attnorm.causal_mask())).tangent
+
+
+def _func_tangent(module, x, t):
+    return torch.func.jvp(lambda s: module(s, attnorm.causal_mask()), (x,), (t,))[1]
+
+
+TANGENTS = {"forward_ad": _dual_tangent, "func.jvp": _func_tangent}
+
+
+@pytest.mark.parametrize("how", TANGENTS)
+@pytest.mark.parametrize("name", FORWARD_MODE_SMOOTH)
+def test_forward_mode_derivatives_equal_central_differences(name, how):
+    """The kernels have no JVP: forward mode runs on the reference.  Before, forward_ad dropped the
+    tangent (None) and torch.func.jvp handed a kernel functorch's wrapper."""
+    module = FORWARD_MODE_SMOOTH[name]().to(DEVICE, torch.float64)
+    x, t = scores(2, 4, 6, dtype=torch.float64), scores(2, 4, 6, dtype=torch.float64, seed=1)
+    tangent = TANGENTS[how](module, x, t)
+    eps = 1e-6
+    with torch.no_grad():
+        central = (module(x + eps * t, attnorm.causal_mask()) - module(x - eps * t, attnorm.causal_mask())) / (2 * eps)
+    assert tangent is not None
+    torch.testing.assert_close(tangent, central, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("how", TANGENTS)
+@pytest.mark.parametrize("name", FORWARD_MODE_UNSUPPORTED)
+def test_forward_mode_without_a_jvp_is_a_clear_error(name, how):
+    module = FORWARD_MODE_UNSUPPORTED[name]().to(DEVICE, torch.float64)
+    x, t = scores(2, 4, 6, dtype=torch.float64), scores(2, 4, 6, dtype=torch.float64, seed=1)
+    with pytest.raises(NotImplementedError, match="jvp"):
+        TANGENTS[how](module, x, t)
+
+
+@pytest.mark.parametrize("backend", [b for b in OP_BACKENDS if b != "reference"])
+def test_forward_mode_on_a_kernel_backend_asked_by_name_is_a_clear_error(backend):
+    x = scores(3, 6, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match=f"backend='{backend}'"):
+        _func_tangent(attnorm.Softmax(backend=backend), x, x)
