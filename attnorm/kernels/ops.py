@@ -153,8 +153,9 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
-_is_legacy_batched = _C._functorch.is_legacy_batchedtensor
 """Tensor types :func:`call` hands its kernel directly (a Parameter dispatches as a tensor)."""
+
+_is_legacy_batched = _C._functorch.is_legacy_batchedtensor
 
 _DEVICE_KERNELS: dict[Any, Callable[..., Any]] = {}
 """Each op's CPU/CUDA kernel, for :func:`call`."""

@@ -55,6 +55,11 @@ class RowMask(NamedTuple):
     def structured(self) -> bool:
         return self.diagonal is not None or self.key_lengths is not None
 
+    @property
+    def unmasked(self) -> bool:
+        """Every position a row holds may be used (no field set)."""
+        return self.tensor is None and self.diagonal is None and self.key_lengths is None
+
 
 NO_MASK = RowMask()
 

@@ -160,7 +160,7 @@ def _launch(name: str, dtype: torch.dtype, *arguments: object) -> None:
 def _scores(x: Tensor, mask: rules.RowMask) -> Tensor:
     """Checked, masked (-inf where forbidden) contiguous scores."""
     _check_rows(x, "x")
-    if mask.tensor is None and mask.diagonal is None and mask.key_lengths is None:
+    if mask.unmasked:
         return x.contiguous()
     scores = rules.masked_scores(x, mask)
     if scores.shape != x.shape:

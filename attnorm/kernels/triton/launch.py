@@ -189,13 +189,11 @@ def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     tensors), ``torch.jit.trace``, and while a CUDA graph is being captured (its fill would
     run only at replay).
     """
-    if torch.compiler.is_compiling() or _C._len_torch_dispatch_stack() or _C._get_tracing_state():
+    cuda = device.type == "cuda"
+    if (torch.compiler.is_compiling() or _C._len_torch_dispatch_stack() or _C._get_tracing_state()
+            or cuda and torch.cuda.is_current_stream_capturing()):
         return torch.full((1,), value, dtype=dtype, device=device)
-    stream = 0
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.full((1,), value, dtype=dtype, device=device)
-        stream = torch.cuda.current_stream(device).stream_id
+    stream = torch.cuda.current_stream(device).stream_id if cuda else 0
     key = (value.hex(), dtype, device, stream)  # bits: -0.0 is not 0.0, and every NaN is one key
     kept = _CONSTANTS.get(key)
     if kept is None:
@@ -300,7 +298,7 @@ def mask_args(mask: rules.RowMask, x: Tensor) -> MaskArgs:
             key lengths on scores without a batch axis (fewer than 3 dims) or not of
             shape ``(B,)`` / ``(1,)``.
     """
-    if mask.tensor is None and mask.diagonal is None and mask.key_lengths is None:
+    if mask.unmasked:
         # Unmasked (the common case): placeholders only, row geometry 1 (the kernels read it
         # only under CAUSAL or LENGTHS), so every unmasked launch shares one specialisation.
         return MaskArgs((x, 0, 0, x, 0, 1, 1, 0), _UNMASKED)
