@@ -322,8 +322,8 @@ def _implementation(backend: str | None, x: Tensor) -> str:
     The kernels' Functions have no ``jvp``, and with no input requiring grad :func:`_call`
     skips them: under ``torch.autograd.forward_ad`` the tangent was silently dropped, under
     ``torch.func.jvp``/``jacfwd`` a kernel got functorch's wrapper (a data-pointer error).
-    The reference is differentiated by torch (softmax, Scalable-Softmax, top-k), or raises
-    torch's clear NotImplementedError (its sparsemax, entmax and Self-Adjusted Functions).
+    The reference is differentiated by torch (softmax, Scalable-Softmax, top-k) or by the
+    closed-form ``jvp`` of its entmax and Self-Adjusted Functions.
 
     Raises:
         NotImplementedError: forward mode with ``"native"`` or ``"triton"`` asked for by name.

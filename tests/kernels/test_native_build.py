@@ -172,3 +172,42 @@ def test_a_packed_call_with_the_wrong_slot_count_is_refused(monkeypatch):
         native._launch("attnorm_softmax_forward", torch.float32, x.data_ptr(), y.data_ptr(), 1, 2, 0, 1.0, 0, 0.0, 0,
                        multiplier.data_ptr(), 0, float("-inf"), 0, 0, 0.0)
     assert y.isnan().all() and multiplier.isnan().all()  # nothing was written
+
+
+# The process's first attnorm call, which loads the library, comes inside a transform or mode.
+FIRST_CALL_INSIDE = """
+import json
+import torch
+import attnorm
+from attnorm.kernels.cpu import build
+
+x = torch.randn(3, 5, dtype=torch.float64)
+case = {case!r}
+if case == "func.grad":
+    got = torch.func.grad(lambda s: attnorm.Softmax(0.7)(s)[0, 1])(x)
+    want = torch.func.grad(lambda s: torch.softmax(s / 0.7, -1)[0, 1])(x)
+elif case == "func.jvp":
+    got = torch.func.jvp(attnorm.Softmax(0.7), (x,), (x.cos(),))[1]
+    want = torch.func.jvp(lambda s: torch.softmax(s / 0.7, -1), (x,), (x.cos(),))[1]
+else:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        fake = torch.randn(3, 5)
+        assert attnorm.Sparsemax()(fake).shape == (3, 5)
+    got, want = attnorm.Sparsemax()(x), attnorm.Sparsemax(backend="reference")(x)
+torch.testing.assert_close(got, want)
+print(json.dumps(build.build_info()))
+"""
+
+
+@pytest.mark.parametrize("case", ["func.grad", "func.jvp", "FakeTensorMode"])
+def test_the_first_call_of_a_process_may_come_inside_a_transform_or_mode(case):
+    """Loading probes the library with a known call; inside ``torch.func.grad``/``jvp`` its new
+    buffers were functorch wrappers (no data pointer: a RuntimeError), under a fake mode fake."""
+    from attnorm.kernels.cpu import native
+
+    if not native.build.usable():
+        pytest.skip("no native kernels on this machine")
+    cache = Path(native.build.build_info()["path"]).parent  # already built: no rebuild
+    info = run_fresh(cache, FIRST_CALL_INSIDE.format(case=case))
+    assert info["available"] and info["cached"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import math
 import pathlib
 
 import pytest
@@ -490,12 +491,7 @@ def test_gradients_batched_by_the_legacy_vmap_go_through_the_dispatcher(kernel_c
         torch.testing.assert_close(grad, torch.autograd.grad(y, x, g, retain_graph=True)[0])
 
 
-# ---- forward mode: the reference, or a clear error; never a dropped tangent --------------------
-
-FORWARD_MODE_SMOOTH = {  # differentiated by torch on the reference
-    "softmax_T0.7": MODULES["softmax_T0.7"], "ssmax": MODULES["ssmax"], "topk2": MODULES["topk2"],
-}
-FORWARD_MODE_UNSUPPORTED = {"sparsemax": MODULES["sparsemax"], "entmax1.3": MODULES["entmax1.3"], "sa": MODULES["sa"]}
+# ---- forward mode: on the reference, for every normalizer; never a dropped tangent -------------
 
 
 def _dual_tangent(module, x, t):
@@ -512,28 +508,85 @@ def _func_tangent(module, x, t):
 TANGENTS = {"forward_ad": _dual_tangent, "func.jvp": _func_tangent}
 
 
+def _central(f, x, t, eps=1e-6):
+    with torch.no_grad():
+        return (f(x + eps * t) - f(x - eps * t)) / (2 * eps)
+
+
 @pytest.mark.parametrize("how", TANGENTS)
-@pytest.mark.parametrize("name", FORWARD_MODE_SMOOTH)
+@pytest.mark.parametrize("name", MODULES)
 def test_forward_mode_derivatives_equal_central_differences(name, how):
-    """The kernels have no JVP: forward mode runs on the reference.  Before, forward_ad dropped the
-    tangent (None) and torch.func.jvp handed a kernel functorch's wrapper."""
-    module = FORWARD_MODE_SMOOTH[name]().to(DEVICE, torch.float64)
+    """The kernels have no JVP: forward mode runs on the reference, whose entmax/sparsemax and
+    Self-Adjusted Functions have closed-form ``jvp``s.  Before, forward_ad dropped the tangent
+    (None), torch.func.jvp handed a kernel functorch's wrapper, and those three raised."""
+    module = MODULES[name]().to(DEVICE, torch.float64)
     x, t = scores(2, 4, 6, dtype=torch.float64), scores(2, 4, 6, dtype=torch.float64, seed=1)
     tangent = TANGENTS[how](module, x, t)
-    eps = 1e-6
-    with torch.no_grad():
-        central = (module(x + eps * t, attnorm.causal_mask()) - module(x - eps * t, attnorm.causal_mask())) / (2 * eps)
     assert tangent is not None
+    central = _central(lambda s: module(s, attnorm.causal_mask()), x, t)
     torch.testing.assert_close(tangent, central, atol=1e-8, rtol=1e-6)
 
 
-@pytest.mark.parametrize("how", TANGENTS)
-@pytest.mark.parametrize("name", FORWARD_MODE_UNSUPPORTED)
-def test_forward_mode_without_a_jvp_is_a_clear_error(name, how):
-    module = FORWARD_MODE_UNSUPPORTED[name]().to(DEVICE, torch.float64)
+def test_forward_mode_through_entmax_alpha_equals_central_differences():
+    """A tangent of alpha (per row, 1.5 and 2 included) as well as of the scores."""
     x, t = scores(2, 4, 6, dtype=torch.float64), scores(2, 4, 6, dtype=torch.float64, seed=1)
-    with pytest.raises(NotImplementedError, match="jvp"):
-        TANGENTS[how](module, x, t)
+    alpha = torch.tensor([1.2, 1.5, 1.7, 2.0], dtype=torch.float64, device=DEVICE).view(1, 4, 1).repeat(2, 1, 1)
+    alpha_t = torch.linspace(-1, 1, 8, dtype=torch.float64, device=DEVICE).view(2, 4, 1)
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1]], dtype=torch.bool, device=DEVICE)
+
+    def f(s, a):
+        return attnorm.functional.entmax(s, alpha=a, mask=mask)
+
+    tangent = torch.func.jvp(f, (x, alpha), (t, alpha_t))[1]
+    eps = 1e-6
+    with torch.no_grad():
+        central = (f(x + eps * t, alpha + eps * alpha_t) - f(x - eps * t, alpha - eps * alpha_t)) / (2 * eps)
+    torch.testing.assert_close(tangent, central, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["sparsemax", "entmax1.5", "entmax1.3", "sa", "sa_plain"])
+def test_hessian_forward_over_reverse_equals_reverse_over_reverse(name):
+    """``torch.func.hessian`` (jacfwd of jacrev: the jvp of the forward and of the backward) against
+    jacrev of jacrev (double backward, no jvp involved)."""
+    module = MODULES[name]().to(DEVICE, torch.float64)
+    x = scores(6, dtype=torch.float64)
+    readout = torch.linspace(-1, 2, 6, dtype=torch.float64, device=DEVICE)
+
+    def f(s):
+        return (module(s) * readout).sum()
+
+    forward_over_reverse = torch.func.hessian(f)(x)
+    torch.testing.assert_close(forward_over_reverse, torch.func.jacrev(torch.func.jacrev(f))(x))
+    assert forward_over_reverse.abs().sum() > 0 or name == "sparsemax"  # sparsemax's is 0 almost everywhere
+
+
+def _edge_rows() -> torch.Tensor:
+    inf, tiny = math.inf, 1e-300  # tiny: span squared underflows to 0
+    return torch.tensor([
+        [0.3, -1.2, 2.0, 0.7, -0.4, 1.1],
+        [-inf] * 6,                           # fully masked
+        [1.0, inf, 0.0, inf, -2.0, 3.0],      # +inf: uniform over the +inf positions
+        [-1.0, -1.0, 2.0, 0.5, 3.0, 3.0],     # ties at the min and the max
+        [0.0] * 6,                            # one value: Self-Adjusted's span is 0
+        [tiny, -tiny, 0.0, 2 * tiny, -3 * tiny, tiny],  # a span of 5e-300
+        [2.0, 1.0, -inf, 0.5, -inf, 1.5],
+    ], dtype=torch.float64, device=DEVICE)
+
+
+@pytest.mark.parametrize("name", ["softmax_T0.7", "sparsemax", "entmax1.5", "entmax1.3", "sa", "sa_plain", "topk2"])
+def test_forward_mode_jacobian_is_the_kernels_reverse_mode_jacobian_on_edge_rows(name):
+    """jacfwd (the reference's jvp) against jacrev (the default backend's backward kernel) on
+    masked, +inf, tied, constant and denormal rows; a NaN row's tangent is NaN, as torch.softmax's."""
+    module = MODULES[name]().to(DEVICE, torch.float64)
+    x = _edge_rows()
+    forward, reverse = torch.func.jacfwd(module)(x), torch.func.jacrev(module)(x)
+    assert forward.isfinite().all()
+    torch.testing.assert_close(forward, reverse, atol=1e-12, rtol=1e-9)
+    with_nan = torch.cat([x[:1], torch.tensor([[0.1, math.nan, 0.2, 0.3, 0.4, 0.5]], dtype=x.dtype, device=DEVICE)])
+    tangent = torch.func.jvp(module, (with_nan,), (torch.ones_like(with_nan),))[1]
+    want = torch.func.jvp(lambda s: torch.softmax(s, -1), (with_nan,), (torch.ones_like(with_nan),))[1]
+    assert tangent[1].isnan().all() and want[1].isnan().all()
+    assert tangent[0].isfinite().all()
 
 
 @pytest.mark.parametrize("backend", [b for b in OP_BACKENDS if b != "reference"])

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["build_info", "disabled", "kernel", "library", "usable"]
 
@@ -199,7 +200,16 @@ def _caller(function: ctypes._CFuncPtr, argtypes: tuple[type, ...]) -> Callable[
 
 
 def _probe(callers: dict[tuple[str, torch.dtype], Callable[..., int]]) -> bool:
-    """A tiny known call: softmax of (0, log 3) with a sink of score log 4 is (1/8, 3/8) and 1/2 for the sink."""
+    """A tiny known call: softmax of (0, log 3) with a sink of score log 4 is (1/8, 3/8) and 1/2 for the sink.
+
+    The first kernel call may come inside ``torch.func.grad``/``jvp`` (whose transforms wrap even
+    new tensors: no data pointer) or a dispatch mode (fake tensors): the buffers are made outside both.
+    """
+    with torch._C._DisableFuncTorch(), _disable_current_modes():
+        return _probe_call(callers)
+
+
+def _probe_call(callers: dict[tuple[str, torch.dtype], Callable[..., int]]) -> bool:
     # On the CPU even inside a device context (``with torch.device(...)``): C writes these.
     x = torch.tensor([0.0, math.log(3.0)], dtype=torch.float64, device="cpu")
     y, multiplier, sink_weight = (torch.full((size,), math.nan, dtype=torch.float64, device="cpu")

@@ -3,7 +3,7 @@
 * Forward functions (differentiable, any floating dtype, vmap / compile friendly):
   :func:`softmax`, :func:`scalable_softmax`, :func:`self_adjusted_softmax`, :func:`entmax`,
   :func:`sparsemax`, :func:`topk_softmax`.
-* Closed-form vector-Jacobian products (:mod:`.jacobians`), differentiable again.
+* Closed-form vector-Jacobian (and Jacobian-vector) products (:mod:`.jacobians`), differentiable again.
 * The seven backend functions of the kernel contract (:mod:`.backend`, ``kernels/README.md``).
 """
 

@@ -1,4 +1,4 @@
-"""Closed-form vector-Jacobian products of the row normalizers, in differentiable torch.
+"""Closed-form vector-Jacobian products of the row normalizers, and the JVPs forward mode needs, in torch.
 
 Per-row arguments (``multiplier``, ``gate``, ``alpha``) are python numbers or tensors
 ``(..., 1)`` broadcastable to ``y``; per-row results have shape ``y.shape[:-1] + (1,)``.
@@ -19,10 +19,13 @@ from attnorm.kernels.reference.rows import rows_of
 from attnorm.kernels.reference.softmax import normalized_factor, self_adjusted_parts
 
 __all__ = [
+    "entmax_alpha_direction",
     "entmax_alpha_grad",
+    "entmax_jvp",
     "entmax_slopes",
     "entmax_vjp",
     "multiplier_grad",
+    "self_adjusted_jvp",
     "self_adjusted_vjp",
     "self_adjusted_vjp_from",
     "softmax_vjp",
@@ -123,26 +126,42 @@ def entmax_vjp(y: Tensor, grad: Tensor, gate: float | Tensor, alpha: float | Ten
     return _nan_rows(y, gate * (weighted - correction * slopes))
 
 
-def entmax_alpha_grad(y: Tensor, grad: Tensor, gate: float | Tensor, alpha: float | Tensor) -> Tensor:
-    """Per-row gradient of alpha: ``gate beta (sum(g S) - sum(S) / sum(s) sum(g s))``.
+def entmax_alpha_direction(y: Tensor, gate: float | Tensor, alpha: float | Tensor) -> Tensor:
+    """alpha-entmax's ``dy/dalpha = gate beta (S - s sum(S) / sum(s))``, like ``y``.
 
     ``beta = 1 / (alpha - 1)``, ``S = y (beta - log y)`` and ``s = y^(2 - alpha)`` on the
     support; from ``y_i^(alpha - 1) = (alpha - 1) x_i - tau(alpha)`` with ``sum(y) = 1``
     (Peters, Niculae & Martins, 2019).  Rows with alpha = 1 get 0.
-
-    Returns:
-        Per-row gradient of shape ``y.shape[:-1] + (1,)``.
     """
     alpha = torch.as_tensor(alpha, dtype=y.dtype, device=y.device)
     is_softmax = alpha == 1
     alpha = torch.where(is_softmax, 2.0, alpha)
     beta = 1 / (alpha - 1)
-    slopes = torch.where(y > 0, _off_zeros(y).pow(2 - alpha), 0.0)
-    support = y > 0
-    entropic = torch.where(support, y * (beta - _safe_log(y)), 0.0)
+    slopes = entmax_slopes(y, alpha)
+    entropic = torch.where(y > 0, y * (beta - _safe_log(y)), 0.0)
     ratio = _safe_divide(entropic.sum(-1, keepdim=True), slopes.sum(-1, keepdim=True))
-    total = beta * ((grad * entropic).sum(-1, keepdim=True) - ratio * (grad * slopes).sum(-1, keepdim=True))
-    return _nan_rows(y, gate * torch.where(is_softmax, 0.0, total))
+    return _nan_rows(y, gate * torch.where(is_softmax, 0.0, beta * (entropic - ratio * slopes)))
+
+
+def entmax_alpha_grad(y: Tensor, grad: Tensor, gate: float | Tensor, alpha: float | Tensor) -> Tensor:
+    """Per-row gradient of alpha: ``sum(g dy/dalpha)`` (:func:`entmax_alpha_direction`).
+
+    Returns:
+        Per-row gradient of shape ``y.shape[:-1] + (1,)``.
+    """
+    return (grad * entmax_alpha_direction(y, gate, alpha)).sum(-1, keepdim=True)
+
+
+def entmax_jvp(y: Tensor, tangent: Tensor | None, alpha_tangent: Tensor | None, gate: float | Tensor,
+               alpha: float | Tensor) -> Tensor:
+    """alpha-entmax's Jacobian-vector product: ``J t + dy/dalpha t_alpha`` (either tangent may be None).
+
+    ``J = diag(s) - s s^T / sum(s)`` is symmetric, so ``J t`` is :func:`entmax_vjp` of ``t``.
+    """
+    out = torch.zeros_like(y) if tangent is None else entmax_vjp(y, tangent, gate, alpha)
+    if alpha_tangent is not None:
+        out = out + alpha_tangent * entmax_alpha_direction(y, gate, alpha)
+    return out
 
 
 def _nan_rows(y: Tensor, value: Tensor) -> Tensor:
@@ -177,14 +196,50 @@ def self_adjusted_vjp_from(
     phi, span, scale = normalized_factor(scores, low, high)
     gw = grad * weights
     direct = weights * (grad * phi) - weights * (gw * phi).sum(-1, keepdim=True)
-    values = scores.detach()
-    at_low = active & (values == low.detach())  # a min of exactly 0 counts, as clamp's gradient
-    at_high = active & (values == high.detach())
-    e_low = at_low.to(scores.dtype) / at_low.sum(-1, keepdim=True).clamp_min(1)
-    e_high = at_high.to(scores.dtype) / at_high.sum(-1, keepdim=True).clamp_min(1)
+    e_low, e_high = _extreme_shares(scores, active, low, high)
     through_span = gw - e_low * (gw * (1 - phi)).sum(-1, keepdim=True) - e_high * (gw * phi).sum(-1, keepdim=True)
     through_span = torch.where(span > 0, through_span * scale / torch.where(span > 0, span, 1.0), 0.0)
     return torch.where(active, gate * (direct + through_span), 0.0)
+
+
+def _extreme_shares(scores: Tensor, active: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+    """``e_low``, ``e_high``: 1 split over the positions holding ``low`` (``high``), 0 where none does.
+
+    A min of exactly 0 counts (the kink of ``min(x, 0)``), as autograd of ``clamp`` and ``amin`` share it.
+    """
+    values = scores.detach()
+    at_low = active & (values == low.detach())
+    at_high = active & (values == high.detach())
+    e_low = at_low.to(scores.dtype) / at_low.sum(-1, keepdim=True).clamp_min(1)
+    e_high = at_high.to(scores.dtype) / at_high.sum(-1, keepdim=True).clamp_min(1)
+    return e_low, e_high
+
+
+def self_adjusted_jvp(x: Tensor, mask: rules.RowMask, tangent: Tensor, normalized: bool) -> Tensor:
+    """SA-Softmax's Jacobian-vector product ``dy`` for a tangent ``t`` of ``x`` (:func:`self_adjusted_vjp` transposed).
+
+    Plain, ``y = x w``: ``dy = w (t (1 + x) - x sum(w t))``.  Normalized, ``y = phi w``:
+    ``dy = phi w (t - sum(w t)) + w (t - (1 - phi) dlow - phi dhigh) / span`` with
+    ``dlow = sum(e_low t)``, ``dhigh = sum(e_high t)`` (the second term 0 where ``span = 0``).
+    0 in rows holding +inf or no allowed position, NaN in rows holding NaN.
+    """
+    rows = rows_of(x, mask)
+    weights, low, high = self_adjusted_parts(rows)
+    gate = (rows.any_active & ~rows.posinf_row).to(x.dtype)
+    scores, active = rows.scores, rows.active
+    tangent = torch.where(active & x.isfinite(), tangent, 0.0)
+    wt = (weights * tangent).sum(-1, keepdim=True)
+    if normalized:
+        phi, span, scale = normalized_factor(scores, low, high)
+        e_low, e_high = _extreme_shares(scores, active, low, high)
+        d_low, d_high = (e_low * tangent).sum(-1, keepdim=True), (e_high * tangent).sum(-1, keepdim=True)
+        through_span = weights * (tangent - (1 - phi) * d_low - phi * d_high)
+        through_span = torch.where(span > 0, through_span * scale / torch.where(span > 0, span, 1.0), 0.0)
+        dy = phi * weights * (tangent - wt) + through_span
+    else:
+        # Where the weight underflows to 0 the bracket may overflow: 0, not 0 * inf.
+        dy = torch.where(weights > 0, weights * (tangent * (1 + scores) - scores * wt), 0.0)
+    return torch.where(rows.nan_row, math.nan, torch.where(active, gate * dy, 0.0))
 
 
 def self_adjusted_vjp(x: Tensor, mask: rules.RowMask, grad: Tensor, normalized: bool) -> Tensor:

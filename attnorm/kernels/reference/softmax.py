@@ -198,6 +198,14 @@ class _SelfAdjustedSoftmax(Function):
     def setup_context(ctx, inputs, output):
         x, mask, ctx.diagonal, key_lengths, ctx.normalized = inputs
         ctx.save_for_backward(x, mask, key_lengths)
+        ctx.save_for_forward(x, mask, key_lengths)
+
+    @staticmethod
+    def jvp(ctx, tangent, _mask, _diagonal, _key_lengths, _normalized):
+        from attnorm.kernels.reference.jacobians import self_adjusted_jvp
+
+        x, mask, key_lengths = ctx.saved_tensors
+        return self_adjusted_jvp(x, rules.RowMask(mask, ctx.diagonal, key_lengths), tangent, ctx.normalized)
 
     @staticmethod
     def backward(ctx, grad):

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from attnorm.kernels import rules
-from attnorm.kernels.reference.jacobians import entmax_alpha_grad, entmax_vjp
+from attnorm.kernels.reference.jacobians import entmax_alpha_grad, entmax_jvp, entmax_vjp
 from attnorm.kernels.reference.rows import finish, masked_softmax, rows_of, shifted_scaled
 
 __all__ = ["bisect_iterations", "entmax", "entmax_weights", "sparsemax"]
@@ -136,7 +136,7 @@ def entmax_weights(scores: Tensor, active: Tensor, alpha: Tensor, alpha_value: f
 
 
 class _Entmax(torch.autograd.Function):
-    """Weights from :func:`entmax_weights`; gradients for ``scores`` and ``alpha`` from the output alone."""
+    """Weights from :func:`entmax_weights`; reverse and forward derivatives in ``scores`` and ``alpha`` from ``y``."""
 
     generate_vmap_rule = True
 
@@ -148,6 +148,12 @@ class _Entmax(torch.autograd.Function):
     def setup_context(ctx, inputs, output) -> None:
         _, _, alpha, gate, _ = inputs
         ctx.save_for_backward(output, alpha, gate)
+        ctx.save_for_forward(output, alpha, gate)
+
+    @staticmethod
+    def jvp(ctx, scores_tangent: Tensor | None, _active, alpha_tangent: Tensor | None, _gate, _alpha_value) -> Tensor:
+        out, alpha, gate = ctx.saved_tensors
+        return entmax_jvp(out, scores_tangent, alpha_tangent, gate, alpha)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
