@@ -189,6 +189,13 @@ if case == "func.grad":
 elif case == "func.jvp":
     got = torch.func.jvp(attnorm.Softmax(0.7), (x,), (x.cos(),))[1]
     want = torch.func.jvp(lambda s: torch.softmax(s / 0.7, -1), (x,), (x.cos(),))[1]
+elif case == "jit.trace":
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(attnorm.Softmax(0.7), x, check_trace=False)
+    assert not [w for w in caught if w.filename == build.__file__], [str(w.message) for w in caught]
+    got, want = traced(x.flip(0)), torch.softmax(x.flip(0) / 0.7, -1)
 else:
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
@@ -200,10 +207,11 @@ print(json.dumps(build.build_info()))
 """
 
 
-@pytest.mark.parametrize("case", ["func.grad", "func.jvp", "FakeTensorMode"])
+@pytest.mark.parametrize("case", ["func.grad", "func.jvp", "FakeTensorMode", "jit.trace"])
 def test_the_first_call_of_a_process_may_come_inside_a_transform_or_mode(case):
     """Loading probes the library with a known call; inside ``torch.func.grad``/``jvp`` its new
-    buffers were functorch wrappers (no data pointer: a RuntimeError), under a fake mode fake."""
+    buffers were functorch wrappers (no data pointer: a RuntimeError), under a fake mode fake,
+    and ``torch.jit.trace`` recorded the probe and warned about its checks."""
     from attnorm.kernels.cpu import native
 
     if not native.build.usable():

@@ -203,10 +203,16 @@ def _probe(callers: dict[tuple[str, torch.dtype], Callable[..., int]]) -> bool:
     """A tiny known call: softmax of (0, log 3) with a sink of score log 4 is (1/8, 3/8) and 1/2 for the sink.
 
     The first kernel call may come inside ``torch.func.grad``/``jvp`` (whose transforms wrap even
-    new tensors: no data pointer) or a dispatch mode (fake tensors): the buffers are made outside both.
+    new tensors: no data pointer), a dispatch mode (fake tensors) or ``torch.jit.trace`` (which
+    would record the probe and warn about its checks): it runs outside all three.
     """
-    with torch._C._DisableFuncTorch(), _disable_current_modes():
-        return _probe_call(callers)
+    tracing = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        with torch._C._DisableFuncTorch(), _disable_current_modes():
+            return _probe_call(callers)
+    finally:
+        torch._C._set_tracing_state(tracing)
 
 
 def _probe_call(callers: dict[tuple[str, torch.dtype], Callable[..., int]]) -> bool:
