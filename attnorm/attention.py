@@ -21,6 +21,9 @@ a query row with no allowed key gives a zero output row, never NaN).
    decoding, when they fit the blocked route's budget anyway, and under ``torch.compile``;
 5. **blocked** (:mod:`attnorm.routes.blocked`) otherwise: blocks of query rows,
    recomputed in the backward, so memory stays bounded at any length.
+
+While a forward-mode derivative may be taken (``torch.func.jvp``, ``jacfwd``,
+``torch.autograd.forward_ad``) routes 3 and 4 are skipped: their kernels have no JVP.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnorm.kernels.ops import forward_mode
 from attnorm.masks import StructuredMask, causal_mask
 from attnorm.normalizers import Normalizer, Softmax
 from attnorm.normalizers.registry import make
@@ -115,12 +119,18 @@ def attention(
             return result
     if not return_weights:
         multiplier = logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
+        # The fused and split-K kernels have no forward-mode derivative: while one may be
+        # taken, the row routes (differentiated on the reference) and SDPA's math kernel run.
+        fused_ok = torch.compiler.is_compiling() or not forward_mode()
         decoding = q.shape[-2] <= DECODING_ROWS
         if multiplier is not None:
-            if not decoding and fused.supports_scaled_softmax(normalizer, mask, q, k, v, dropout_p, additive, modified):
+            if fused_ok and not decoding and fused.supports_scaled_softmax(normalizer, mask, q, k, v, dropout_p,
+                                                                           additive, modified):
                 return fused.scaled_softmax(q, k, v, multiplier, mask, scale, additive, softcap, sinks)
             if not modified:  # SDPA has neither softcap nor sinks
                 return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
+        elif not fused_ok:
+            pass
         elif not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive):
             return fused.attention(normalizer, q, k, v, mask, additive, scale, softcap, sinks)
         elif decoding and decoding_route.supports(normalizer, q, k, v, mask, additive, dropout_p, softcap, sinks):

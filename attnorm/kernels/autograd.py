@@ -22,8 +22,7 @@ import inspect
 
 import torch
 from torch import Tensor
-from torch._C._functorch import TransformType
-from torch.autograd import Function, forward_ad
+from torch.autograd import Function
 
 from attnorm.kernels import backends, ops, reference, rules
 from attnorm.kernels.reference import jacobians, sinks
@@ -330,22 +329,13 @@ def _implementation(backend: str | None, x: Tensor) -> str:
     """
     # x.is_cpu is cheaper than x.device.type (which builds a device object and a string).
     implementation = backends.resolve(backend, "cpu" if x.is_cpu else x.device)
-    if implementation == "reference" or torch.compiler.is_compiling() or not _forward_mode():
+    if implementation == "reference" or torch.compiler.is_compiling() or not ops.forward_mode():
         return implementation
     requested = backends.get_backend() if backend is None else backend
     if requested in ("native", "triton"):
         raise NotImplementedError(f"forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad) runs on "
                                   f"backend='reference' only; backend={requested!r} was asked for")
     return "reference"
-
-
-def _forward_mode() -> bool:
-    """True inside ``torch.autograd.forward_ad.dual_level`` or a ``torch.func.jvp``/``jacfwd`` transform."""
-    if forward_ad._current_level >= 0:
-        return True
-    if not torch._C._are_functorch_transforms_active():
-        return False
-    return any(layer.key() == TransformType.Jvp for layer in torch._C._functorch.get_interpreter_stack())
 
 
 def _sink(sink: Tensor | None, x: Tensor) -> Tensor | None:

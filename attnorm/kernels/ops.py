@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 from torch import _C, Tensor
+from torch._C._functorch import TransformType
+from torch.autograd import forward_ad
 
 from attnorm.kernels import inductor, reference, rules
 from attnorm.kernels.cpu import native
@@ -66,6 +68,7 @@ __all__ = [
     "call",
     "entmax_bwd",
     "entmax_fwd",
+    "forward_mode",
     "register_eager",
     "scalable_softmax_fwd",
     "self_adjusted_softmax_bwd",
@@ -191,6 +194,18 @@ def call(op, *args: Any) -> Any:
         if isinstance(arg, Tensor) and (type(arg) not in _PLAIN or _is_legacy_batched(arg)):
             return op(*args)
     return _DEVICE_KERNELS[op](*args)
+
+
+def forward_mode() -> bool:
+    """True inside ``torch.autograd.forward_ad.dual_level`` or a ``torch.func.jvp``/``jacfwd`` transform.
+
+    The kernels have no JVP: their callers take the reference (or torch's math attention) then.
+    """
+    if forward_ad._current_level >= 0:
+        return True
+    if not _C._are_functorch_transforms_active():
+        return False
+    return any(layer.key() == TransformType.Jvp for layer in _C._functorch.get_interpreter_stack())
 
 
 # ---- vmap: a vmapped dim is one more leading dim of every row tensor -------------------------

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from attnorm.kernels.ops import forward_mode
 from attnorm.masks import StructuredMask
 from attnorm.routes.common import interval, interval_rows
 
@@ -71,7 +72,18 @@ _HALF = (torch.float16, torch.bfloat16)
 def blocked_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float,
                       dropout_p: float, groups: int, rows: int, softcap: float | None = None,
                       sinks: Tensor | None = None) -> Tensor:
-    """``normalizer(scale q k^T + additive, mask) v`` a block of ``rows`` query rows at a time."""
+    """``normalizer(scale q k^T + additive, mask) v`` a block of ``rows`` query rows at a time.
+
+    Forward mode saves nothing for a backward: under it the blocks are plain torch (the
+    recomputing Function has no JVP), memory bounded all the same.
+    """
+    if forward_mode():
+        lq, bounds, blocks = q.shape[-2], _bounds(mask, q, k), []
+        for start in range(0, lq, rows):
+            stop = min(start + rows, lq)
+            blocks.append(_block(normalizer, q, q[..., start:stop, :], k, v, mask, bounds, _rows(additive, start, stop),
+                                 sinks, scale, softcap, dropout_p, groups, start, stop, trim=True)[0])
+        return torch.cat(blocks, dim=-2)
     params = tuple(parameter for parameter in normalizer.parameters() if parameter.requires_grad)
     setup = (normalizer, mask, scale, softcap, dropout_p, groups, rows)
     return _BlockedAttention.apply(setup, q, k, v, additive, sinks, *params)

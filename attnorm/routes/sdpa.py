@@ -30,8 +30,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from attnorm.kernels.ops import forward_mode
 from attnorm.kernels.rules import ssmax_multiplier
 from attnorm.masks import StructuredMask
 from attnorm.normalizers import Normalizer
@@ -87,7 +89,10 @@ def scaled_sdpa(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, a
         scaled = additive * multiplier if isinstance(multiplier, Tensor) or multiplier != 1 else additive
         sdpa_mask = torch.where(torch.isneginf(additive), -math.inf, scaled).to(q.dtype)
     extra = {"enable_gqa": True} if groups > 1 else {}
-    with contextlib.nullcontext() if recompute is None else recompute.hooks():
+    # SDPA's fused kernels have no forward-mode derivative; its math backend does.
+    math_only = not torch.compiler.is_compiling() and forward_mode()
+    with contextlib.nullcontext() if recompute is None else recompute.hooks(), \
+            sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
         )
