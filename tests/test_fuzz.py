@@ -72,8 +72,13 @@ def check_invariants(module, x, out, mask, dim):
     assert (out[live & ~any_allowed] == 0).all(), "a fully masked row is not zero"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", CASES, ids=repr)
+# The interpreter runs top-k's multi-pass select slowly: one top-k case on Triton by default.
+FUZZ_CASES = [pytest.param(case, backend, id=f"{case!r}-{backend}",
+                           marks=pytest.mark.slow if (repr(case), backend) == ("topk0.4_T2", "triton") else ())
+              for case in CASES for backend in BACKENDS]
+
+
+@pytest.mark.parametrize(("case", "backend"), FUZZ_CASES)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(problem=problems())
 def test_fuzz_invariants_and_reference(case, backend, problem):

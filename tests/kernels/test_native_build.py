@@ -91,7 +91,10 @@ def test_first_load_builds_and_later_processes_reuse_it(tmp_path):
     assert second["usable"] and second["cached"] and second["path"] == first["path"]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty", pytest.param("garbage", marks=pytest.mark.slow)])
+SLOW_DAMAGE = [pytest.param(damage, marks=pytest.mark.slow) for damage in ("empty", "garbage")]  # a rebuild each
+
+
+@pytest.mark.parametrize("damage", ["truncated", *SLOW_DAMAGE])
 def test_a_damaged_cached_library_is_rebuilt(tmp_path, damage):
     path = Path(run_fresh(tmp_path)["path"])
     data = path.read_bytes()
@@ -110,6 +113,7 @@ def test_a_library_without_its_checksum_is_rebuilt(tmp_path):
     assert again["usable"] and not again["cached"]
 
 
+@pytest.mark.slow  # two builds, ~20 s
 def test_compiler_with_flags(tmp_path):
     info = run_fresh(tmp_path, CC="cc -O0 -DATTNORM_TEST_FLAG=1")
     assert info["usable"] and info["compiler"] == "cc -O0 -DATTNORM_TEST_FLAG=1"
@@ -207,7 +211,9 @@ print(json.dumps(build.build_info()))
 """
 
 
-@pytest.mark.parametrize("case", ["func.grad", "func.jvp", "FakeTensorMode", "jit.trace"])
+# func.jvp shares func.grad's cause (functorch's wrappers); each case is a new process (~9 s).
+@pytest.mark.parametrize("case", ["func.grad", "FakeTensorMode",
+                                  *(pytest.param(c, marks=pytest.mark.slow) for c in ("func.jvp", "jit.trace"))])
 def test_the_first_call_of_a_process_may_come_inside_a_transform_or_mode(case):
     """Loading probes the library with a known call; inside ``torch.func.grad``/``jvp`` its new
     buffers were functorch wrappers (no data pointer: a RuntimeError), under a fake mode fake,

@@ -133,10 +133,20 @@ def softcap_op_samples(x, mask, sink, grad, backend: str):
     return samples
 
 
-@pytest.mark.parametrize("backend", OP_BACKENDS)
-def test_opcheck_every_op(backend):
+OPCHECKS = {"schema-autograd-fake": ("test_schema", "test_autograd_registration", "test_faketensor"),
+            "aot-dispatch": ("test_aot_dispatch_dynamic",)}
+# Under the interpreter AOT dispatch of the Triton ops costs ~35 s: the default run checks it for
+# the other backends (the same ops and fake kernels), -m slow for Triton too.
+OPCHECK_CASES = [pytest.param(backend, checks, id=f"{backend}-{checks}",
+                              marks=pytest.mark.slow if (backend, checks, DEVICE) == ("triton", "aot-dispatch", "cpu")
+                              else ())
+                 for backend in OP_BACKENDS for checks in OPCHECKS]
+
+
+@pytest.mark.parametrize(("backend", "checks"), OPCHECK_CASES)
+def test_opcheck_every_op(backend, checks):
     for op, args in op_samples(backend):
-        torch.library.opcheck(op, args)
+        torch.library.opcheck(op, args, test_utils=OPCHECKS[checks])
 
 
 # ---- torch.compile ----------------------------------------------------------------------------
