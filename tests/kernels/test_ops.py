@@ -537,6 +537,23 @@ def test_forward_mode_derivatives_equal_central_differences(name, how):
     torch.testing.assert_close(tangent, central, atol=1e-8, rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", MODULES)
+def test_forward_mode_with_a_sink_and_a_cap_equals_central_differences(name):
+    """Tangents of the scores and of a per-head sink together, through a soft cap."""
+    module = MODULES[name]().to(DEVICE, torch.float64)
+    x, t = scores(2, 2, 4, 7, dtype=torch.float64), scores(2, 2, 4, 7, dtype=torch.float64, seed=1)
+    sink, sink_t = scores(2, 1, 1, dtype=torch.float64, seed=2), scores(2, 1, 1, dtype=torch.float64, seed=3)
+
+    def f(s, k):
+        return module(s, attnorm.causal_mask(), sink=k, softcap=3.0)
+
+    tangent = torch.func.jvp(f, (x, sink), (t, sink_t))[1]
+    eps = 1e-6
+    with torch.no_grad():
+        central = (f(x + eps * t, sink + eps * sink_t) - f(x - eps * t, sink - eps * sink_t)) / (2 * eps)
+    torch.testing.assert_close(tangent, central, atol=1e-8, rtol=1e-6)
+
+
 def test_forward_mode_through_entmax_alpha_equals_central_differences():
     """A tangent of alpha (per row, 1.5 and 2 included) as well as of the scores."""
     x, t = scores(2, 4, 6, dtype=torch.float64), scores(2, 4, 6, dtype=torch.float64, seed=1)
