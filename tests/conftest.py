@@ -17,6 +17,11 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def slow_under_interpreter(keep: bool):
+    """Marks for a Triton case: none with CUDA or when ``keep``; else ``slow`` (the interpreter runs it)."""
+    return () if keep or DEVICE == "cuda" else pytest.mark.slow
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config, items) -> None:
     """Under the interpreter, top-k's multi-pass select (a radix select over the key blocks) costs

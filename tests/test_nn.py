@@ -79,7 +79,16 @@ def _run(module, inputs, kwargs, need_weights, average):
     return out, weights, grads
 
 
-@pytest.mark.parametrize("settings", CONSTRUCTIONS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def _pairwise(settings: dict) -> bool:
+    """Eight of the 32 constructions hold every pair of options (d = a xor b, e = a xor c): the default run's."""
+    a, b, c, d, e = (settings["batch_first"], not settings["bias"], settings["add_bias_kv"], settings["add_zero_attn"],
+                     settings["kdim"] is not None)
+    return d == (a != b) and e == (a != c)
+
+
+@pytest.mark.parametrize("settings", [
+    pytest.param(s, id="-".join(f"{k}={v}" for k, v in s.items()), marks=() if _pairwise(s) else pytest.mark.slow)
+    for s in CONSTRUCTIONS])
 def test_softmax_equals_torch_module(settings):
     reference, ours = _pair(**settings)
     assert list(ours.state_dict()) == list(reference.state_dict())

@@ -28,6 +28,7 @@ from attnorm.kernels.triton.attention_entmax import (  # noqa: E402
     entmax_attention_backward,
     entmax_attention_forward,
 )
+from tests.conftest import slow_under_interpreter  # noqa: E402
 
 SCALE = 0.5
 TOLERANCES = {  # (atol, rtol) for outputs and gradients
@@ -210,8 +211,13 @@ CASES = {  # name: (Lq, Lk, builder(batch, lq, lk, device) -> (mask, keep, addit
 # ---- tests -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("alpha", [2.0, 1.5])
-@pytest.mark.parametrize("case", list(CASES))
+SPARSEMAX_MASKS = ("none", "causal-bottom-right", "combined")  # α = 2 under the others with -m slow
+MASK_CASES = [pytest.param(case, alpha, id=f"{case}-{alpha}",
+                           marks=slow_under_interpreter(alpha == 1.5 or case in SPARSEMAX_MASKS))
+              for alpha in (2.0, 1.5) for case in CASES]
+
+
+@pytest.mark.parametrize(("case", "alpha"), MASK_CASES)
 def test_matches_reference_under_every_mask(case, alpha, device):
     lq, lk, build = CASES[case]
     batch = 2 if case in ("key-padding", "combined") else 1

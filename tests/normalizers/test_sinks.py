@@ -19,7 +19,7 @@ import torch
 
 import attnorm
 from attnorm import functional as F
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, slow_under_interpreter
 from tests.normalizers.references import CASES, Case, topk_count
 
 TRITON = importlib.util.find_spec("triton") is not None
@@ -77,9 +77,16 @@ def _inputs(seed: int = 0, dtype=torch.float64):
     return x, sink.requires_grad_()
 
 
-@pytest.mark.parametrize("mask_kind", list(MASKS))
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=repr)
+# Under the interpreter the Triton modules run under a causal mask; the kernel-level grid
+# (tests/kernels/test_triton_sinks.py) covers the other masks, -m slow runs them here.
+EXTENDED_ROW_CASES = [
+    pytest.param(case, backend, mask_kind, id=f"{case!r}-{backend}-{mask_kind}",
+                 marks=slow_under_interpreter(backend != "triton" or mask_kind == "causal"))
+    for case in KERNEL_CASES for backend in BACKENDS for mask_kind in MASKS
+]
+
+
+@pytest.mark.parametrize(("case", "backend", "mask_kind"), EXTENDED_ROW_CASES)
 def test_sink_matches_the_extended_row_formula(case, backend, mask_kind):
     x, sink = _inputs()
     mask, allowed = MASKS[mask_kind]()
@@ -94,9 +101,14 @@ def test_sink_matches_the_extended_row_formula(case, backend, mask_kind):
         torch.testing.assert_close(actual.cpu(), reference, rtol=1e-7, atol=1e-9, msg=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=repr)
+LOW_PRECISION_CASES = [  # the Triton modules in bfloat16 by default (float32 with -m slow)
+    pytest.param(case, backend, dtype, id=f"{case!r}-{backend}-{str(dtype).removeprefix('torch.')}",
+                 marks=slow_under_interpreter(backend != "triton" or dtype == torch.bfloat16))
+    for case in KERNEL_CASES for backend in BACKENDS for dtype in (torch.float32, torch.bfloat16)
+]
+
+
+@pytest.mark.parametrize(("case", "backend", "dtype"), LOW_PRECISION_CASES)
 def test_sink_in_low_precision_is_close_to_float64(case, backend, dtype):
     x, sink = _inputs(seed=1, dtype=dtype)
     out = case.functional(x, backend=backend, sink=sink)
