@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 
+import hypothesis
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -72,16 +73,54 @@ def check_invariants(module, x, out, mask, dim):
     assert (out[live & ~any_allowed] == 0).all(), "a fully masked row is not zero"
 
 
-# The interpreter runs top-k's multi-pass select slowly: one top-k case on Triton by default.
-FUZZ_CASES = [pytest.param(case, backend, id=f"{case!r}-{backend}",
-                           marks=pytest.mark.slow if (repr(case), backend) == ("topk0.4_T2", "triton") else ())
-              for case in CASES for backend in BACKENDS]
+# The interpreter runs Triton slowly: without CUDA its cases draw 6 examples (one top-k case by
+# default), the other backends 12.
+TRITON_EXAMPLES = 12 if DEVICE == "cuda" else 6
+FUZZ_CASES = [pytest.param(case, backend, id=f"{case!r}-{backend}") for case in CASES for backend in BACKENDS
+              if backend != "triton"]
+TRITON_CASES = [pytest.param(case, id=repr(case), marks=pytest.mark.slow if repr(case) == "topk0.4_T2" else ())
+                for case in CASES] if "triton" in BACKENDS else []
+FUZZ_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+
+
+@pytest.mark.parametrize("case", TRITON_CASES)
+@settings(max_examples=TRITON_EXAMPLES, **FUZZ_SETTINGS)
+@given(problem=problems())
+def test_fuzz_triton_invariants_and_reference(case, problem):
+    x = problem[0]
+    # Triton 3.9's interpreter converts bfloat16 subnormals to float32 wrongly (its _convert_float
+    # clamps the renormalised exponent: 4.5e-39 loads as 6.2e-39, -6.4e-39 as -1.1e-39); the
+    # hardware conversion is exact.  Such inputs test the interpreter, not the kernel.
+    hypothesis.assume(DEVICE == "cuda" or x.dtype != torch.bfloat16 or not (x.abs() < torch.finfo(x.dtype).tiny).any())
+    check_problem(case, "triton", problem)
+
+
+def test_the_interpreter_still_misreads_bfloat16_subnormals(device):
+    """Pins the interpreter bug the Triton fuzz steps around: when this fails, drop that ``assume``."""
+    if device == "cuda":
+        pytest.skip("the hardware conversion is exact")
+    triton, tl = pytest.importorskip("triton"), pytest.importorskip("triton.language")
+
+    @triton.jit
+    def widen(source, target, size: tl.constexpr):
+        offsets = tl.arange(0, size)
+        tl.store(target + offsets, tl.load(source + offsets).to(tl.float32))
+
+    x = torch.tensor([4.4999e-39, -6.4285e-39, 1.0, 0.0], dtype=torch.bfloat16)
+    out = torch.full((4,), math.nan)
+    widen[(1,)](x, out, size=4)
+    assert not torch.equal(out, x.float())
 
 
 @pytest.mark.parametrize(("case", "backend"), FUZZ_CASES)
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@settings(max_examples=12, **FUZZ_SETTINGS)
 @given(problem=problems())
 def test_fuzz_invariants_and_reference(case, backend, problem):
+    check_problem(case, backend, problem)
+
+
+def check_problem(case, backend: str, problem) -> None:
+    """The module on ``backend``: invariants, and values and gradients against the float64 reference."""
     x, dim, mask = problem
     module = case.build(dim=dim, backend=backend)
     x, mask = x.to(DEVICE), None if mask is None else mask.to(DEVICE)

@@ -32,6 +32,7 @@ pytest.importorskip("triton")
 from attnorm.kernels import decoding_ops  # noqa: E402
 from attnorm.kernels.triton import attention_decoding as split_k  # noqa: E402
 from attnorm.routes import decoding  # noqa: E402
+from tests.conftest import slow_under_interpreter  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked-off lanes
 
@@ -77,9 +78,13 @@ def check(q, k, v, mask, normalized, splits=3, scale=SCALE):
 # ---- the kernel ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("normalized", [True, False], ids=["normalized", "plain"])
-@pytest.mark.parametrize("kind", DECODING_MASKS)
-@pytest.mark.parametrize("lq", [1, 3, 16])
+# One query and sixteen under every mask kind; three queries under two (all six with -m slow).
+DECODING_CASES = [pytest.param(lq, kind, normalized, id=f"{lq}-{kind}-{('plain', 'normalized')[normalized]}",
+                               marks=slow_under_interpreter(lq != 3 or kind in ("bottom-right", "padding")))
+                  for lq in (1, 3, 16) for kind in DECODING_MASKS for normalized in (True, False)]
+
+
+@pytest.mark.parametrize(("lq", "kind", "normalized"), DECODING_CASES)
 def test_every_mask_kind_matches_reference(lq, kind, normalized, device):
     """Four query heads on two key/value heads, three key splits of two, two and one blocks."""
     q, k, v = make_qkv(2, 4, 2, lq, LK, 16, 16, torch.float32, device)

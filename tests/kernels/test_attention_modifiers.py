@@ -31,6 +31,7 @@ pytest.importorskip("triton")
 entmax = pytest.importorskip("entmax")
 
 from attnorm.kernels.triton import launch  # noqa: E402
+from tests.conftest import slow_under_interpreter  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked lanes
 
@@ -253,9 +254,11 @@ def mask_sweep():
 
 
 def modifier_grid():
+    """Both modifiers together for every family; each alone for a family per kernel (the rest: slow)."""
     for family in FAMILIES:
         for modifier in MODIFIERS:
-            marks = pytest.mark.slow if family == "ssmax_shared" else ()
+            fast = family != "ssmax_shared" and (modifier == "both" or family in SWEPT_BY_DEFAULT)
+            marks = slow_under_interpreter(fast) if family != "ssmax_shared" else pytest.mark.slow
             yield pytest.param(family, modifier, marks=marks, id=f"{family}-{modifier}")
 
 
