@@ -121,19 +121,18 @@ def attention(
         multiplier = logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
         # The fused and split-K kernels have no forward-mode derivative: while one may be
         # taken, the row routes (differentiated on the reference) and SDPA's math kernel run.
-        fused_ok = torch.compiler.is_compiling() or not forward_mode()
+        kernels_ok = not forward_mode()
         decoding = q.shape[-2] <= DECODING_ROWS
         if multiplier is not None:
-            if fused_ok and not decoding and fused.supports_scaled_softmax(normalizer, mask, q, k, v, dropout_p,
-                                                                           additive, modified):
+            if kernels_ok and not decoding and fused.supports_scaled_softmax(normalizer, mask, q, k, v, dropout_p,
+                                                                             additive, modified):
                 return fused.scaled_softmax(q, k, v, multiplier, mask, scale, additive, softcap, sinks)
             if not modified:  # SDPA has neither softcap nor sinks
                 return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
-        elif not fused_ok:
-            pass
-        elif not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive):
+        elif kernels_ok and not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive):
             return fused.attention(normalizer, q, k, v, mask, additive, scale, softcap, sinks)
-        elif decoding and decoding_route.supports(normalizer, q, k, v, mask, additive, dropout_p, softcap, sinks):
+        elif kernels_ok and decoding and decoding_route.supports(normalizer, q, k, v, mask, additive, dropout_p,
+                                                                 softcap, sinks):
             return decoding_route.attention(normalizer, q, k, v, mask, additive, scale)
         rows = block_rows(q, k, v)
         if rows < q.shape[-2] and not torch.compiler.is_compiling():

@@ -17,6 +17,14 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def central_difference(f, primals: tuple, tangents: tuple, eps: float = 1e-6) -> torch.Tensor:
+    """``(f(p + eps t) - f(p - eps t)) / (2 eps)``: the directional derivative forward-mode tests compare with."""
+    with torch.no_grad():
+        plus = f(*(p + eps * t for p, t in zip(primals, tangents, strict=True)))
+        minus = f(*(p - eps * t for p, t in zip(primals, tangents, strict=True)))
+    return (plus - minus) / (2 * eps)
+
+
 def slow_under_interpreter(keep: bool):
     """Marks for a Triton case: none with CUDA or when ``keep``; else ``slow`` (the interpreter runs it)."""
     return () if keep or DEVICE == "cuda" else pytest.mark.slow

@@ -14,8 +14,7 @@ import torch.autograd.forward_ad as forward_ad
 
 import attnorm
 from attnorm.routes import decoding, fused
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's device (the interpreter's without CUDA)
+from tests.conftest import DEVICE, central_difference
 
 NAMES = ["softmax", "softmax:temperature=0.7", "ssmax", "ssmax:learnable=true,num_heads=2", "sparsemax", "entmax",
          "entmax:alpha=1.3", "topk:k=3", "sa_softmax", "sa_softmax:normalized=false", "relu", "softmax1",
@@ -27,13 +26,6 @@ def _inputs(lq: int, lk: int, seed: int) -> tuple[torch.Tensor, ...]:
     q = torch.randn(1, 2, lq, 8, generator=generator, dtype=torch.float64)
     k, v = torch.randn(2, 1, 2, lk, 8, generator=generator, dtype=torch.float64).unbind(0)
     return q, k, v
-
-
-def _central(f, primals, tangents, eps=1e-6):
-    with torch.no_grad():
-        plus = f(*(p + eps * t for p, t in zip(primals, tangents, strict=True)))
-        minus = f(*(p - eps * t for p, t in zip(primals, tangents, strict=True)))
-    return (plus - minus) / (2 * eps)
 
 
 def _tangents(f, primals, tangents):
@@ -57,7 +49,7 @@ def test_attention_tangents_equal_central_differences(name, route, request):
     def f(q, k, v):
         return attnorm.attention(q, k, v, normalizer, is_causal=True)
 
-    central = _central(f, primals, tangents)
+    central = central_difference(f, primals, tangents)
     for tangent in _tangents(f, primals, tangents):
         assert tangent is not None
         torch.testing.assert_close(tangent, central, atol=1e-8, rtol=1e-6)
@@ -80,7 +72,7 @@ def test_where_the_kernels_would_run_forward_mode_takes_the_reference(name, lq, 
     def f(q, k, v):
         return attnorm.attention(q, k, v, normalizer)
 
-    central = _central(lambda q, k, v: attnorm.attention(q, k, v, oracle), primals, tangents)
+    central = central_difference(lambda q, k, v: attnorm.attention(q, k, v, oracle), primals, tangents)
     for tangent in _tangents(f, primals, tangents):
         assert tangent is not None
         torch.testing.assert_close(tangent, central, atol=1e-8, rtol=1e-6)

@@ -329,7 +329,7 @@ def _implementation(backend: str | None, x: Tensor) -> str:
     """
     # x.is_cpu is cheaper than x.device.type (which builds a device object and a string).
     implementation = backends.resolve(backend, "cpu" if x.is_cpu else x.device)
-    if implementation == "reference" or torch.compiler.is_compiling() or not ops.forward_mode():
+    if implementation == "reference" or not ops.forward_mode():
         return implementation
     requested = backends.get_backend() if backend is None else backend
     if requested in ("native", "triton"):

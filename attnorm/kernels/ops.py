@@ -200,7 +200,11 @@ def forward_mode() -> bool:
     """True inside ``torch.autograd.forward_ad.dual_level`` or a ``torch.func.jvp``/``jacfwd`` transform.
 
     The kernels have no JVP: their callers take the reference (or torch's math attention) then.
+    False while compiling (tested first, so that Dynamo traces nothing else): the compiled graph
+    keeps the eager route.
     """
+    if torch.compiler.is_compiling():
+        return False
     if forward_ad._current_level >= 0:
         return True
     if not _C._are_functorch_transforms_active():

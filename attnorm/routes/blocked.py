@@ -77,16 +77,22 @@ def blocked_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additiv
     Forward mode saves nothing for a backward: under it the blocks are plain torch (the
     recomputing Function has no JVP), memory bounded all the same.
     """
-    if forward_mode():
-        lq, bounds, blocks = q.shape[-2], _bounds(mask, q, k), []
-        for start in range(0, lq, rows):
-            stop = min(start + rows, lq)
-            blocks.append(_block(normalizer, q, q[..., start:stop, :], k, v, mask, bounds, _rows(additive, start, stop),
-                                 sinks, scale, softcap, dropout_p, groups, start, stop, trim=True)[0])
-        return torch.cat(blocks, dim=-2)
-    params = tuple(parameter for parameter in normalizer.parameters() if parameter.requires_grad)
     setup = (normalizer, mask, scale, softcap, dropout_p, groups, rows)
+    if forward_mode():
+        return torch.cat([out for _, _, out in _outputs(setup, q, k, v, additive, sinks)], dim=-2)
+    params = tuple(parameter for parameter in normalizer.parameters() if parameter.requires_grad)
     return _BlockedAttention.apply(setup, q, k, v, additive, sinks, *params)
+
+
+def _outputs(setup: tuple, q: Tensor, k: Tensor, v: Tensor, additive: Tensor | None, sinks: Tensor | None):
+    """``(start, stop, out)`` for each block of query rows ``start:stop``."""
+    normalizer, mask, scale, softcap, dropout_p, groups, rows = setup
+    lq, bounds = q.shape[-2], _bounds(mask, q, k)
+    for start in range(0, lq, rows):
+        stop = min(start + rows, lq)
+        q_rows, additive_rows = q[..., start:stop, :], _rows(additive, start, stop)
+        yield start, stop, _block(normalizer, q, q_rows, k, v, mask, bounds, additive_rows, sinks, scale, softcap,
+                                  dropout_p, groups, start, stop, trim=True)[0]
 
 
 def materialised_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float,
@@ -211,16 +217,12 @@ def _set_rng_state(state: Tensor, device: torch.device) -> None:
 class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, setup, q, k, v, additive, sinks, *params):
-        normalizer, mask, scale, softcap, dropout_p, groups, rows = ctx.setup = setup
+        _, _, _, _, dropout_p, _, _ = ctx.setup = setup
         ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
         ctx.save_for_backward(q, k, v, additive, sinks)
-        lq, bounds = q.shape[-2], _bounds(mask, q, k)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        for start in range(0, lq, rows):
-            stop = min(start + rows, lq)
-            out[..., start:stop, :] = _block(normalizer, q, q[..., start:stop, :], k, v, mask, bounds,
-                                             _rows(additive, start, stop), sinks, scale, softcap, dropout_p, groups,
-                                             start, stop, trim=True)[0]
+        for start, stop, block in _outputs(setup, q, k, v, additive, sinks):
+            out[..., start:stop, :] = block
         return out
 
     @staticmethod

@@ -90,9 +90,8 @@ def scaled_sdpa(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, a
         sdpa_mask = torch.where(torch.isneginf(additive), -math.inf, scaled).to(q.dtype)
     extra = {"enable_gqa": True} if groups > 1 else {}
     # SDPA's fused kernels have no forward-mode derivative; its math backend does.
-    math_only = not torch.compiler.is_compiling() and forward_mode()
     with contextlib.nullcontext() if recompute is None else recompute.hooks(), \
-            sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
+            sdpa_kernel(SDPBackend.MATH) if forward_mode() else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
         )

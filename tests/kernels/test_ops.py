@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnorm
 from attnorm.kernels import ops
+from tests.conftest import central_difference, slow_under_interpreter
 
 TRITON = importlib.util.find_spec("triton") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,8 +139,7 @@ OPCHECKS = {"schema-autograd-fake": ("test_schema", "test_autograd_registration"
 # Under the interpreter AOT dispatch of the Triton ops costs ~35 s: the default run checks it for
 # the other backends (the same ops and fake kernels), -m slow for Triton too.
 OPCHECK_CASES = [pytest.param(backend, checks, id=f"{backend}-{checks}",
-                              marks=pytest.mark.slow if (backend, checks, DEVICE) == ("triton", "aot-dispatch", "cpu")
-                              else ())
+                              marks=slow_under_interpreter((backend, checks) != ("triton", "aot-dispatch")))
                  for backend in OP_BACKENDS for checks in OPCHECKS]
 
 
@@ -518,11 +518,6 @@ def _func_tangent(module, x, t):
 TANGENTS = {"forward_ad": _dual_tangent, "func.jvp": _func_tangent}
 
 
-def _central(f, x, t, eps=1e-6):
-    with torch.no_grad():
-        return (f(x + eps * t) - f(x - eps * t)) / (2 * eps)
-
-
 @pytest.mark.parametrize("how", TANGENTS)
 @pytest.mark.parametrize("name", MODULES)
 def test_forward_mode_derivatives_equal_central_differences(name, how):
@@ -533,7 +528,7 @@ def test_forward_mode_derivatives_equal_central_differences(name, how):
     x, t = scores(2, 4, 6, dtype=torch.float64), scores(2, 4, 6, dtype=torch.float64, seed=1)
     tangent = TANGENTS[how](module, x, t)
     assert tangent is not None
-    central = _central(lambda s: module(s, attnorm.causal_mask()), x, t)
+    central = central_difference(lambda s: module(s, attnorm.causal_mask()), (x,), (t,))
     torch.testing.assert_close(tangent, central, atol=1e-8, rtol=1e-6)
 
 
@@ -548,9 +543,7 @@ def test_forward_mode_with_a_sink_and_a_cap_equals_central_differences(name):
         return module(s, attnorm.causal_mask(), sink=k, softcap=3.0)
 
     tangent = torch.func.jvp(f, (x, sink), (t, sink_t))[1]
-    eps = 1e-6
-    with torch.no_grad():
-        central = (f(x + eps * t, sink + eps * sink_t) - f(x - eps * t, sink - eps * sink_t)) / (2 * eps)
+    central = central_difference(f, (x, sink), (t, sink_t))
     torch.testing.assert_close(tangent, central, atol=1e-8, rtol=1e-6)
 
 
@@ -565,9 +558,7 @@ def test_forward_mode_through_entmax_alpha_equals_central_differences():
         return attnorm.functional.entmax(s, alpha=a, mask=mask)
 
     tangent = torch.func.jvp(f, (x, alpha), (t, alpha_t))[1]
-    eps = 1e-6
-    with torch.no_grad():
-        central = (f(x + eps * t, alpha + eps * alpha_t) - f(x - eps * t, alpha - eps * alpha_t)) / (2 * eps)
+    central = central_difference(f, (x, alpha), (t, alpha_t))
     torch.testing.assert_close(tangent, central, atol=1e-7, rtol=1e-5)
 
 

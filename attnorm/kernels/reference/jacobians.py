@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from attnorm.kernels import rules
-from attnorm.kernels.reference.rows import rows_of
+from attnorm.kernels.reference.rows import Rows, rows_of
 from attnorm.kernels.reference.softmax import normalized_factor, self_adjusted_parts
 
 __all__ = [
@@ -198,8 +198,19 @@ def self_adjusted_vjp_from(
     direct = weights * (grad * phi) - weights * (gw * phi).sum(-1, keepdim=True)
     e_low, e_high = _extreme_shares(scores, active, low, high)
     through_span = gw - e_low * (gw * (1 - phi)).sum(-1, keepdim=True) - e_high * (gw * phi).sum(-1, keepdim=True)
-    through_span = torch.where(span > 0, through_span * scale / torch.where(span > 0, span, 1.0), 0.0)
-    return torch.where(active, gate * (direct + through_span), 0.0)
+    return torch.where(active, gate * (direct + _over_span(through_span, span, scale)), 0.0)
+
+
+def _over_span(value: Tensor, span: Tensor, scale: Tensor) -> Tensor:
+    """``value * scale / span`` (``phi``'s derivative factor, :func:`normalized_factor`), 0 where ``span = 0``."""
+    return torch.where(span > 0, value * scale / torch.where(span > 0, span, 1.0), 0.0)
+
+
+def _self_adjusted_setup(x: Tensor, mask: rules.RowMask) -> tuple[Rows, Tensor, Tensor, Tensor, Tensor]:
+    """SA-Softmax's rows, softmax weights, ``low``, ``high`` and ``gate`` (0 in rows holding +inf or nothing)."""
+    rows = rows_of(x, mask)
+    weights, low, high = self_adjusted_parts(rows)
+    return rows, weights, low, high, (rows.any_active & ~rows.posinf_row).to(x.dtype)
 
 
 def _extreme_shares(scores: Tensor, active: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
@@ -223,9 +234,7 @@ def self_adjusted_jvp(x: Tensor, mask: rules.RowMask, tangent: Tensor, normalize
     ``dlow = sum(e_low t)``, ``dhigh = sum(e_high t)`` (the second term 0 where ``span = 0``).
     0 in rows holding +inf or no allowed position, NaN in rows holding NaN.
     """
-    rows = rows_of(x, mask)
-    weights, low, high = self_adjusted_parts(rows)
-    gate = (rows.any_active & ~rows.posinf_row).to(x.dtype)
+    rows, weights, low, high, gate = _self_adjusted_setup(x, mask)
     scores, active = rows.scores, rows.active
     tangent = torch.where(active & x.isfinite(), tangent, 0.0)
     wt = (weights * tangent).sum(-1, keepdim=True)
@@ -233,9 +242,8 @@ def self_adjusted_jvp(x: Tensor, mask: rules.RowMask, tangent: Tensor, normalize
         phi, span, scale = normalized_factor(scores, low, high)
         e_low, e_high = _extreme_shares(scores, active, low, high)
         d_low, d_high = (e_low * tangent).sum(-1, keepdim=True), (e_high * tangent).sum(-1, keepdim=True)
-        through_span = weights * (tangent - (1 - phi) * d_low - phi * d_high)
-        through_span = torch.where(span > 0, through_span * scale / torch.where(span > 0, span, 1.0), 0.0)
-        dy = phi * weights * (tangent - wt) + through_span
+        dy = phi * weights * (tangent - wt) + _over_span(weights * (tangent - (1 - phi) * d_low - phi * d_high),
+                                                         span, scale)
     else:
         # Where the weight underflows to 0 the bracket may overflow: 0, not 0 * inf.
         dy = torch.where(weights > 0, weights * (tangent * (1 + scores) - scores * wt), 0.0)
@@ -248,8 +256,6 @@ def self_adjusted_vjp(x: Tensor, mask: rules.RowMask, grad: Tensor, normalized: 
     Equals autograd of :func:`attnorm.kernels.reference.self_adjusted_softmax`; 0 in rows
     holding +inf or no allowed position.  See :func:`self_adjusted_vjp_from` for the formula.
     """
-    rows = rows_of(x, mask)
-    weights, low, high = self_adjusted_parts(rows)
-    gate = (rows.any_active & ~rows.posinf_row).to(x.dtype)
+    rows, weights, low, high, gate = _self_adjusted_setup(x, mask)
     dx = self_adjusted_vjp_from(rows.scores, rows.active, weights, low, high, gate, grad, normalized)
     return torch.where(rows.nan_row, math.nan, dx)
