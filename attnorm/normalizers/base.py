@@ -19,6 +19,8 @@ implemented once, here, and every normalizer (and every backend) obeys them:
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -118,6 +120,28 @@ def _row_mask(mask: Tensor | StructuredMask | None, x: Tensor, dim: int) -> RowM
     return RowMask(mask.movedim(dim, -1), None, None)
 
 
+def quiet_shape_checks_while_tracing(function: Callable) -> Callable:
+    """Run ``function`` without the TracerWarnings of attnorm's own shape checks under ``torch.jit.trace``.
+
+    While tracing, ``x.shape[i]`` and ``x.numel()`` are tensors, so each check of a shape in Python
+    (broadcasting, emptiness, ``dim``) warns that the trace treats it as a constant. attnorm branches
+    only on shapes and Python parameters, never on tensor values (no host synchronisation, README),
+    so the trace specialises exactly as it does on any shape; warnings raised from other modules
+    pass through.
+    """
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        if not torch.jit.is_tracing():
+            return function(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"attnorm\.")
+            return function(*args, **kwargs)
+
+    return run
+
+
+@quiet_shape_checks_while_tracing
 def normalize(
     op: str,
     scores: Tensor,

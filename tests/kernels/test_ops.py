@@ -12,6 +12,7 @@ import ast
 import importlib.util
 import math
 import pathlib
+import warnings
 
 import pytest
 import torch
@@ -289,14 +290,32 @@ def test_export_reproduces_eager(name):
         torch.testing.assert_close(program.module()(x), module(x))
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "error::torch.jit.TracerWarning")
 @pytest.mark.parametrize("name", list(MODULES))
 def test_jit_trace_reproduces_eager(name):
+    """Tracing reproduces eager without a TracerWarning (a bool read of ``numel()`` gave one)."""
     module = MODULES[name]().to(DEVICE)
     x = scores(2, 2, 4, 6)
     with torch.no_grad():
         traced = torch.jit.trace(module, x, check_trace=False)
         torch.testing.assert_close(traced(scores(2, 2, 4, 6, seed=7)), module(scores(2, 2, 4, 6, seed=7)))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_jit_trace_keeps_the_callers_own_tracer_warnings():
+    """attnorm quiets only its own shape checks while tracing: a data-dependent branch of the
+    traced caller still warns, from the caller's line, and a mask or an output normalizer adds none."""
+    mask = torch.rand(2, 1, 4, 6, generator=torch.Generator().manual_seed(3)) > 0.3
+
+    def caller(x):
+        y = attnorm.Sparsemax()(x, mask=mask) + attnorm.SigmoidAttention()(x)
+        return y * 2 if x.sum() > 0 else y  # a branch on a value: the trace must warn about it
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.jit.trace(caller, scores(2, 2, 4, 6), check_trace=False)
+    tracer = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+    assert len(tracer) == 1 and tracer[0].filename == __file__, [(w.filename, w.lineno) for w in tracer]
 
 
 # ---- layout ------------------------------------------------------------------------------------
