@@ -11,6 +11,7 @@ with transformers' ``sdpa_mask``: the same mask, structured when packed, identic
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -134,9 +135,11 @@ def build_mask(config, implementation, positions, attention_mask=None, sliding=F
     config._attn_implementation = implementation
     length = positions.shape[-1]
     create = create_sliding_window_causal_mask if sliding else create_causal_mask
+    # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40)
+    no_cache = {"cache" if "cache" in inspect.signature(create).parameters else "past_key_values": None}
     return create(
         config=config, inputs_embeds=torch.zeros(batch, length, 8), attention_mask=attention_mask,
-        past_key_values=None, position_ids=positions,
+        position_ids=positions, **no_cache,
     )
 
 
