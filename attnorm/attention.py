@@ -39,7 +39,7 @@ from attnorm.routes import decoding as decoding_route
 from attnorm.routes import fused
 from attnorm.routes.blocked import block_rows, blocked_attention, materialised_attention
 from attnorm.routes.sdpa import logit_multiplier, scaled_sdpa, sdpa_mask_kind
-from attnorm.validation import check_softcap
+from attnorm.validation import check_softcap, quiet_shape_checks_while_tracing
 
 __all__ = ["DECODING_ROWS", "attention"]
 
@@ -50,6 +50,7 @@ are small.  :mod:`attnorm.routes.decoding` says which design each family takes a
 (bytes per key and row)."""
 
 
+@quiet_shape_checks_while_tracing
 def attention(
     q: Tensor,
     k: Tensor,

@@ -7,7 +7,9 @@ Each error names the argument and the value.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable
 from numbers import Real
 
@@ -22,6 +24,7 @@ __all__ = [
     "check_k",
     "check_softcap",
     "check_temperature",
+    "quiet_shape_checks_while_tracing",
 ]
 
 Scalar = float | Tensor
@@ -114,3 +117,25 @@ def _show(value: Scalar) -> str:
     if isinstance(value, Tensor):
         return f"tensor with values {value.detach().flatten()[:8].tolist()}"
     return repr(float(value))
+
+
+def quiet_shape_checks_while_tracing(function: Callable) -> Callable:
+    """Run ``function`` without the TracerWarnings of attnorm's own checks under ``torch.jit.trace``.
+
+    While tracing, ``x.shape[i]`` and ``x.numel()`` are tensors, so each check of a shape in
+    Python (broadcasting, emptiness, ``dim``, the attention route) warns that the trace treats
+    it as a constant. attnorm branches only on shapes and Python parameters, never on tensor
+    values (no host synchronisation), so the trace specialises exactly as it does on any
+    shape; the value checks of CPU tensors above only raise, and a trace keeps none of them.
+    Warnings raised from other modules (the caller's own branches) pass through.
+    """
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        if not torch._C._get_tracing_state():  # torch.jit.is_tracing() in one C call: this runs on every call
+            return function(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"attnorm\.")
+            return function(*args, **kwargs)
+
+    return run

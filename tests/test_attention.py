@@ -343,6 +343,21 @@ def test_unbatched_and_three_dim_inputs():
     torch.testing.assert_close(attnorm.attention(q, k, v, FAST_CASES[1].build(), attn_mask=mask), expected)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "error::torch.jit.TracerWarning")
+@pytest.mark.parametrize("spec", ["softmax", "ssmax", "sparsemax", "entmax15", "topk:k=3", "self_adjusted_softmax"])
+def test_jit_trace_of_attention_reproduces_eager_on_new_values(spec):
+    """A traced attention() (causal, key padding; SDPA or blocked route) gives eager's output on
+    other values of the same shapes, and attnorm's route and shape checks raise no TracerWarning."""
+    mask = causal_mask() & key_padding_mask(torch.tensor([8, 5]))
+
+    def run(q, k, v):
+        return attnorm.attention(q, k, v, spec, attn_mask=mask)
+
+    traced = torch.jit.trace(run, qkv(8, 8, torch.float32), check_trace=False)
+    other = qkv(8, 8, torch.float32, seed=5)
+    torch.testing.assert_close(traced(*other), run(*other))
+
+
 def test_dropout_is_applied_to_the_weights():
     q, k, v = qkv(16, 16)
     torch.manual_seed(0)

@@ -19,8 +19,6 @@ implemented once, here, and every normalizer (and every backend) obeys them:
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +28,7 @@ from torch import Tensor, nn
 from attnorm.kernels import autograd, backends
 from attnorm.kernels.rules import NO_MASK, RowMask, accumulation_dtype, check_key_lengths
 from attnorm.masks import StructuredMask
-from attnorm.validation import check_softcap
+from attnorm.validation import check_softcap, quiet_shape_checks_while_tracing
 
 __all__ = ["Checked", "Normalizer", "broadcast_param", "normalize"]
 
@@ -118,27 +116,6 @@ def _row_mask(mask: Tensor | StructuredMask | None, x: Tensor, dim: int) -> RowM
         mask = mask.materialize(x.shape, x.device)
     mask = mask.reshape((1,) * (x.ndim - mask.ndim) + tuple(mask.shape))
     return RowMask(mask.movedim(dim, -1), None, None)
-
-
-def quiet_shape_checks_while_tracing(function: Callable) -> Callable:
-    """Run ``function`` without the TracerWarnings of attnorm's own shape checks under ``torch.jit.trace``.
-
-    While tracing, ``x.shape[i]`` and ``x.numel()`` are tensors, so each check of a shape in Python
-    (broadcasting, emptiness, ``dim``) warns that the trace treats it as a constant. attnorm branches
-    only on shapes and Python parameters, never on tensor values (no host synchronisation, README),
-    so the trace specialises exactly as it does on any shape; warnings raised from other modules
-    pass through.
-    """
-
-    @functools.wraps(function)
-    def run(*args, **kwargs):
-        if not torch._C._get_tracing_state():  # torch.jit.is_tracing() in one C call: this runs on every call
-            return function(*args, **kwargs)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"attnorm\.")
-            return function(*args, **kwargs)
-
-    return run
 
 
 @quiet_shape_checks_while_tracing

@@ -37,7 +37,7 @@ __all__ = [
 RowFunction = Callable[[Tensor, RowMask], Tensor]
 
 
-@base.quiet_shape_checks_while_tracing
+@V.quiet_shape_checks_while_tracing
 def apply_rows(row_function: RowFunction, scores: Tensor, mask: Tensor | StructuredMask | None, dim: int) -> Tensor:
     """Apply a pure-torch row function along ``dim`` under the shared rules of :mod:`attnorm.normalizers.base`.
 
