@@ -888,11 +888,11 @@ static REAL FN(split_row)(const REAL* extended, int64_t length, REAL* y) {
 }
 
 /* log_count: NULL for variant 0. */
-int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
-                                const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
-                                REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight, double cap,
-                                int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
+static void FN(softmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
+                                     const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
+                                     REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight,
+                                     double cap) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         REAL unused, no_sink;
         const REAL* row = x + r * length;
@@ -901,16 +901,24 @@ int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t le
                         (REAL)ROW_PARAM(sink, r), multiplier + r, log_count ? log_count + r : &unused,
                         sink_weight ? sink_weight + r : &no_sink);
     }
+}
+
+int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
+                                const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
+                                REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight, double cap,
+                                int threads) {
+    ON_TEAM(rows, length, FN(softmax_forward_rows)(x, y, rows, length, variant, first, first_rows, second, second_rows,
+                                                   multiplier, log_count, sink, sink_rows, sink_weight, cap));
     return 0;
 }
 
 /* x: NULL unless param_grad is 2 or cap > 0 (the raw scores); per_row: NULL when param_grad is 0;
  * sink (the scores): read for param_grad 2 only. */
-int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, const REAL* x, REAL* gx, int64_t rows, int64_t length,
-                                 double multiplier, const REAL* multiplier_rows, int param_grad, REAL* per_row,
-                                 double sink_weight, const REAL* sink_weight_rows, double sink, const REAL* sink_rows,
-                                 REAL* dsink, double cap, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
+static void FN(softmax_backward_rows)(const REAL* y, const REAL* g, const REAL* x, REAL* gx, int64_t rows,
+                                      int64_t length, double multiplier, const REAL* multiplier_rows, int param_grad,
+                                      REAL* per_row, double sink_weight, const REAL* sink_weight_rows, double sink,
+                                      const REAL* sink_rows, REAL* dsink, double cap) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         REAL no_sink;
         const REAL* scores = x ? x + r * length : NULL;
@@ -920,38 +928,50 @@ int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, const REAL* x, RE
                              (REAL)ROW_PARAM(sink_weight, r), (REAL)ROW_PARAM(sink, r), dsink ? dsink + r : &no_sink);
         if (cap > 0) FN(through_cap)(x + r * length, length, cap, gx + r * length);
     }
+}
+
+int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, const REAL* x, REAL* gx, int64_t rows, int64_t length,
+                                 double multiplier, const REAL* multiplier_rows, int param_grad, REAL* per_row,
+                                 double sink_weight, const REAL* sink_weight_rows, double sink, const REAL* sink_rows,
+                                 REAL* dsink, double cap, int threads) {
+    ON_TEAM(rows, length, FN(softmax_backward_rows)(y, g, x, gx, rows, length, multiplier, multiplier_rows, param_grad,
+                                                    per_row, sink_weight, sink_weight_rows, sink, sink_rows, dsink,
+                                                    cap));
     return 0;
 }
 
-int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized,
-                                      REAL* stats, double sink, const REAL* sink_rows, REAL* sink_weight, double cap,
-                                      int threads) {
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
-    {
-        REAL* capped = cap > 0 ? malloc(length * sizeof(REAL)) : NULL; /* c(x): the row is read again */
+static void FN(self_adjusted_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized,
+                                           REAL* stats, double sink, const REAL* sink_rows, REAL* sink_weight,
+                                           double cap, int* failed) {
+    REAL* capped = cap > 0 ? malloc(length * sizeof(REAL)) : NULL; /* c(x): the row is read again */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (capped || !(cap > 0)) {
-                REAL no_sink;
-                const REAL* row = x + r * length;
-                if (capped) row = FN(cap_row)(row, length, cap, capped);
-                FN(self_adjusted_row)(row, y + r * length, length, normalized, stats + SA_STATS * r,
-                                      (REAL)ROW_PARAM(sink, r), sink_weight ? sink_weight + r : &no_sink);
-            } else {
+    for (int64_t r = 0; r < rows; r++) {
+        if (capped || !(cap > 0)) {
+            REAL no_sink;
+            const REAL* row = x + r * length;
+            if (capped) row = FN(cap_row)(row, length, cap, capped);
+            FN(self_adjusted_row)(row, y + r * length, length, normalized, stats + SA_STATS * r,
+                                  (REAL)ROW_PARAM(sink, r), sink_weight ? sink_weight + r : &no_sink);
+        } else {
 #pragma omp atomic write
-                failed = 1;
-            }
+            *failed = 1;
         }
-        free(capped);
     }
+    free(capped);
+}
+
+int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized, REAL* stats,
+                                      double sink, const REAL* sink_rows, REAL* sink_weight, double cap, int threads) {
+    int failed = 0;
+    ON_TEAM(rows, length, FN(self_adjusted_forward_rows)(x, y, rows, length, normalized, stats, sink, sink_rows,
+                                                         sink_weight, cap, &failed));
     return failed;
 }
 
-int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
-                                       int normalized, const REAL* stats, double sink, const REAL* sink_rows,
-                                       REAL* dsink, double cap, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (PARALLEL(rows, length))
+static void FN(self_adjusted_backward_rows)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
+                                            int normalized, const REAL* stats, double sink, const REAL* sink_rows,
+                                            REAL* dsink, double cap) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         REAL no_sink;
         const REAL* row = x + r * length;
@@ -960,110 +980,130 @@ int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, i
                                    (REAL)ROW_PARAM(sink, r), dsink ? dsink + r : &no_sink);
         if (cap > 0) FN(through_cap)(x + r * length, length, cap, gx + r * length);
     }
+}
+
+int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
+                                       int normalized, const REAL* stats, double sink, const REAL* sink_rows,
+                                       REAL* dsink, double cap, int threads) {
+    ON_TEAM(rows, length, FN(self_adjusted_backward_rows)(x, g, gx, rows, length, normalized, stats, sink, sink_rows,
+                                                          dsink, cap));
     return 0;
+}
+
+static void FN(entmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, double alpha,
+                                    const REAL* alpha_rows, REAL* gate, double sink, const REAL* sink_rows,
+                                    REAL* sink_weight, double cap, int* failed) {
+    const int64_t width = length + (sink_weight != NULL); /* the row entmax_row sees */
+    const int copied = sink_weight != NULL || cap > 0;    /* ... through a per-thread buffer */
+    REAL* t = malloc((width + PAD) * sizeof(REAL));
+    int32_t* index = malloc(width * sizeof(int32_t));
+    double* wide = malloc((width + PAD) * sizeof(double));
+    REAL* extended = copied ? malloc(2 * width * sizeof(REAL)) : NULL; /* [c(x), sink], then its weights */
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        if (t && index && wide && (extended || !copied)) {
+            const REAL* row = x + r * length;
+            REAL* out = y + r * length;
+            if (copied) row = FN(extend_row)(row, length, cap, sink_weight != NULL, (REAL)ROW_PARAM(sink, r),
+                                             extended);
+            if (sink_weight) out = extended + width;
+            FN(entmax_row)(row, out, width, ROW_PARAM(alpha, r), gate + r, t, index, wide);
+            if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
+        } else {
+#pragma omp atomic write
+            *failed = 1;
+        }
+    }
+    free(t);
+    free(index);
+    free(wide);
+    free(extended);
 }
 
 int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double alpha,
                                const REAL* alpha_rows, REAL* gate, double sink, const REAL* sink_rows,
                                REAL* sink_weight, double cap, int threads) {
-    const int64_t width = length + (sink_weight != NULL); /* the row entmax_row sees */
-    const int copied = sink_weight != NULL || cap > 0;    /* ... through a per-thread buffer */
     int failed = 0;
-#pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
-    {
-        REAL* t = malloc((width + PAD) * sizeof(REAL));
-        int32_t* index = malloc(width * sizeof(int32_t));
-        double* wide = malloc((width + PAD) * sizeof(double));
-        REAL* extended = copied ? malloc(2 * width * sizeof(REAL)) : NULL; /* [c(x), sink], then its weights */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (t && index && wide && (extended || !copied)) {
-                const REAL* row = x + r * length;
-                REAL* out = y + r * length;
-                if (copied) row = FN(extend_row)(row, length, cap, sink_weight != NULL, (REAL)ROW_PARAM(sink, r),
-                                                 extended);
-                if (sink_weight) out = extended + width;
-                FN(entmax_row)(row, out, width, ROW_PARAM(alpha, r), gate + r, t, index, wide);
-                if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
-            } else {
-#pragma omp atomic write
-                failed = 1;
-            }
-        }
-        free(t);
-        free(index);
-        free(wide);
-        free(extended);
-    }
+    ON_TEAM(rows, length, FN(entmax_forward_rows)(x, y, rows, length, alpha, alpha_rows, gate, sink, sink_rows,
+                                                  sink_weight, cap, &failed));
     return failed;
 }
 
 /* alpha_grad: NULL, or one value per row for d/d alpha of sum(g y).  x: the raw scores, NULL
  * unless cap > 0. */
-int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t rows, int64_t length,
-                                double gate, const REAL* gate_rows, double alpha, const REAL* alpha_rows,
-                                REAL* alpha_grad, double sink_weight, const REAL* sink_weight_rows, REAL* dsink,
-                                const REAL* x, double cap, int threads) {
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
-    {
-        int32_t* index = malloc(length * sizeof(int32_t));
-        REAL* slope = malloc((length + PAD) * sizeof(REAL));
+static void FN(entmax_backward_rows)(const REAL* y, const REAL* g, REAL* gx, int64_t rows, int64_t length, double gate,
+                                     const REAL* gate_rows, double alpha, const REAL* alpha_rows, REAL* alpha_grad,
+                                     double sink_weight, const REAL* sink_weight_rows, REAL* dsink, const REAL* x,
+                                     double cap, int* failed) {
+    int32_t* index = malloc(length * sizeof(int32_t));
+    REAL* slope = malloc((length + PAD) * sizeof(REAL));
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (index && slope) {
-                REAL no_sink;
-                FN(entmax_grad_row)(y + r * length, g + r * length, gx + r * length, length,
-                                    (REAL)ROW_PARAM(gate, r), ROW_PARAM(alpha, r), index, slope,
-                                    alpha_grad ? alpha_grad + r : NULL, (REAL)ROW_PARAM(sink_weight, r),
-                                    dsink ? dsink + r : &no_sink);
-                if (cap > 0) FN(through_cap)(x + r * length, length, cap, gx + r * length);
-            } else {
+    for (int64_t r = 0; r < rows; r++) {
+        if (index && slope) {
+            REAL no_sink;
+            FN(entmax_grad_row)(y + r * length, g + r * length, gx + r * length, length,
+                                (REAL)ROW_PARAM(gate, r), ROW_PARAM(alpha, r), index, slope,
+                                alpha_grad ? alpha_grad + r : NULL, (REAL)ROW_PARAM(sink_weight, r),
+                                dsink ? dsink + r : &no_sink);
+            if (cap > 0) FN(through_cap)(x + r * length, length, cap, gx + r * length);
+        } else {
 #pragma omp atomic write
-                failed = 1;
-            }
+            *failed = 1;
         }
-        free(index);
-        free(slope);
     }
+    free(index);
+    free(slope);
+}
+
+int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t rows, int64_t length, double gate,
+                                const REAL* gate_rows, double alpha, const REAL* alpha_rows, REAL* alpha_grad,
+                                double sink_weight, const REAL* sink_weight_rows, REAL* dsink, const REAL* x,
+                                double cap, int threads) {
+    int failed = 0;
+    ON_TEAM(rows, length, FN(entmax_backward_rows)(y, g, gx, rows, length, gate, gate_rows, alpha, alpha_rows,
+                                                   alpha_grad, sink_weight, sink_weight_rows, dsink, x, cap, &failed));
     return failed;
+}
+
+static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
+                                  double temperature, const REAL* temperature_rows, REAL* multiplier, double sink,
+                                  const REAL* sink_rows, REAL* sink_weight, double cap, int* failed) {
+    const int64_t width = length + (sink_weight != NULL); /* the row topk_row sees */
+    const int copied = sink_weight != NULL || cap > 0;    /* ... through a per-thread buffer */
+    REAL* work = malloc((width + MAX_TOPK_GROUPS) * sizeof(REAL));
+    int32_t* index = malloc(width * sizeof(int32_t));
+    KEY* keys = malloc((width + MAX_TOPK_GROUPS) * sizeof(KEY));
+    REAL* extended = copied ? malloc(2 * width * sizeof(REAL)) : NULL; /* [c(x), sink], then its weights */
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        if (work && index && keys && (extended || !copied)) {
+            const REAL* row = x + r * length;
+            REAL* out = y + r * length;
+            const REAL score = (REAL)ROW_PARAM(sink, r);
+            if (copied) row = FN(extend_row)(row, length, cap, sink_weight != NULL, score, extended);
+            if (sink_weight) out = extended + width;
+            /* the sink is not one of the n a fraction counts */
+            const int64_t uncounted = sink_weight != NULL && score != -INFINITY;
+            FN(topk_row)(row, out, width, k, is_fraction, ROW_PARAM(temperature, r), multiplier + r, work, index,
+                         keys, uncounted);
+            if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
+        } else {
+#pragma omp atomic write
+            *failed = 1;
+        }
+    }
+    free(work);
+    free(index);
+    free(keys);
+    free(extended);
 }
 
 int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
                              double temperature, const REAL* temperature_rows, REAL* multiplier, double sink,
                              const REAL* sink_rows, REAL* sink_weight, double cap, int threads) {
-    const int64_t width = length + (sink_weight != NULL); /* the row topk_row sees */
-    const int copied = sink_weight != NULL || cap > 0;    /* ... through a per-thread buffer */
     int failed = 0;
-#pragma omp parallel num_threads(threads) if (PARALLEL(rows, length))
-    {
-        REAL* work = malloc((width + MAX_TOPK_GROUPS) * sizeof(REAL));
-        int32_t* index = malloc(width * sizeof(int32_t));
-        KEY* keys = malloc((width + MAX_TOPK_GROUPS) * sizeof(KEY));
-        REAL* extended = copied ? malloc(2 * width * sizeof(REAL)) : NULL; /* [c(x), sink], then its weights */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (work && index && keys && (extended || !copied)) {
-                const REAL* row = x + r * length;
-                REAL* out = y + r * length;
-                const REAL score = (REAL)ROW_PARAM(sink, r);
-                if (copied) row = FN(extend_row)(row, length, cap, sink_weight != NULL, score, extended);
-                if (sink_weight) out = extended + width;
-                /* the sink is not one of the n a fraction counts */
-                const int64_t uncounted = sink_weight != NULL && score != -INFINITY;
-                FN(topk_row)(row, out, width, k, is_fraction, ROW_PARAM(temperature, r), multiplier + r, work, index,
-                             keys, uncounted);
-                if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
-            } else {
-#pragma omp atomic write
-                failed = 1;
-            }
-        }
-        free(work);
-        free(index);
-        free(keys);
-        free(extended);
-    }
+    ON_TEAM(rows, length, FN(topk_forward_rows)(x, y, rows, length, k, is_fraction, temperature, temperature_rows,
+                                                multiplier, sink, sink_rows, sink_weight, cap, &failed));
     return failed;
 }
 
