@@ -13,7 +13,10 @@ normalised over the last axis, a :class:`~attnorm.kernels.rules.RowMask` and
 parameters (numbers, or tensors ``(..., 1)`` broadcast against the scores); they
 resolve the backend (:mod:`attnorm.kernels.backends`), call the reference directly
 for ``"reference"``, and otherwise the op itself when nothing needs a gradient
-(one dispatcher call) or the Function.
+(one dispatcher call) or the Function.  A plain eager call that needs no gradient
+(:func:`_weights_only`) skips the op: it runs the backend's forward directly with
+``weights_only=True``, which is what the op's kernel would run, less the statistics
+only a backward reads.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch.autograd import Function
 from attnorm.kernels import backends, ops, reference, rules
 from attnorm.kernels.reference import jacobians, sinks
 from attnorm.kernels.reference.rows import cap_slope, capped
-from attnorm.kernels.rules import RowMask, sum_to_shape
+from attnorm.kernels.rules import NO_MASK, RowMask, sum_to_shape
 
 __all__ = ["entmax", "scalable_softmax", "self_adjusted_softmax", "softmax", "sparsemax", "topk_softmax"]
 
@@ -315,6 +318,43 @@ def _call(function: type[_RowFunction], op, args: tuple, *params: int) -> Tensor
     return ops.call(op, *args)[0]
 
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _weights_only(implementation: str, x: Tensor, mask: RowMask, *inputs: object) -> bool:
+    """True when a call may run its backend's forward directly and keep the weights alone.
+
+    That is when no gradient is needed (what else the forward op returns is read by its
+    backward only), when :func:`ops.plain` holds for the scores, the mask's fields and the
+    other ``inputs`` (parameters, sink: the op would go straight to the same function), and
+    when the backend takes ``x``'s dtype as it is (the op computes half precision in float32
+    for the native kernels).  The op's layers (argument packing, :func:`ops.call`, the op
+    body) and the statistics only a backward reads cost about a third of a call on a tiny
+    tensor.  :func:`ops.watched` first, so that Dynamo reads nothing else; then one pass over
+    the inputs: this runs on every call.
+    """
+    if ops.watched():
+        return False
+    grad = torch.is_grad_enabled()
+    if grad and x.requires_grad or not ops.plain_tensor(x):
+        return False
+    if implementation == "native" and x.dtype in _LOW_PRECISION:
+        return False
+    if mask is not NO_MASK:
+        inputs = (*mask, *inputs)
+    for value in inputs:
+        if isinstance(value, Tensor) and (grad and value.requires_grad or not ops.plain_tensor(value)):
+            return False
+    return True
+
+
+def _modifiers(sink: Tensor | None, softcap: float | None) -> dict:
+    """The backend forwards' ``sink`` and ``softcap`` keywords, each passed only when set (a sink adds an output)."""
+    if sink is None:
+        return {} if softcap is None else {"softcap": softcap}
+    return {"sink": sink} if softcap is None else {"sink": sink, "softcap": softcap}
+
+
 def _implementation(backend: str | None, x: Tensor) -> str:
     """The backend that computes this call; the reference while a forward-mode derivative may be taken.
 
@@ -364,8 +404,12 @@ def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None, s
     implementation = _implementation(backend, x)
     if implementation == "reference":
         return _reference("softmax", x, mask, sink, softcap, temperature=temperature)
+    sink = _sink(sink, x)
+    if _weights_only(implementation, x, mask, temperature, sink):
+        forward = ops.functions(implementation).softmax_forward
+        return forward(x, mask, 0, temperature, 0.0, **_modifiers(sink, softcap), weights_only=True)[0]
     value, rows = _split(temperature)
-    args = (x, *mask, value, rows, _sink(sink, x), softcap, implementation)
+    args = (x, *mask, value, rows, sink, softcap, implementation)
     return _call(_Softmax, ops.softmax_fwd, args, 5, 6)  # rows, sink
 
 
@@ -375,9 +419,13 @@ def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: s
     implementation = _implementation(backend, x)
     if implementation == "reference":
         return _reference("scalable_softmax", x, mask, sink, softcap, s=s, bias=bias)
+    sink = _sink(sink, x)
+    if _weights_only(implementation, x, mask, s, bias, sink):
+        forward = ops.functions(implementation).softmax_forward
+        return forward(x, mask, 1, s, bias, **_modifiers(sink, softcap), weights_only=True)[0]
     s_value, s_rows = _split(s)
     bias_value, bias_rows = _split(bias)
-    args = (x, *mask, s_value, s_rows, bias_value, bias_rows, _sink(sink, x), softcap, implementation)
+    args = (x, *mask, s_value, s_rows, bias_value, bias_rows, sink, softcap, implementation)
     return _call(_ScalableSoftmax, ops.scalable_softmax_fwd, args, 5, 7, 8)  # s_rows, bias_rows, sink
 
 
@@ -389,8 +437,12 @@ def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, b
     if implementation == "reference":
         return _reference("topk_softmax", x, mask, sink, softcap, k=float(k), is_fraction=is_fraction,
                           temperature=temperature)
+    sink = _sink(sink, x)
+    if _weights_only(implementation, x, mask, temperature, sink):
+        forward = ops.functions(implementation).topk_forward
+        return forward(x, mask, float(k), is_fraction, temperature, **_modifiers(sink, softcap), weights_only=True)[0]
     value, rows = _split(temperature)
-    args = (x, *mask, float(k), is_fraction, value, rows, _sink(sink, x), softcap, implementation)
+    args = (x, *mask, float(k), is_fraction, value, rows, sink, softcap, implementation)
     return _call(_TopKSoftmax, ops.topk_softmax_fwd, args, 7, 8)  # rows, sink
 
 
@@ -400,8 +452,12 @@ def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None, sink: Te
     implementation = _implementation(backend, x)
     if implementation == "reference":
         return _reference("entmax", x, mask, sink, softcap, alpha=alpha)
+    sink = _sink(sink, x)
+    if _weights_only(implementation, x, mask, alpha, sink):
+        forward = ops.functions(implementation).entmax_forward
+        return forward(x, mask, alpha, **_modifiers(sink, softcap), weights_only=True)[0]
     value, rows = _split(alpha)
-    args = (x, *mask, value, rows, _sink(sink, x), softcap, implementation)
+    args = (x, *mask, value, rows, sink, softcap, implementation)
     return _call(_Entmax, ops.entmax_fwd, args, 5, 6)  # rows, sink
 
 
@@ -411,7 +467,11 @@ def sparsemax(x: Tensor, mask: RowMask, backend: str | None, sink: Tensor | None
     implementation = _implementation(backend, x)
     if implementation == "reference":
         return _reference("sparsemax", x, mask, sink, softcap)
-    return _call(_Entmax, ops.entmax_fwd, (x, *mask, 2.0, None, _sink(sink, x), softcap, implementation), 6)
+    sink = _sink(sink, x)
+    if _weights_only(implementation, x, mask, sink):
+        forward = ops.functions(implementation).entmax_forward
+        return forward(x, mask, 2.0, **_modifiers(sink, softcap), weights_only=True)[0]
+    return _call(_Entmax, ops.entmax_fwd, (x, *mask, 2.0, None, sink, softcap, implementation), 6)
 
 
 def self_adjusted_softmax(x: Tensor, mask: RowMask, normalized: bool, backend: str | None,
@@ -420,5 +480,9 @@ def self_adjusted_softmax(x: Tensor, mask: RowMask, normalized: bool, backend: s
     implementation = _implementation(backend, x)
     if implementation == "reference":
         return _reference("self_adjusted_softmax", x, mask, sink, softcap, normalized=normalized)
-    args = (x, *mask, normalized, _sink(sink, x), softcap, implementation)
+    sink = _sink(sink, x)
+    if _weights_only(implementation, x, mask, sink):
+        forward = ops.functions(implementation).self_adjusted_forward
+        return forward(x, mask, normalized, **_modifiers(sink, softcap), weights_only=True)[0]
+    args = (x, *mask, normalized, sink, softcap, implementation)
     return _call(_SelfAdjustedSoftmax, ops.self_adjusted_softmax_fwd, args, 5)

@@ -69,6 +69,9 @@ __all__ = [
     "entmax_bwd",
     "entmax_fwd",
     "forward_mode",
+    "functions",
+    "plain",
+    "plain_tensor",
     "register_eager",
     "scalable_softmax_fwd",
     "self_adjusted_softmax_bwd",
@@ -76,6 +79,7 @@ __all__ = [
     "softmax_bwd",
     "softmax_fwd",
     "topk_softmax_fwd",
+    "watched",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -103,8 +107,10 @@ CONTRACT = (
 
 
 @functools.cache
-def _kernels(backend: str) -> SimpleNamespace:
-    """The implementation the op's ``backend`` argument names (resolved by :mod:`attnorm.kernels.backends`)."""
+def functions(backend: str) -> SimpleNamespace:
+    """The contract's functions (:data:`CONTRACT`) of the implementation ``backend`` names, as resolved by
+    :mod:`attnorm.kernels.backends` (``"native"``, ``"triton"`` or ``"reference"``); ``upcast``: whether they
+    take half precision only as float32."""
     module = _triton() if backend == "triton" else native if backend == "native" else reference
     functions = {name: getattr(module, name, getattr(reference, name)) for name in CONTRACT}
     # The native kernels read float32/float64: half precision is computed in float32.
@@ -128,7 +134,7 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
     """Define ``attnorm::name`` with ``body(kernels, *args)`` as its kernel on every device."""
 
     def device_kernel(*args):
-        kernels = _kernels(args[-1])
+        kernels = functions(args[-1])
         # The scores (forward) or saved output (backward) set the precision.
         dtype = args[0].dtype
         if not kernels.upcast or dtype not in _LOW_PRECISION:
@@ -142,7 +148,7 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
     _LIBRARY.define(name + schema)
     _LIBRARY.impl(name, device_kernel, "CPU")
     _LIBRARY.impl(name, device_kernel, "CUDA")
-    _LIBRARY.impl(name, lambda *args: body(_kernels("reference"), *args), "CompositeExplicitAutograd")
+    _LIBRARY.impl(name, lambda *args: body(functions("reference"), *args), "CompositeExplicitAutograd")
     torch.library.register_fake(qualified, fake, lib=_LIBRARY)
     op = getattr(torch.ops.attnorm, name).default
     register_eager(op, device_kernel)
@@ -150,7 +156,7 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
     if autocast:
         for device in ("cpu", "cuda"):
             torch.library.register_autocast(qualified, device, torch.float32, lib=_LIBRARY)
-    inductor.register(qualified, lambda *args: body(_kernels("triton"), *args), _LIBRARY,
+    inductor.register(qualified, lambda *args: body(functions("triton"), *args), _LIBRARY,
                       wants=lambda args: args[-1] == "triton")
     return op
 
@@ -160,13 +166,14 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 _is_legacy_batched = _C._functorch.is_legacy_batchedtensor
 
-_DEVICE_KERNELS: dict[Any, Callable[..., Any]] = {}
-"""Each op's CPU/CUDA kernel, for :func:`call`."""
+_DEVICE_KERNELS: dict[int, Callable[..., Any]] = {}
+"""Each op's CPU/CUDA kernel, for :func:`call`, by ``id(op)`` (an ``OpOverload`` hashes in Python, and
+lives as long as the process)."""
 
 
 def register_eager(op, kernel: Callable[..., Any]) -> None:
     """Let :func:`call` run ``kernel``, the op's CPU and CUDA kernel, in plain eager calls of ``op``."""
-    _DEVICE_KERNELS[op] = kernel
+    _DEVICE_KERNELS[id(op)] = kernel
 
 
 def call(op, *args: Any) -> Any:
@@ -186,14 +193,33 @@ def call(op, *args: Any) -> Any:
     or ``"triton"`` on CPU/CUDA tensors only).  The checks cost 1-2 us; the dispatcher's
     round trip ~10 us on a slow CPU.
     """
-    if (torch.compiler.is_compiling() or _C._are_functorch_transforms_active() or _C._len_torch_dispatch_stack()
-            or _C._is_torch_function_mode_enabled() or _C._get_tracing_state() or _C._is_any_autocast_enabled()
-            or _C._autograd._profiler_enabled()):
-        return op(*args)
+    return _DEVICE_KERNELS[id(op)](*args) if plain(*args) else op(*args)
+
+
+def watched() -> bool:
+    """True while something besides an op's kernel must see its calls (see :func:`call`).
+
+    ``torch.compile``/``torch.export`` is tested first, so that Dynamo reads nothing else.
+    """
+    return bool(torch.compiler.is_compiling() or _C._are_functorch_transforms_active()
+                or _C._len_torch_dispatch_stack() or _C._is_torch_function_mode_enabled()
+                or _C._get_tracing_state() or _C._is_any_autocast_enabled() or _C._autograd._profiler_enabled())
+
+
+def plain(*args: Any) -> bool:
+    """True when an op called with ``args`` may run its kernel directly (the conditions of :func:`call`):
+    nothing is :func:`watched`, and every tensor among ``args`` is :func:`plain_tensor`."""
+    if watched():
+        return False
     for arg in args:
         if isinstance(arg, Tensor) and (type(arg) not in _PLAIN or _is_legacy_batched(arg)):
-            return op(*args)
-    return _DEVICE_KERNELS[op](*args)
+            return False
+    return True
+
+
+def plain_tensor(tensor: Tensor) -> bool:
+    """A ``Tensor`` or ``Parameter`` (no other subclass) not batched by the legacy vmap (see :func:`call`)."""
+    return type(tensor) in _PLAIN and not _is_legacy_batched(tensor)
 
 
 def forward_mode() -> bool:

@@ -541,6 +541,42 @@ def test_results_do_not_depend_on_the_thread_count():
             assert torch.equal(a, b), name
 
 
+WEIGHTS_ONLY = {  # name -> call(x, sink, softcap, weights_only): the forward's outputs
+    "softmax": lambda x, sink, cap, only: native.softmax_forward(x, NO_MASK, 0, 0.7, 0.0, sink, cap, weights_only=only),
+    "ssmax": lambda x, sink, cap, only: native.softmax_forward(x, NO_MASK, 1, 0.6, 0.1, sink, cap, weights_only=only),
+    "topk": lambda x, sink, cap, only: native.topk_forward(x, NO_MASK, 5, False, 1.5, sink, cap, weights_only=only),
+    "entmax1.5": lambda x, sink, cap, only: native.entmax_forward(x, NO_MASK, 1.5, sink, cap, weights_only=only),
+    "sparsemax": lambda x, sink, cap, only: native.entmax_forward(x, NO_MASK, 2.0, sink, cap, weights_only=only),
+    "sa": lambda x, sink, cap, only: native.self_adjusted_forward(x, NO_MASK, True, sink, cap, weights_only=only),
+}
+
+
+@pytest.mark.parametrize("rows, length", [(3, 7), (16, 600)])  # one thread; a team (rows * length >= 4096)
+@pytest.mark.parametrize("modifiers", ["none", "sink and cap"])
+@pytest.mark.parametrize("name", list(WEIGHTS_ONLY))
+def test_weights_only_skips_the_statistics_and_keeps_the_weights(name, modifiers, rows, length):
+    """``weights_only=True`` hands C NULL for what only the backward reads: None comes back in its place,
+    and the weights (and a sink's weight) are bit for bit those of the full call."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, length, generator=generator, dtype=torch.float64) * 4
+    x[0, 2] = math.inf if rows > 1 else x[0, 2]  # a row holding +inf: the statistics differ there
+    x[-1] = -math.inf  # a fully masked row
+    sink, cap = (torch.randn(rows, 1, generator=generator, dtype=torch.float64), 3.0) if modifiers != "none" \
+        else (None, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = WEIGHTS_ONLY[name](x, sink, cap, False)
+        only = WEIGHTS_ONLY[name](x, sink, cap, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(only) == len(full)
+    assert torch.equal(only[0], full[0])
+    assert all(value is None for value in only[1:len(only) - (sink is not None)])
+    if sink is not None:
+        assert torch.equal(only[-1], full[-1])
+
+
 @pytest.mark.parametrize(
     "call, error",
     [

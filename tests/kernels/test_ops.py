@@ -433,16 +433,31 @@ class _Names(TorchDispatchMode):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts the calls :func:`ops.call` makes straight to the forward and backward softmax kernels."""
+    """Records the calls that skip the dispatcher: :func:`ops.call` straight to the forward and backward
+    softmax kernels (by op name), and the weights-only shortcut of :mod:`attnorm.kernels.autograd` straight
+    to a backend's forward with ``weights_only=True`` (``"direct:<backend>:<function>"``)."""
     calls = []
     for op in (ops.softmax_fwd, ops.softmax_bwd):
-        kernel = ops._DEVICE_KERNELS[op]
+        kernel = ops._DEVICE_KERNELS[id(op)]
 
         def spy(*args, kernel=kernel, name=str(op)):
             calls.append(name)
             return kernel(*args)
 
-        monkeypatch.setitem(ops._DEVICE_KERNELS, op, spy)
+        monkeypatch.setitem(ops._DEVICE_KERNELS, id(op), spy)
+    def direct_spy(forward, name):
+        def direct(*args, **kwargs):
+            if kwargs.get("weights_only"):  # the op's own kernel calls it too, for every output
+                calls.append(name)
+            return forward(*args, **kwargs)
+
+        return direct
+
+    for backend in OP_BACKENDS:
+        functions = ops.functions(backend)
+        for forward in ("softmax_forward", "topk_forward", "entmax_forward", "self_adjusted_forward"):
+            spy = direct_spy(getattr(functions, forward), f"direct:{backend}:{forward}")
+            monkeypatch.setattr(functions, forward, spy)
     return calls
 
 
@@ -457,6 +472,57 @@ def test_a_plain_eager_call_runs_the_kernels_without_the_dispatcher(kernel_calls
     (dx64,) = torch.autograd.grad(y64, x64, torch.ones_like(y64).cumsum(-1))
     torch.testing.assert_close(y, y64.float())
     torch.testing.assert_close(dx, dx64.float())
+
+
+@pytest.mark.parametrize("backend", [b for b in OP_BACKENDS if b != "reference"])
+def test_a_plain_call_that_needs_no_gradient_keeps_the_weights_alone(kernel_calls, backend):
+    """No gradient wanted and nothing watching: the backend's forward runs directly with
+    ``weights_only=True`` (no op, no statistics), inside ``no_grad`` or on inputs that need none."""
+    x = scores(3, 7)
+    y = attnorm.Softmax(temperature=0.5, backend=backend)(x)
+    with torch.no_grad():
+        y_no_grad = attnorm.Softmax(temperature=0.5, backend=backend)(x.clone().requires_grad_())
+    assert kernel_calls == [f"direct:{backend}:softmax_forward"] * 2
+    expected = torch.softmax(x.double() / 0.5, -1).float()
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(y_no_grad, expected)
+
+
+def _by_the_op(run):
+    """``run()`` with the ops dispatched (a dispatch mode that only passes them on): the route with every output."""
+    with _Names():
+        return run()
+
+
+SHORTCUT_CASES = {
+    "plain": {},
+    "bool mask": {"mask": lambda: torch.rand(2, 2, 5, 9, generator=torch.Generator().manual_seed(3)) > 0.3},
+    "causal": {"mask": attnorm.causal_mask},
+    "padding": {"mask": lambda: attnorm.key_padding_mask(torch.tensor([9, 4], device=DEVICE))},
+    "sink and cap": {"sink": lambda: scores(2, 2, 1, 1, seed=4), "softcap": 2.5},
+}
+
+
+@pytest.mark.parametrize("case", SHORTCUT_CASES)
+@pytest.mark.parametrize("name", MODULES)
+def test_the_weights_only_shortcut_gives_the_ops_weights_bit_for_bit(kernel_calls, name, case):
+    """The shortcut and the op run the same backend function: the weights match exactly, for every
+    normalizer (learnable ones: parameters per head) with masks, a sink and a cap."""
+    spec = SHORTCUT_CASES[case]
+    module = MODULES[name]().to(DEVICE)
+    x = scores(2, 2, 5, 9, seed=1) * 3
+    mask = spec["mask"]() if "mask" in spec else None
+    if isinstance(mask, torch.Tensor):
+        mask = mask.to(DEVICE)
+    keywords = {key: spec[key]() if callable(spec[key]) else spec[key] for key in ("sink", "softcap") if key in spec}
+    if keywords.get("sink") is not None:
+        keywords["sink"] = keywords["sink"].to(DEVICE)
+    with torch.no_grad():
+        shortcut = module(x, mask, **keywords)
+        assert len(kernel_calls) == 1 and kernel_calls[0].startswith("direct:"), kernel_calls
+        dispatched = _by_the_op(lambda: module(x, mask, **keywords))
+        assert len(kernel_calls) == 1, kernel_calls
+    assert torch.equal(shortcut, dispatched)
 
 
 def _profiled(run):

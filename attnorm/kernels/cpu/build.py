@@ -75,7 +75,7 @@ _i64, _int, _ptr, _double = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctype
 # its per-row output (sink_weight, dsink) is NULL when there is no sink.  The soft cap comes
 # just before the thread count (a double, 0: off); backward passes take the raw scores with it.
 SIGNATURES = {
-    # x, y, rows, length, variant, first, first_rows, second, second_rows, multiplier, log_count | NULL,
+    # x, y, rows, length, variant, first, first_rows, second, second_rows, multiplier | NULL, log_count | NULL,
     # sink, sink_rows, sink_weight | NULL, cap, threads
     "attnorm_softmax_forward": (_ptr, _ptr, _i64, _i64, _int, _double, _ptr, _double, _ptr, _ptr, _ptr,
                                 _double, _ptr, _ptr, _double, _int),
@@ -83,17 +83,17 @@ SIGNATURES = {
     # sink_weight, sink_weight_rows, sink, sink_rows, dsink | NULL, cap, threads
     "attnorm_softmax_backward": (_ptr, _ptr, _ptr, _ptr, _i64, _i64, _double, _ptr, _int, _ptr,
                                  _double, _ptr, _double, _ptr, _ptr, _double, _int),
-    # x, y, rows, length, k, is_fraction, temperature, temperature_rows, multiplier,
+    # x, y, rows, length, k, is_fraction, temperature, temperature_rows, multiplier | NULL,
     # sink, sink_rows, sink_weight | NULL, cap, threads
     "attnorm_topk_forward": (_ptr, _ptr, _i64, _i64, _double, _int, _double, _ptr, _ptr, _double, _ptr, _ptr,
                              _double, _int),
-    # x, y, rows, length, alpha, alpha_rows, gate, sink, sink_rows, sink_weight | NULL, cap, threads
+    # x, y, rows, length, alpha, alpha_rows, gate | NULL, sink, sink_rows, sink_weight | NULL, cap, threads
     "attnorm_entmax_forward": (_ptr, _ptr, _i64, _i64, _double, _ptr, _ptr, _double, _ptr, _ptr, _double, _int),
     # y, grad, grad_x, rows, length, gate, gate_rows, alpha, alpha_rows, alpha_grad | NULL,
     # sink_weight, sink_weight_rows, dsink | NULL, x | NULL, cap, threads
     "attnorm_entmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _double, _ptr, _double, _ptr, _ptr,
                                 _double, _ptr, _ptr, _ptr, _double, _int),
-    # x, y, rows, length, normalized, stats, sink, sink_rows, sink_weight | NULL, cap, threads
+    # x, y, rows, length, normalized, stats | NULL, sink, sink_rows, sink_weight | NULL, cap, threads
     "attnorm_self_adjusted_forward": (_ptr, _ptr, _i64, _i64, _int, _ptr, _double, _ptr, _ptr, _double, _int),
     # x, grad, grad_x, rows, length, normalized, stats, sink, sink_rows, dsink | NULL, cap, threads
     "attnorm_self_adjusted_backward": (_ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _double, _ptr, _ptr, _double,

@@ -176,7 +176,8 @@ def softmax_forward(
     second: float | Tensor,
     sink: float | Tensor | None = None,
     softcap: float | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None] | tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    weights_only: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None] | tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """Softmax of scaled scores over the allowed positions: ``y = softmax(m x)``.
 
     Variant 0 (temperature): ``m = 1 / first``.  Variant 1 (Scalable-Softmax,
@@ -197,6 +198,8 @@ def softmax_forward(
         sink: the score of a virtual key after the last position, per row (always
             allowed), or None.
         softcap: the cap (``> 0``), or None.
+        weights_only: skip what only the backward reads (``multiplier``, ``log_count``:
+            None), for a call that needs no gradient.
 
     Returns:
         ``(y, multiplier, log_count)``: ``multiplier`` is ``m`` per row (0 in rows
@@ -216,11 +219,11 @@ def softmax_forward(
     second, second_rows = _per_row(second, row_shape, dtype, "second")
     sink_score, sink_rows = _sink(sink, row_shape, dtype)
     y = torch.empty_like(scores)  # contiguous like scores; cheaper than _new
-    multiplier = _new(row_shape, dtype)
-    log_count = _new(row_shape, dtype) if variant == 1 else None
+    multiplier = None if weights_only else _new(row_shape, dtype)
+    log_count = _new(row_shape, dtype) if variant == 1 and not weights_only else None
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_softmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, variant,
-            first, _address(first_rows), second, _address(second_rows), multiplier.data_ptr(), _address(log_count),
+            first, _address(first_rows), second, _address(second_rows), _address(multiplier), _address(log_count),
             sink_score, _address(sink_rows), _address(sink_weight), cap)
     return (y, multiplier, log_count) if sink is None else (y, multiplier, log_count, sink_weight)
 
@@ -300,7 +303,8 @@ def topk_forward(
     temperature: float | Tensor,
     sink: float | Tensor | None = None,
     softcap: float | None = None,
-) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    weights_only: bool = False,
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     """Softmax of ``x / temperature`` over the kept positions, exactly 0 elsewhere.
 
     Kept: the ``min(k, n)`` largest allowed scores, or ``max(1, ceil(k n - 1e-9))`` for a
@@ -321,6 +325,7 @@ def topk_forward(
         sink: the score of a virtual key after the last position, per row (always
             allowed), or None.
         softcap: the cap (``> 0``), or None.
+        weights_only: skip ``multiplier`` (None), which only the backward reads.
 
     Returns:
         ``(y, multiplier)``, ``multiplier = 1 / temperature`` per row (0 in rows holding +inf);
@@ -336,10 +341,10 @@ def topk_forward(
     temperature, temperature_rows = _per_row(temperature, row_shape, dtype, "temperature")
     sink_score, sink_rows = _sink(sink, row_shape, dtype)
     y = torch.empty_like(scores)  # contiguous like scores; cheaper than _new
-    multiplier = _new(row_shape, dtype)
+    multiplier = None if weights_only else _new(row_shape, dtype)
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_topk_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, float(k),
-            int(bool(is_fraction)), temperature, _address(temperature_rows), multiplier.data_ptr(), sink_score,
+            int(bool(is_fraction)), temperature, _address(temperature_rows), _address(multiplier), sink_score,
             _address(sink_rows), _address(sink_weight), cap)
     return (y, multiplier) if sink is None else (y, multiplier, sink_weight)
 
@@ -350,7 +355,8 @@ def entmax_forward(
     alpha: float | Tensor,
     sink: float | Tensor | None = None,
     softcap: float | None = None,
-) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    weights_only: bool = False,
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     """alpha-entmax (Peters, Niculae & Martins, 2019) for any ``alpha >= 1`` per row.
 
     ``y = [(alpha - 1) x - tau]_+^(1 / (alpha - 1))`` with ``tau`` such that each row sums
@@ -369,6 +375,7 @@ def entmax_forward(
         sink: the score of a virtual key after the last position, per row (always
             allowed), or None.
         softcap: the cap (``> 0``), or None.
+        weights_only: skip ``gate`` (None), which only the backward reads.
 
     Returns:
         ``(y, gate)``, ``gate`` 1 per row, 0 in rows holding +inf; with a sink, its weight
@@ -386,10 +393,10 @@ def entmax_forward(
     alpha, alpha_rows = _per_row(alpha, row_shape, dtype, "alpha")
     sink_score, sink_rows = _sink(sink, row_shape, dtype)
     y = torch.empty_like(scores)  # contiguous like scores; cheaper than _new
-    gate = _new(row_shape, dtype)
+    gate = None if weights_only else _new(row_shape, dtype)
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_entmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, alpha,
-            _address(alpha_rows), gate.data_ptr(), sink_score, _address(sink_rows), _address(sink_weight), cap)
+            _address(alpha_rows), _address(gate), sink_score, _address(sink_rows), _address(sink_weight), cap)
     return (y, gate) if sink is None else (y, gate, sink_weight)
 
 
@@ -456,7 +463,8 @@ def self_adjusted_forward(
     normalized: bool,
     sink: float | Tensor | None = None,
     softcap: float | None = None,
-) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    weights_only: bool = False,
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     """SA-Softmax (Zheng et al., 2025): ``y = phi(x) softmax(x)`` over the allowed positions.
 
     ``phi(x) = x`` (plain) or ``(x - low) / (high - low)`` with ``low = min(min x, 0)``,
@@ -475,6 +483,7 @@ def self_adjusted_forward(
         sink: the score of a virtual key after the last position, per row (always
             allowed), or None.
         softcap: the cap (``> 0``), or None.
+        weights_only: skip ``stats`` (None), which only the backward reads.
 
     Returns:
         ``(y, stats)``, ``stats`` of shape ``x.shape[:-1] + (5,)``: ``(c0, c1, low, high, gate)``
@@ -491,10 +500,10 @@ def self_adjusted_forward(
     row_shape, length = shape[:-1], shape[-1]
     sink_score, sink_rows = _sink(sink, row_shape, dtype)
     y = torch.empty_like(scores)  # contiguous like scores; cheaper than _new
-    stats = _new((*row_shape, _SA_STATS), dtype)
+    stats = None if weights_only else _new((*row_shape, _SA_STATS), dtype)
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_self_adjusted_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length,
-            int(bool(normalized)), stats.data_ptr(), sink_score, _address(sink_rows), _address(sink_weight), cap)
+            int(bool(normalized)), _address(stats), sink_score, _address(sink_rows), _address(sink_weight), cap)
     return (y, stats) if sink is None else (y, stats, sink_weight)
 
 

@@ -73,7 +73,7 @@ def _multiplier(rows: Rows, multiplier: float | Tensor) -> Tensor:
 
 def softmax_forward(
     x: Tensor, mask: rules.RowMask, variant: int, first: float | Tensor, second: float | Tensor,
-    sink: Tensor | None = None, softcap: float | None = None,
+    sink: Tensor | None = None, softcap: float | None = None, weights_only: bool = False,
 ) -> tuple[Tensor, ...]:
     """``y = softmax(m x)`` over the allowed positions; variant 0: ``m = 1 / first``, 1: ``m = first log n + second``.
 
@@ -140,7 +140,7 @@ def softmax_backward(
 
 def topk_forward(
     x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor,
-    sink: Tensor | None = None, softcap: float | None = None,
+    sink: Tensor | None = None, softcap: float | None = None, weights_only: bool = False,
 ) -> tuple[Tensor, ...]:
     """Softmax of ``x / temperature`` over the kept positions (ties: lowest index), exact 0 elsewhere.
 
@@ -164,7 +164,8 @@ def topk_forward(
 
 
 def entmax_forward(
-    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None, softcap: float | None = None
+    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None, softcap: float | None = None,
+    weights_only: bool = False,
 ) -> tuple[Tensor, ...]:
     """alpha-entmax for any ``alpha >= 1`` per row.
 
@@ -209,7 +210,8 @@ def entmax_backward(
 
 
 def self_adjusted_forward(
-    x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None, softcap: float | None = None
+    x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None, softcap: float | None = None,
+    weights_only: bool = False,
 ) -> tuple[Tensor, ...]:
     """SA-Softmax ``y = phi(x) softmax(x)`` and its stats ``(..., 5)``: ``(c0, c1, low, high, gate)``.
 

@@ -492,7 +492,8 @@ def _max_iterations(x: Tensor) -> int:
 
 
 def entmax_forward(
-    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None, softcap: float | None = None
+    x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None, softcap: float | None = None,
+    weights_only: bool = False,
 ) -> tuple[Tensor, ...]:
     """alpha-entmax over the allowed positions of each row, any ``alpha >= 1`` per row.
 

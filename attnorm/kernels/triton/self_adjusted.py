@@ -292,7 +292,8 @@ def _self_adjusted_backward_kernel(
 
 
 def self_adjusted_forward(
-    x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None, softcap: float | None = None
+    x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None, softcap: float | None = None,
+    weights_only: bool = False,
 ) -> tuple[Tensor, ...]:
     """SA-Softmax ``y = phi(x) softmax(x)`` over the allowed positions of each row.
 

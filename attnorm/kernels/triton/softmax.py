@@ -267,7 +267,7 @@ def _softmax_backward_kernel(
 
 def softmax_forward(
     x: Tensor, mask: rules.RowMask, variant: int, first: float | Tensor, second: float | Tensor,
-    sink: Tensor | None = None, softcap: float | None = None,
+    sink: Tensor | None = None, softcap: float | None = None, weights_only: bool = False,
 ) -> tuple[Tensor, ...]:
     """``y = softmax(m x)`` over the allowed positions of each row.
 

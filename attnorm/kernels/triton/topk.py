@@ -248,7 +248,7 @@ def _topk_forward_kernel(
 
 def topk_forward(
     x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor,
-    sink: Tensor | None = None, softcap: float | None = None,
+    sink: Tensor | None = None, softcap: float | None = None, weights_only: bool = False,
 ) -> tuple[Tensor, ...]:
     """Softmax of ``x / temperature`` over the kept positions of each row, exact zeros elsewhere.
 

@@ -887,18 +887,20 @@ static REAL FN(split_row)(const REAL* extended, int64_t length, REAL* y) {
     return extended[length];
 }
 
-/* log_count: NULL for variant 0. */
+/* log_count: NULL for variant 0.  In every forward the per-row outputs only a backward reads
+ * (multiplier, log_count, gate, stats) may be NULL: a call that keeps the weights alone. */
 static void FN(softmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
                                      const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
                                      REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight,
                                      double cap) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        REAL unused, no_sink;
+        REAL unused, unused_multiplier, no_sink;
         const REAL* row = x + r * length;
         if (cap > 0) row = FN(cap_row)(row, length, cap, y + r * length); /* softmax_row runs in place */
         FN(softmax_row)(row, y + r * length, length, variant, ROW_PARAM(first, r), ROW_PARAM(second, r),
-                        (REAL)ROW_PARAM(sink, r), multiplier + r, log_count ? log_count + r : &unused,
+                        (REAL)ROW_PARAM(sink, r), multiplier ? multiplier + r : &unused_multiplier,
+                        log_count ? log_count + r : &unused,
                         sink_weight ? sink_weight + r : &no_sink);
     }
 }
@@ -947,10 +949,10 @@ static void FN(self_adjusted_forward_rows)(const REAL* x, REAL* y, int64_t rows,
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         if (capped || !(cap > 0)) {
-            REAL no_sink;
+            REAL no_sink, own[SA_STATS]; /* the row's statistics when the caller keeps none */
             const REAL* row = x + r * length;
             if (capped) row = FN(cap_row)(row, length, cap, capped);
-            FN(self_adjusted_row)(row, y + r * length, length, normalized, stats + SA_STATS * r,
+            FN(self_adjusted_row)(row, y + r * length, length, normalized, stats ? stats + SA_STATS * r : own,
                                   (REAL)ROW_PARAM(sink, r), sink_weight ? sink_weight + r : &no_sink);
         } else {
 #pragma omp atomic write
@@ -1002,12 +1004,13 @@ static void FN(entmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         if (t && index && wide && (extended || !copied)) {
+            REAL no_gate;
             const REAL* row = x + r * length;
             REAL* out = y + r * length;
             if (copied) row = FN(extend_row)(row, length, cap, sink_weight != NULL, (REAL)ROW_PARAM(sink, r),
                                              extended);
             if (sink_weight) out = extended + width;
-            FN(entmax_row)(row, out, width, ROW_PARAM(alpha, r), gate + r, t, index, wide);
+            FN(entmax_row)(row, out, width, ROW_PARAM(alpha, r), gate ? gate + r : &no_gate, t, index, wide);
             if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
         } else {
 #pragma omp atomic write
@@ -1077,6 +1080,7 @@ static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t 
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         if (work && index && keys && (extended || !copied)) {
+            REAL no_multiplier;
             const REAL* row = x + r * length;
             REAL* out = y + r * length;
             const REAL score = (REAL)ROW_PARAM(sink, r);
@@ -1084,8 +1088,8 @@ static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t 
             if (sink_weight) out = extended + width;
             /* the sink is not one of the n a fraction counts */
             const int64_t uncounted = sink_weight != NULL && score != -INFINITY;
-            FN(topk_row)(row, out, width, k, is_fraction, ROW_PARAM(temperature, r), multiplier + r, work, index,
-                         keys, uncounted);
+            FN(topk_row)(row, out, width, k, is_fraction, ROW_PARAM(temperature, r),
+                         multiplier ? multiplier + r : &no_multiplier, work, index, keys, uncounted);
             if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
         } else {
 #pragma omp atomic write
