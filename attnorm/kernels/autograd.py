@@ -14,7 +14,7 @@ parameters (numbers, or tensors ``(..., 1)`` broadcast against the scores); they
 resolve the backend (:mod:`attnorm.kernels.backends`), call the reference directly
 for ``"reference"``, and otherwise the op itself when nothing needs a gradient
 (one dispatcher call) or the Function.  A plain eager call that needs no gradient
-(:func:`_weights_only`) skips the op: it runs the backend's forward directly with
+(:func:`_direct`) skips the op: it runs the backend's forward directly with
 ``weights_only=True``, which is what the op's kernel would run, less the statistics
 only a backward reads.
 """
@@ -22,6 +22,7 @@ only a backward reads.
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -318,41 +319,31 @@ def _call(function: type[_RowFunction], op, args: tuple, *params: int) -> Tensor
     return ops.call(op, *args)[0]
 
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+def _direct(implementation: str, x: Tensor, mask: RowMask, *inputs: object) -> SimpleNamespace | None:
+    """The backend's functions (:func:`ops.functions`) when a call may run its forward directly and
+    keep the weights alone; None when the call goes through the op.
 
-
-def _weights_only(implementation: str, x: Tensor, mask: RowMask, *inputs: object) -> bool:
-    """True when a call may run its backend's forward directly and keep the weights alone.
-
-    That is when no gradient is needed (what else the forward op returns is read by its
+    Directly when no gradient is needed (what else the forward op returns is read by its
     backward only), when :func:`ops.plain` holds for the scores, the mask's fields and the
     other ``inputs`` (parameters, sink: the op would go straight to the same function), and
-    when the backend takes ``x``'s dtype as it is (the op computes half precision in float32
-    for the native kernels).  The op's layers (argument packing, :func:`ops.call`, the op
-    body) and the statistics only a backward reads cost about a third of a call on a tiny
-    tensor.  :func:`ops.watched` first, so that Dynamo reads nothing else; then one pass over
-    the inputs: this runs on every call.
+    when the backend takes ``x``'s dtype as it is (:func:`ops.takes_as_is`; else the op
+    computes in float32).  The op's layers (argument packing, :func:`ops.call`, the op body)
+    and the statistics only a backward reads cost about a third of a call on a tiny tensor.
+    :func:`ops.watched` first, so that Dynamo reads nothing else; then one pass over the
+    inputs: this runs on every call.
     """
     if ops.watched():
-        return False
+        return None
     grad = torch.is_grad_enabled()
     if grad and x.requires_grad or not ops.plain_tensor(x):
-        return False
-    if implementation == "native" and x.dtype in _LOW_PRECISION:
-        return False
+        return None
     if mask is not NO_MASK:
         inputs = (*mask, *inputs)
     for value in inputs:
         if isinstance(value, Tensor) and (grad and value.requires_grad or not ops.plain_tensor(value)):
-            return False
-    return True
-
-
-def _modifiers(sink: Tensor | None, softcap: float | None) -> dict:
-    """The backend forwards' ``sink`` and ``softcap`` keywords, each passed only when set (a sink adds an output)."""
-    if sink is None:
-        return {} if softcap is None else {"softcap": softcap}
-    return {"sink": sink} if softcap is None else {"sink": sink, "softcap": softcap}
+            return None
+    functions = ops.functions(implementation)
+    return functions if ops.takes_as_is(functions, x.dtype) else None
 
 
 def _implementation(backend: str | None, x: Tensor) -> str:
@@ -405,9 +396,10 @@ def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None, s
     if implementation == "reference":
         return _reference("softmax", x, mask, sink, softcap, temperature=temperature)
     sink = _sink(sink, x)
-    if _weights_only(implementation, x, mask, temperature, sink):
-        forward = ops.functions(implementation).softmax_forward
-        return forward(x, mask, 0, temperature, 0.0, **_modifiers(sink, softcap), weights_only=True)[0]
+    direct = _direct(implementation, x, mask, temperature, sink)
+    if direct is not None:
+        modifiers = ops.modifiers(sink, softcap)
+        return direct.softmax_forward(x, mask, 0, temperature, 0.0, **modifiers, weights_only=True)[0]
     value, rows = _split(temperature)
     args = (x, *mask, value, rows, sink, softcap, implementation)
     return _call(_Softmax, ops.softmax_fwd, args, 5, 6)  # rows, sink
@@ -420,9 +412,9 @@ def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: s
     if implementation == "reference":
         return _reference("scalable_softmax", x, mask, sink, softcap, s=s, bias=bias)
     sink = _sink(sink, x)
-    if _weights_only(implementation, x, mask, s, bias, sink):
-        forward = ops.functions(implementation).softmax_forward
-        return forward(x, mask, 1, s, bias, **_modifiers(sink, softcap), weights_only=True)[0]
+    direct = _direct(implementation, x, mask, s, bias, sink)
+    if direct is not None:
+        return direct.softmax_forward(x, mask, 1, s, bias, **ops.modifiers(sink, softcap), weights_only=True)[0]
     s_value, s_rows = _split(s)
     bias_value, bias_rows = _split(bias)
     args = (x, *mask, s_value, s_rows, bias_value, bias_rows, sink, softcap, implementation)
@@ -438,9 +430,10 @@ def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, b
         return _reference("topk_softmax", x, mask, sink, softcap, k=float(k), is_fraction=is_fraction,
                           temperature=temperature)
     sink = _sink(sink, x)
-    if _weights_only(implementation, x, mask, temperature, sink):
-        forward = ops.functions(implementation).topk_forward
-        return forward(x, mask, float(k), is_fraction, temperature, **_modifiers(sink, softcap), weights_only=True)[0]
+    direct = _direct(implementation, x, mask, temperature, sink)
+    if direct is not None:
+        modifiers = ops.modifiers(sink, softcap)
+        return direct.topk_forward(x, mask, float(k), is_fraction, temperature, **modifiers, weights_only=True)[0]
     value, rows = _split(temperature)
     args = (x, *mask, float(k), is_fraction, value, rows, sink, softcap, implementation)
     return _call(_TopKSoftmax, ops.topk_softmax_fwd, args, 7, 8)  # rows, sink
@@ -453,9 +446,9 @@ def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None, sink: Te
     if implementation == "reference":
         return _reference("entmax", x, mask, sink, softcap, alpha=alpha)
     sink = _sink(sink, x)
-    if _weights_only(implementation, x, mask, alpha, sink):
-        forward = ops.functions(implementation).entmax_forward
-        return forward(x, mask, alpha, **_modifiers(sink, softcap), weights_only=True)[0]
+    direct = _direct(implementation, x, mask, alpha, sink)
+    if direct is not None:
+        return direct.entmax_forward(x, mask, alpha, **ops.modifiers(sink, softcap), weights_only=True)[0]
     value, rows = _split(alpha)
     args = (x, *mask, value, rows, sink, softcap, implementation)
     return _call(_Entmax, ops.entmax_fwd, args, 5, 6)  # rows, sink
@@ -468,9 +461,9 @@ def sparsemax(x: Tensor, mask: RowMask, backend: str | None, sink: Tensor | None
     if implementation == "reference":
         return _reference("sparsemax", x, mask, sink, softcap)
     sink = _sink(sink, x)
-    if _weights_only(implementation, x, mask, sink):
-        forward = ops.functions(implementation).entmax_forward
-        return forward(x, mask, 2.0, **_modifiers(sink, softcap), weights_only=True)[0]
+    direct = _direct(implementation, x, mask, sink)
+    if direct is not None:
+        return direct.entmax_forward(x, mask, 2.0, **ops.modifiers(sink, softcap), weights_only=True)[0]
     return _call(_Entmax, ops.entmax_fwd, (x, *mask, 2.0, None, sink, softcap, implementation), 6)
 
 
@@ -481,8 +474,8 @@ def self_adjusted_softmax(x: Tensor, mask: RowMask, normalized: bool, backend: s
     if implementation == "reference":
         return _reference("self_adjusted_softmax", x, mask, sink, softcap, normalized=normalized)
     sink = _sink(sink, x)
-    if _weights_only(implementation, x, mask, sink):
-        forward = ops.functions(implementation).self_adjusted_forward
-        return forward(x, mask, normalized, **_modifiers(sink, softcap), weights_only=True)[0]
+    direct = _direct(implementation, x, mask, sink)
+    if direct is not None:
+        return direct.self_adjusted_forward(x, mask, normalized, **ops.modifiers(sink, softcap), weights_only=True)[0]
     args = (x, *mask, normalized, sink, softcap, implementation)
     return _call(_SelfAdjustedSoftmax, ops.self_adjusted_softmax_fwd, args, 5)

@@ -70,6 +70,7 @@ __all__ = [
     "entmax_fwd",
     "forward_mode",
     "functions",
+    "modifiers",
     "plain",
     "plain_tensor",
     "register_eager",
@@ -78,6 +79,7 @@ __all__ = [
     "self_adjusted_softmax_fwd",
     "softmax_bwd",
     "softmax_fwd",
+    "takes_as_is",
     "topk_softmax_fwd",
     "watched",
 ]
@@ -117,6 +119,11 @@ def functions(backend: str) -> SimpleNamespace:
     return SimpleNamespace(**functions, upcast=module is native)
 
 
+def takes_as_is(kernels: SimpleNamespace, dtype: torch.dtype) -> bool:
+    """Whether the :func:`functions` ``kernels`` compute rows of ``dtype`` as they are (else in float32)."""
+    return not kernels.upcast or dtype not in _LOW_PRECISION
+
+
 def _upcast(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Half-precision tensors among ``args`` in float32."""
     return tuple(a.float() if isinstance(a, Tensor) and a.dtype in _LOW_PRECISION else a for a in args)
@@ -137,7 +144,7 @@ def _define(name: str, schema: str, body: Callable[..., Any], fake: Callable[...
         kernels = functions(args[-1])
         # The scores (forward) or saved output (backward) set the precision.
         dtype = args[0].dtype
-        if not kernels.upcast or dtype not in _LOW_PRECISION:
+        if takes_as_is(kernels, dtype):
             return body(kernels, *args)
         out = body(kernels, *_upcast(args))
         if isinstance(out, Tensor):
@@ -212,7 +219,7 @@ def plain(*args: Any) -> bool:
     if watched():
         return False
     for arg in args:
-        if isinstance(arg, Tensor) and (type(arg) not in _PLAIN or _is_legacy_batched(arg)):
+        if isinstance(arg, Tensor) and not plain_tensor(arg):
             return False
     return True
 
@@ -346,7 +353,7 @@ def _sink_out(x: Tensor, sink: Tensor | None) -> Tensor:
     return _empty(x) if sink is None else _rows(x)
 
 
-def _with_sink(sink: Tensor | None, softcap: float | None = None) -> dict[str, Any]:
+def modifiers(sink: Tensor | None, softcap: float | None = None) -> dict[str, Any]:
     """The backend functions' sink and softcap keywords, each passed only when set (a sink adds an output)."""
     keywords = {} if sink is None else {"sink": sink}
     if softcap is not None:
@@ -368,7 +375,7 @@ _SOFTMAX_KINDS = ("x", "bcast", None, "lengths")
 
 def _softmax_fwd(kernels, x, mask, diagonal, key_lengths, temperature, temperature_rows, sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
-    out = kernels.softmax_forward(x, mask, 0, _param(temperature, temperature_rows), 0.0, **_with_sink(sink, softcap))
+    out = kernels.softmax_forward(x, mask, 0, _param(temperature, temperature_rows), 0.0, **modifiers(sink, softcap))
     return out[0], out[1], out[3] if sink is not None else _absent(x)
 
 
@@ -387,7 +394,7 @@ softmax_fwd = _define(
 def _scalable_softmax_fwd(kernels, x, mask, diagonal, key_lengths, s, s_rows, bias, bias_rows, sink, softcap,
                           backend):
     mask = _row_mask(mask, diagonal, key_lengths)
-    out = kernels.softmax_forward(x, mask, 1, _param(s, s_rows), _param(bias, bias_rows), **_with_sink(sink, softcap))
+    out = kernels.softmax_forward(x, mask, 1, _param(s, s_rows), _param(bias, bias_rows), **modifiers(sink, softcap))
     return out[0], out[1], out[2], out[3] if sink is not None else _absent(x)
 
 
@@ -407,7 +414,7 @@ def _topk_softmax_fwd(kernels, x, mask, diagonal, key_lengths, k, is_fraction, t
                       sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
     temperature = _param(temperature, temperature_rows)
-    out = kernels.topk_forward(x, mask, k, is_fraction, temperature, **_with_sink(sink, softcap))
+    out = kernels.topk_forward(x, mask, k, is_fraction, temperature, **modifiers(sink, softcap))
     return out[0], out[1], out[2] if sink is not None else _absent(x)
 
 
@@ -453,7 +460,7 @@ softmax_bwd = _define(
 
 def _entmax_fwd(kernels, x, mask, diagonal, key_lengths, alpha, alpha_rows, sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
-    out = kernels.entmax_forward(x, mask, _param(alpha, alpha_rows), **_with_sink(sink, softcap))
+    out = kernels.entmax_forward(x, mask, _param(alpha, alpha_rows), **modifiers(sink, softcap))
     return out[0], out[1], out[2] if sink is not None else _absent(x)
 
 
@@ -499,7 +506,7 @@ entmax_bwd = _define(
 
 def _self_adjusted_fwd(kernels, x, mask, diagonal, key_lengths, normalized, sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
-    out = kernels.self_adjusted_forward(x, mask, normalized, **_with_sink(sink, softcap))
+    out = kernels.self_adjusted_forward(x, mask, normalized, **modifiers(sink, softcap))
     return out[0], out[1], out[2] if sink is not None else _absent(x)
 
 
@@ -517,8 +524,8 @@ self_adjusted_softmax_fwd = _define(
 def _self_adjusted_bwd(kernels, x, mask, diagonal, key_lengths, grad, stats, normalized, sink, softcap, backend):
     mask = _row_mask(mask, diagonal, key_lengths)
     if sink is None:
-        return kernels.self_adjusted_backward(x, mask, grad, stats, normalized, **_with_sink(None, softcap)), _absent(x)
-    return kernels.self_adjusted_backward(x, mask, grad, stats, normalized, **_with_sink(sink, softcap))
+        return kernels.self_adjusted_backward(x, mask, grad, stats, normalized, **modifiers(None, softcap)), _absent(x)
+    return kernels.self_adjusted_backward(x, mask, grad, stats, normalized, **modifiers(sink, softcap))
 
 
 self_adjusted_softmax_bwd = _define(
