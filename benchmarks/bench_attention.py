@@ -89,6 +89,7 @@ COLUMNS = (
     "device", "median", "p20", "p80", "error", "versions",
 )
 MODES = ("forward", "backward", "forward+backward")
+CAUSAL = {"both": (True, False), "yes": (True,), "no": (False,)}
 SHORT_MODE = {"forward": "fwd", "backward": "bwd", "forward+backward": "fwd+bwd"}
 # {heads} becomes the number of heads of the run (per-head learnable parameters).
 SPECS = (
@@ -316,7 +317,7 @@ def inputs(batch: int, heads: int, length: int, head_dim: int, dtype, device: st
 
 
 def measure_config(cases: list[Provider], setting: Setting, length: int, causal: bool, device: str,
-                   progress) -> list[dict]:
+                   progress, modes: Sequence[str] = MODES) -> list[dict]:
     """Time and peak memory of every provider in every mode at one length, causal or not."""
     batch, dtype = max(1, setting.tokens // length), getattr(torch, setting.dtype)
     qkv, grad = inputs(batch, setting.heads, length, setting.head_dim, dtype, device)
@@ -329,7 +330,7 @@ def measure_config(cases: list[Provider], setting: Setting, length: int, causal:
         except Exception as error:  # one provider failing must not end the run
             build_errors[case.key] = error_text(error)
     results = []
-    for mode in MODES:
+    for mode in modes:
         errors, times, memory = dict(build_errors), {}, {}
         if device == "cpu":
             samples = cpu_samples(built, qkv, grad, mode, setting.repeats, errors)
@@ -376,7 +377,8 @@ def case_rows(key, row: dict, times: dict, ratios: dict, memory: dict, errors: d
     return out
 
 
-def report(results: list[dict], lengths: Sequence[int]) -> str:
+def report(results: list[dict], lengths: Sequence[int], causals: Sequence[bool] = (True, False),
+           modes: Sequence[str] = MODES) -> str:
     """Markdown, per causal flag and mode: ``time x / memory x`` against SDPA, SDPA's own ms / MiB."""
     found = {(r["normalizer"], r["provider"], r["causal"], r["L"], r["mode"], r["metric"]): r for r in results}
     keys = dict.fromkeys((r["normalizer"], r["provider"]) for r in results)
@@ -394,8 +396,8 @@ def report(results: list[dict], lengths: Sequence[int]) -> str:
             f" / {memory_ratio['median']:.2f}x" if memory_ratio else "")
 
     sections = []
-    for causal in (True, False):
-        for mode in MODES:
+    for causal in causals:
+        for mode in modes:
             header = ["normalizer", "provider", *(f"L={length} (B={batches.get(length, '-')})" for length in lengths)]
             rows = [[*key, *(cell(key, causal, length, mode) for length in lengths)] for key in keys]
             title = f"### {'causal' if causal else 'not causal'}, {mode}: time / SDPA time, peak memory / SDPA's"
@@ -445,7 +447,8 @@ def run_grid(args, setting: Setting, specs: list[str], stamp: str) -> int:
     """The attention benchmark over lengths, causal and not; writes CSV, markdown and PNG."""
     dtype = getattr(torch, setting.dtype)
     cases = providers(specs, args.providers, args.device, (1, setting.heads, setting.head_dim), dtype)
-    total = len(cases) * len(setting.lengths) * 2 * len(MODES)
+    causals, modes = CAUSAL[args.causal], args.modes
+    total = len(cases) * len(setting.lengths) * len(causals) * len(modes)
     done = [0]
 
     def progress(count: int) -> None:
@@ -454,8 +457,8 @@ def run_grid(args, setting: Setting, specs: list[str], stamp: str) -> int:
 
     results = []
     for length in setting.lengths:
-        for causal in (True, False):
-            results += measure_config(cases, setting, length, causal, args.device, progress)
+        for causal in causals:
+            results += measure_config(cases, setting, length, causal, args.device, progress, modes)
     print(file=sys.stderr)
     for row in results:
         row["versions"] = stamp
@@ -469,7 +472,7 @@ def run_grid(args, setting: Setting, specs: list[str], stamp: str) -> int:
     errors = error_lines(results)
     if errors:
         note += "\n\nErrors (the run went on without these):\n\n" + "\n".join(f"- {line}" for line in errors)
-    text = f"{report(results, setting.lengths)}\n\n{note}\n"
+    text = f"{report(results, setting.lengths, causals, modes)}\n\n{note}\n"
     stem.with_suffix(".md").write_text(text)
     print(text)
     plot(results, stem.with_suffix(".png"), f"attention, {setting.heads} heads, head dim {setting.head_dim}, "
@@ -612,6 +615,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--specs", nargs="+", help="normalizer specs ({heads} = the run's heads)")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS,
                         help="default: all but flex on CPU; sdpa always runs")
+    parser.add_argument("--causal", choices=tuple(CAUSAL), default="both", help="causal masks to run (default both)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="default: all three")
     parser.add_argument("--check-memory", action="store_true", help="CPU forward+backward peak memory at L=8192")
     parser.add_argument("--check-length", type=int, default=CHECK_LENGTH, help=argparse.SUPPRESS)
     parser.add_argument("--gpt2-step", action="store_true", help="GPT-2-shaped training step, SDPA vs attnorm")

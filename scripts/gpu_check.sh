@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One lent-GPU session's checks, in one call that fits the device tool's lease (README, "GPU checklist").
+# Every step has its own time limit; a step that fails or runs out of time leaves its log and the next one runs.
+# Writes everything under $OUT (default /tmp/gpu_check): log.txt and results.tar.gz (the benchmarks' CSV/MD/PNG).
+#
+#   bash scripts/gpu_check.sh                  # all steps
+#   STEPS="tests overhead" bash scripts/gpu_check.sh
+#
+# Optional wheels (entmax, adasplash, liger-kernel) are installed from .whl/ when it exists.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT/results"
+STEPS=${STEPS:-"env tests overhead attention decoding"}
+TEST_SECONDS=${TEST_SECONDS:-180}
+export PYTHONUNBUFFERED=1 PYTHONPATH=".:benchmarks${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+log() { echo "=== $(date +%T) $*"; }
+step() {  # step NAME SECONDS COMMAND...: run with a limit (SIGINT first, so pytest prints its summary)
+    local name=$1 seconds=$2
+    shift 2
+    log "$name (limit ${seconds}s): $*"
+    local start=$SECONDS
+    timeout -s INT -k 20 "$seconds" "$@"
+    log "$name: rc $? in $((SECONDS - start))s"
+}
+results="--out $OUT/results"
+{
+for s in $STEPS; do
+    case $s in
+    env)
+        step env 60 bash -c 'nvidia-smi -L; python3 -c "import torch, triton, numpy, transformers as t; \
+print(torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__, t.__version__, \
+torch.cuda.get_device_name())"; gcc --version | head -1' ;;
+    tests)  # the Triton kernels and every fused route on CUDA tensors (conftest: no interpreter with CUDA)
+        step tests "$TEST_SECONDS" python3 -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-14}" \
+            --dist worksteal --timeout 120 --maxfail 25 -rfE \
+            tests/kernels tests/test_fused_route.py tests/test_softcap_sinks.py tests/test_packed.py ;;
+    overhead)
+        step overhead 60 python3 benchmarks/bench_overhead.py --device cuda --rounds 30 $results ;;
+    attention)  # the issue's goals: causal, forward + backward, bf16, 16 heads, head dim 64, 16384 tokens
+        step attention 150 python3 benchmarks/bench_attention.py --causal yes --modes forward+backward \
+            --lengths ${ATTENTION_LENGTHS:-2048 16384} --providers sdpa attnorm adasplash \
+            --specs ssmax sparsemax entmax:alpha=1.5 topk:k=64 topk:k=0.06 sa_softmax sa_softmax:normalized=false \
+            $results ;;
+    decoding)
+        step decoding 60 python3 benchmarks/bench_decoding.py --lengths ${DECODING_LENGTHS:-4096 65536} $results ;;
+    gpt2)
+        step gpt2 120 python3 benchmarks/bench_attention.py --gpt2-step $results ;;
+    normalizers)
+        step normalizers 150 python3 benchmarks/bench_normalizers.py --device cuda $results ;;
+    *) log "unknown step $s" ;;
+    esac
+done
+} 2>&1 | tee -a "$OUT/log.txt"
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results
