@@ -13,7 +13,8 @@ OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT/results"
 STEPS=${STEPS:-"env tests overhead attention decoding"}
 TEST_SECONDS=${TEST_SECONDS:-180}
-export PYTHONUNBUFFERED=1 PYTHONPATH=".:benchmarks${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=".:benchmarks:scripts${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+export FAILURE_LOG="$OUT/failures.txt"
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -36,14 +37,14 @@ for s in $STEPS; do
 print(torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__, t.__version__, \
 torch.cuda.get_device_name())"; gcc --version | head -1' ;;
     tests)  # the Triton kernels and every fused route on CUDA tensors (conftest: no interpreter with CUDA)
-        step tests "$TEST_SECONDS" python3 -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-14}" \
-            --dist worksteal --timeout 120 --maxfail 25 -rfE \
+        step tests "$TEST_SECONDS" python3 -m pytest -v -p no:cacheprovider -p pytest_failures -n "${PYTEST_WORKERS:-15}" \
+            --dist worksteal --timeout 120 -rfE \
             tests/kernels tests/test_fused_route.py tests/test_softcap_sinks.py tests/test_packed.py ;;
     overhead)
         step overhead 60 python3 benchmarks/bench_overhead.py --device cuda --rounds 30 $results ;;
     attention)  # the issue's goals: causal, forward + backward, bf16, 16 heads, head dim 64, 16384 tokens
-        step attention 150 python3 benchmarks/bench_attention.py --causal yes --modes forward+backward \
-            --lengths ${ATTENTION_LENGTHS:-2048 16384} --providers sdpa attnorm adasplash \
+        step attention "${ATTENTION_SECONDS:-150}" python3 benchmarks/bench_attention.py --causal yes --modes forward+backward \
+            --lengths ${ATTENTION_LENGTHS:-2048 16384} --providers ${ATTENTION_PROVIDERS:-sdpa attnorm adasplash} \
             --specs ssmax sparsemax entmax:alpha=1.5 topk:k=64 topk:k=0.06 sa_softmax sa_softmax:normalized=false \
             $results ;;
     decoding)
