@@ -367,6 +367,7 @@ def attention_cases(full: bool = True):
                    attention_call(make, bf16, 64, own, softcap=softcap, sinks=sinks))
         yield f"attention {family} bf16 D64 {own} MHA", attention_call(make, bf16, 64, own, kv_heads=HEADS)
         yield f"attention {family} float64 D64 {own}", attention_call(make, torch.float64, 64, own)
+        yield f"attention {family} float64 D64 additive", attention_call(make, torch.float64, 64, "additive")
 
 
 def decoding_cases(full: bool = True):

@@ -74,6 +74,16 @@ def blocks_of_32(monkeypatch) -> None:
 
 
 @pytest.fixture
+def blocks_of_16(monkeypatch) -> None:
+    """Fused attention kernels take blocks of 16 on every device (the interpreter's; CUDA's 64 shrunk), for tests
+    whose shapes place key-block boundaries."""
+    from attnorm.kernels.triton import attention_launch
+
+    monkeypatch.setattr(attention_launch, "BLOCK_INTERPRETED", 16)
+    monkeypatch.setattr(attention_launch, "BLOCK_CUDA", 16)
+
+
+@pytest.fixture
 def launched_kernels(monkeypatch) -> dict:
     """Every Triton launch through ``launch.launchable`` from now on: kernel name -> its keyword arguments."""
     from attnorm.kernels.triton import launch

@@ -129,9 +129,13 @@ def test_fully_masked_rows_give_zero_outputs_and_gradients(device, fused_calls):
     assert (dq[:, :, 3] == 0).all() and torch.isfinite(dq).all()
 
 
-def test_route_choice():
-    q, k, v = (t.detach() for t in inputs("cpu"))
-    assert not fused.supports(attnorm.Sparsemax(), q, k, v, 0.0, None)  # CPU, auto: blocked or materialised
+def test_route_choice(device):
+    """CPU tensors on the default backend never take the fused kernels; ``backend="triton"`` (on ``device``:
+    CUDA when present, else the interpreter) takes them for every family it has, unless dropout or alpha > 2."""
+    cpu = [t.detach() for t in inputs("cpu")]
+    assert not fused.supports(attnorm.Sparsemax(), *cpu, 0.0, None)  # CPU, auto: blocked or materialised
+    assert not fused.supports_scaled_softmax(attnorm.Softmax(), None, *cpu, 0.0, None, modified=True)  # CPU, auto
+    q, k, v = (t.detach() for t in inputs(device))
     assert not fused.supports(attnorm.Sparsemax(backend="triton"), q, k, v, 0.1, None)  # dropout: not fused
     assert not fused.supports(attnorm.Entmax(3.0, backend="triton"), q, k, v, 0.0, None)  # alpha > 2
     assert not fused.supports(attnorm.Softmax(backend="triton"), q, k, v, 0.0, None)  # SDPA's
@@ -140,7 +144,6 @@ def test_route_choice():
     softmax = attnorm.Softmax(temperature=0.5, backend="triton")
     assert fused.supports_scaled_softmax(softmax, None, q, k, v, 0.0, None, modified=True)
     assert not fused.supports_scaled_softmax(softmax, None, q, k, v, 0.0, None, modified=False)
-    assert not fused.supports_scaled_softmax(attnorm.Softmax(), None, q, k, v, 0.0, None, modified=True)  # CPU, auto
 
 
 def test_ops_pass_opcheck(device):

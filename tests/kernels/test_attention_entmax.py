@@ -308,8 +308,8 @@ def test_rows_without_allowed_keys_give_zeros(alpha, device):
     check(q, k, v, grad, mask, keep & dense, None, alpha)
 
 
-def test_key_blocks_outside_every_interval_are_never_read(device):
-    """Batch 1 may attend only keys < 12: its key blocks from 16 on hold NaN, which must not leak."""
+def test_key_blocks_outside_every_interval_are_never_read(blocks_of_16, device):
+    """Batch 1 may attend only keys < 12: its key blocks from 16 on (blocks of 16) hold NaN, which must not leak."""
     q, k, v, grad = inputs(2, 2, 1, 24, 48, 16, device=device, seed=13)
     k[1, :, 16:] = math.nan
     v[1, :, 16:] = math.nan

@@ -31,7 +31,7 @@ pytest.importorskip("triton")
 entmax = pytest.importorskip("entmax")
 
 from attnorm.kernels.triton import launch  # noqa: E402
-from tests.conftest import slow_under_interpreter  # noqa: E402
+from tests.conftest import DEVICE, slow_under_interpreter  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked lanes
 
@@ -201,9 +201,15 @@ def reference(normalize, params, q, k, v, attn_mask, softcap, sinks):
     return weights[..., :LK] @ v
 
 
+def on_device(attn_mask):
+    """The mask the fused call gets: tensors on the kernels' device (structured masks move themselves)."""
+    return attn_mask.to(DEVICE) if isinstance(attn_mask, torch.Tensor) else attn_mask
+
+
 def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4, seed=0, integer=False):
     """The fused route's output and gradients (q, k, v, sinks, parameters) equal the float64 reference's.
 
+    The fused call runs on :data:`DEVICE` (CUDA when present), the reference on the CPU.
     ``integer``: q and k in {-1, 0, 1}, so scores are multiples of ``SCALE`` and tie (with the sinks too).
     """
     build, normalize = FAMILIES[family]
@@ -215,28 +221,28 @@ def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4
     v = torch.randn(B, HKV, LK, D, generator=gen, dtype=torch.float64)
     cotangent = torch.randn(B, H, LQ, D, generator=gen, dtype=torch.float64)
     sinks = None if sinks is None else torch.tensor(sinks, dtype=torch.float64)
-    normalizer = build()
+    normalizer = build().to(DEVICE)
     params = [p for p in normalizer.parameters() if p.requires_grad]
-    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    fused_sinks = None if sinks is None else sinks.float().requires_grad_()
-    out = attnorm.attention(*leaves, normalizer, attn_mask=attn_mask, scale=SCALE, softcap=softcap,
+    leaves = [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+    fused_sinks = None if sinks is None else sinks.float().to(DEVICE).requires_grad_()
+    out = attnorm.attention(*leaves, normalizer, attn_mask=on_device(attn_mask), scale=SCALE, softcap=softcap,
                             sinks=fused_sinks)
     wrt = leaves + ([fused_sinks] if sinks is not None else []) + params
-    got = torch.autograd.grad(out, wrt, cotangent.to(dtype))
+    got = torch.autograd.grad(out, wrt, cotangent.to(DEVICE, dtype))
 
     ref_leaves = [t.to(dtype).double().requires_grad_() for t in (q, k, v)]  # the inputs the kernels get
     ref_sinks = None if sinks is None else sinks.clone().requires_grad_()
-    ref_params = [p.detach().double().clone().requires_grad_() for p in params]
+    ref_params = [p.detach().double().cpu().requires_grad_() for p in params]
     expected = reference(normalize, ref_params, *ref_leaves, attn_mask, softcap, ref_sinks)
     ref_wrt = ref_leaves + ([ref_sinks] if sinks is not None else []) + ref_params
     wanted = torch.autograd.grad(expected, ref_wrt, cotangent.to(dtype).double())
 
     assert out.dtype == dtype
-    torch.testing.assert_close(out.double(), expected.detach(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(out.double().cpu(), expected.detach(), atol=tolerance, rtol=tolerance)
     names = ["q", "k", "v"] + (["sinks"] if sinks is not None else []) + [f"param{i}" for i in range(len(params))]
     for name, actual, reference_grad in zip(names, got, wanted, strict=True):
         assert torch.isfinite(actual).all(), name
-        torch.testing.assert_close(actual.double(), reference_grad, atol=tolerance, rtol=tolerance, msg=name)
+        torch.testing.assert_close(actual.double().cpu(), reference_grad, atol=tolerance, rtol=tolerance, msg=name)
     return out
 
 

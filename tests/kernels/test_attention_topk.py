@@ -157,7 +157,7 @@ def test_posinf_rows_keep_their_first_infinite_keys(device):
     torch.testing.assert_close(out[0, 0, 1], v[0, 0, [4, 11]].mean(0))
     assert (dq[0, 0, 1] == 0).all() and dk.isfinite().all()
     finite_rows = [0, 2]
-    expected_dv = torch.zeros(20, 16, dtype=F64)
+    expected_dv = torch.zeros(20, 16, dtype=F64, device=device)
     expected_dv[[4, 11]] = grad_out[0, 0, 1] / 2
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     rest = reference(leaves[0][:, :, finite_rows], leaves[1], leaves[2], AttentionMask(), SCALE, 2, False, 1.0)

@@ -305,7 +305,7 @@ def test_jit_trace_reproduces_eager(name):
 def test_jit_trace_keeps_the_callers_own_tracer_warnings():
     """attnorm quiets only its own shape checks while tracing: a data-dependent branch of the
     traced caller still warns, from the caller's line, and a mask or an output normalizer adds none."""
-    mask = torch.rand(2, 1, 4, 6, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask = (torch.rand(2, 1, 4, 6, generator=torch.Generator().manual_seed(3)) > 0.3).to(DEVICE)
 
     def caller(x):
         y = attnorm.Sparsemax()(x, mask=mask) + attnorm.SigmoidAttention()(x)
@@ -579,7 +579,7 @@ def test_gradients_batched_by_the_legacy_vmap_go_through_the_dispatcher(kernel_c
     backward legacy-batched gradients, plain tensors to ``type``: the kernel must not get them."""
     x = scores(3, 7, dtype=torch.float64, requires_grad=True)
     y = attnorm.Softmax(temperature=0.5)(x)
-    upstream = torch.randn(4, 3, 7, dtype=torch.float64)
+    upstream = torch.randn(4, 3, 7, dtype=torch.float64).to(DEVICE)
     (batched,) = torch.autograd.grad(y, x, upstream, retain_graph=True, is_grads_batched=True)
     assert kernel_calls == ["attnorm.softmax_fwd.default"]
     for grad, g in zip(batched, upstream, strict=True):

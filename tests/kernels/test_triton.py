@@ -72,10 +72,16 @@ def row_length(path: str, monkeypatch) -> int:
 
 
 def make_scores(length: int, seed: int = 0) -> torch.Tensor:
-    """(B, H, Lq, L) float64 scores: distinct multiples of 1/8 (exact in every dtype, no ties), special rows."""
+    """(B, H, Lq, L) float64 scores: distinct multiples of 3/32 (exact in every dtype, no ties), special rows.
+
+    Never exactly at sparsemax's threshold either: ``x_j = tau = (sum_K x - 1) / K`` would need
+    ``3 (sum_K r - K r_j) = 32`` in integers.  With multiples of 1/8 one row had a score on its
+    threshold; its weight is 0 exactly, a rounding away from positive, and a GPU's rounding
+    (2026-11-26, H100) made it positive and moved the gradient's support.
+    """
     generator = torch.Generator().manual_seed(seed)
     ranks = torch.rand(BATCH, HEADS, QUERIES, length, generator=generator).argsort(-1)
-    x = ((ranks - length // 2) / 8).to(F64)
+    x = ((ranks - length // 2) * 3 / 32).to(F64)
     x[0, 0, 1, ::3] = -math.inf  # -inf scores count as masked
     x[1, 1, 2] = -math.inf  # a fully masked row
     x[1, 0, 0, [3, 7]] = math.inf  # a +inf row: uniform over its +inf positions

@@ -32,6 +32,16 @@ the same order; :func:`score_tile` computes one tile with masked entries at -inf
 :func:`load_tile` loads any zero-padded block of a ``(rows, cols)`` matrix (query,
 key, value or output-gradient rows, or their transposed view).  The host side
 (block size, shapes, operands) is :mod:`.attention_launch`.
+
+**Products.**  Every product is :func:`mma`, ``tl.dot`` with ``input_precision=DOT_PRECISION`` (``"ieee"``):
+float32 operands are multiplied in full float32 (FMA units), as PyTorch's own float32
+matmuls and SDPA are unless TF32 is switched on; Triton's default, TF32 (10-bit
+mantissas), put errors of ~1e-3 into float32 attention on an H100 (measured, 2026-11-26:
+scores off by up to 7e-3, outputs up to 2.5e-2).  bfloat16 and float16 operands still use
+the tensor cores (wgmma) and float64 the float64 MMA: the precision applies to float32
+operands only.  The score scale travels as a float64 kernel argument
+(``scale: tl.float64``, then :func:`as_acc`): a Python float argument is float32 in a
+Triton signature, which rounded float64 attention's scale to float32 precision.
 """
 
 from __future__ import annotations
@@ -47,12 +57,15 @@ from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton.blocks import stable_tanh
 
 __all__ = [
+    "DOT_PRECISION",
+    "as_acc",
     "key_block_bounds",
     "key_program",
     "key_scores",
     "key_scores_slope",
     "load_tile",
     "mask_arguments",
+    "mma",
     "modifier_arguments",
     "query_program",
     "row_arguments",
@@ -62,6 +75,26 @@ __all__ = [
     "sink_scores",
     "stable_tanh",
 ]
+
+
+DOT_PRECISION = tl.constexpr("ieee")
+"""``tl.dot``'s ``input_precision`` in every fused kernel: float32 operands at full precision, not TF32."""
+
+
+@triton.jit
+def mma(a, b, ACC: tl.constexpr):
+    """``a @ b`` accumulated in ``ACC``: ``tl.dot`` at :data:`DOT_PRECISION` (the only product the kernels use)."""
+    return tl.dot(a, b, out_dtype=ACC, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def as_acc(value, ACC: tl.constexpr):
+    """A float64 scalar argument (``name: tl.float64``) in the accumulation dtype.
+
+    Compiled, the argument is a float64 scalar, rounded here once (to nearest, as the launcher
+    rounded a float32 argument before); under the interpreter it is a Python float, exact.
+    """
+    return tl.full((), value, ACC)
 
 
 def _strides(t: Tensor | None, shape: tuple[int, int, int, int]) -> tuple[Any, int, int, int, int]:
@@ -206,7 +239,7 @@ def score_tile_slope(
     Without ``SOFTCAP`` the derivative is 1 (callers multiply by it only under ``SOFTCAP``).
     """
     k_tile = tl.load(k_ptrs, mask=(offs_n < lk)[None, :], other=0.0)
-    scores = tl.dot(q_tile, k_tile, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC) * scale
+    scores = mma(q_tile, k_tile, ACC) * scale
     keep = (offs_n[None, :] >= row_start[:, None]) & (offs_n[None, :] < row_stop[:, None])
     if SOFTCAP:
         t = stable_tanh(scores / softcap)

@@ -86,7 +86,14 @@ from torch import Tensor
 from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.attention_blocks import key_block_bounds, key_scores, load_tile, mask_arguments
+from attnorm.kernels.triton.attention_blocks import (
+    as_acc,
+    key_block_bounds,
+    key_scores,
+    load_tile,
+    mask_arguments,
+    mma,
+)
 from attnorm.kernels.triton.attention_launch import dot_operands, head_width, launch_options, problem
 from attnorm.kernels.triton.attention_self_adjusted import finish, posinf_mass
 
@@ -178,7 +185,7 @@ def _split_scores(q_tile, k_base, sk_n, sk_d, query, offs_n, offs_d, head_dim, r
 def _split_kernel(
     Q, K, V, PART_STATS, PART_SHIFTED, PART_PLAIN,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-    heads, group, lq, lk, head_dim, value_dim, scale, split_keys, splits,
+    heads, group, lq, lk, head_dim, value_dim, scale: tl.float64, split_keys, splits,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
@@ -189,6 +196,7 @@ def _split_kernel(
     One pass over the split's K and V (a second in a split holding a +inf row); writes the
     partial stats and sums ``A``, ``B`` (``B``: the +inf keys' mass in rows holding +inf).
     """
+    scale = as_acc(scale, ACC)
     split, bh = tl.program_id(0), tl.program_id(1)
     kv_heads = heads // group
     batch, kv_head = bh // kv_heads, bh % kv_heads
@@ -226,7 +234,7 @@ def _split_kernel(
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         top, total, shifted, plain = _merge(
             top, total, shifted, plain, block_top, tl.sum(e, 1),
-            tl.dot((e * xs).to(v_tile.dtype), v_tile, out_dtype=ACC), tl.dot(e.to(v_tile.dtype), v_tile, out_dtype=ACC),
+            mma((e * xs).to(v_tile.dtype), v_tile, ACC), mma(e.to(v_tile.dtype), v_tile, ACC),
         )
     if tl.max(posinf_count, 0) > 0:
         # The limit of the finite case: the softmax mass sits uniformly on the +inf keys.
@@ -236,7 +244,7 @@ def _split_kernel(
             x = _split_scores(q_tile, k_base, sk_n, sk_d, query, offs_n, offs_d, head_dim, rows, scale, batch, head,
                               masking, HAS_DENSE, HAS_ADDITIVE, ACC)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            limit += tl.dot(posinf_mass(x, NORMALIZED).to(v_tile.dtype), v_tile, out_dtype=ACC)
+            limit += mma(posinf_mass(x, NORMALIZED).to(v_tile.dtype), v_tile, ACC)
         plain = tl.where((posinf_count > 0)[:, None], limit, plain)
 
     slots = (bh * splits + split) * group * lq + r

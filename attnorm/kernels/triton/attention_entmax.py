@@ -102,6 +102,7 @@ from attnorm.kernels.triton.attention_blocks import (
     key_scores_slope,
     load_tile,
     mask_arguments,
+    mma,
     modifier_arguments,
     query_program,
     row_arguments,
@@ -360,7 +361,7 @@ def _entmax_attention_forward_kernel(
         _, _, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
         if _live(p, nan_rows):
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            acc += tl.dot(p.to(v_tile.dtype), v_tile, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+            acc += mma(p.to(v_tile.dtype), v_tile, ACC)
     acc = tl.where(nan_rows[:, None], float("nan"), acc)
     row_base = bh * lq
     inside = offs_m < lq
@@ -428,7 +429,7 @@ def _entmax_attention_rows_kernel(
         u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
         if _live(p, nan_rows):
             v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
-            dp = tl.dot(do_tile, v_t, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+            dp = mma(do_tile, v_t, ACC)
             gppr = _gppr(u, mass, p, gppr_scale, softmax)
             gppr_sum += tl.sum(gppr, 1)
             gppr_dp += tl.sum(gppr * dp, 1)
@@ -494,7 +495,7 @@ def _entmax_attention_dq_kernel(
         u, mass, p = _weights(logits, row_max, tau, norm, multiplier, power, softmax)
         if _live(p, nan_rows):
             v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
-            dp = tl.dot(do_tile, v_t, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+            dp = mma(do_tile, v_t, ACC)
             ds = _gppr(u, mass, p, gppr_scale, softmax) * (dp - delta[:, None])
             if HAS_LOGIT_SCALE:
                 d_row_scale += tl.sum(ds * tl.where(scores != float("-inf"), scores, 0.0), 1)
@@ -502,7 +503,7 @@ def _entmax_attention_dq_kernel(
             if SOFTCAP:
                 ds = ds * slope
             k_tile = load_tile(keys[0], offs_n, offs_d, lk, head_dim, sk_n, sk_d)
-            dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+            dq += mma(ds.to(k_tile.dtype), k_tile, ACC)
     dq = tl.where(nan_rows[:, None], float("nan"), dq * scale)
     tl.store(DQ + (row_base + offs_m)[:, None] * head_dim + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=inside[:, None] & (offs_d < head_dim)[None, :])
@@ -559,17 +560,15 @@ def _entmax_attention_dkdv_kernel(
                 if _live(p, nan_rows):
                     do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
                     delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < lq, other=0.0)
-                    dp = tl.dot(do_tile, v_t, out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+                    dp = mma(do_tile, v_t, ACC)
                     gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
                     ds = _gppr(u, mass, p, gppr_scale, softmax) * (dp - delta[:, None])
                     if HAS_LOGIT_SCALE:
                         ds = ds * row_scale[:, None]
                     if SOFTCAP:
                         ds = ds * slope
-                    dv += tl.dot(tl.trans(p).to(do_tile.dtype), do_tile,
-                                 out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
-                    dk += tl.dot(tl.trans(ds).to(q_tile.dtype), q_tile,
-                                 out_dtype=tl.float32 if ACC == tl.float32 else ACC).to(ACC)
+                    dv += mma(tl.trans(p).to(do_tile.dtype), do_tile, ACC)
+                    dk += mma(tl.trans(ds).to(q_tile.dtype), q_tile, ACC)
     rows_out = (bkv * lk + offs_n)[:, None]
     inside = (offs_n < lk)[:, None]
     tl.store(DK + rows_out * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),

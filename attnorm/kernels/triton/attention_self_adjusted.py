@@ -69,12 +69,14 @@ from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.attention_blocks import (
+    as_acc,
     key_block_bounds,
     key_program,
     key_scores,
     key_scores_slope,
     load_tile,
     mask_arguments,
+    mma,
     modifier_arguments,
     query_program,
     sink_scores,
@@ -204,7 +206,7 @@ def _load_stats(STATS_PTR, rows, offs_m, lq, ACC: tl.constexpr):
 def _self_adjusted_forward_kernel(
     Q, K, V, OUT, STATS_PTR,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-    heads, group, lq, lk, head_dim, value_dim, scale,
+    heads, group, lq, lk, head_dim, value_dim, scale: tl.float64,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
@@ -213,6 +215,7 @@ def _self_adjusted_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block: online max/sum/min/tie counts and the sums ``A``, ``B`` in one pass (module docstring)."""
+    scale = as_acc(scale, ACC)
     bh = tl.program_id(1)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
@@ -260,8 +263,8 @@ def _self_adjusted_forward_kernel(
         total = total * rescale + tl.sum(e, 1)
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         shifted_sum = rescale[:, None] * (shifted_sum + moved[:, None] * plain_sum)
-        shifted_sum += tl.dot((e * xs).to(v_tile.dtype), v_tile, out_dtype=ACC)
-        plain_sum = rescale[:, None] * plain_sum + tl.dot(e.to(v_tile.dtype), v_tile, out_dtype=ACC)
+        shifted_sum += mma((e * xs).to(v_tile.dtype), v_tile, ACC)
+        plain_sum = rescale[:, None] * plain_sum + mma(e.to(v_tile.dtype), v_tile, ACC)
 
     out, top, low, high, divisor = finish(top, total, bottom, shifted_sum, plain_sum, NORMALIZED)
     live = total > 0
@@ -274,7 +277,7 @@ def _self_adjusted_forward_kernel(
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
                            scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            limit += tl.dot(posinf_mass(x, NORMALIZED).to(v_tile.dtype), v_tile, out_dtype=ACC)
+            limit += mma(posinf_mass(x, NORMALIZED).to(v_tile.dtype), v_tile, ACC)
         out = tl.where(posinf_row[:, None], limit / tl.maximum(posinf_count, 1.0)[:, None], out)
     nan_row = nan_count > 0
     out = tl.where(nan_row[:, None], float("nan"), out)
@@ -300,7 +303,7 @@ def _self_adjusted_forward_kernel(
 def _self_adjusted_dq_kernel(
     Q, K, V, DO, TOTAL, STATS_PTR, DQ, WEIGHTED, D_SINK,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
-    heads, group, lq, lk, head_dim, value_dim, scale,
+    heads, group, lq, lk, head_dim, value_dim, scale: tl.float64,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
@@ -316,6 +319,7 @@ def _self_adjusted_dq_kernel(
     With softcap ``ds`` is multiplied by the cap's slope; with sinks, each row's sink
     (``g = 0``: its value is zero) gets its ``ds`` from the same formula, written to ``D_SINK``.
     """
+    scale = as_acc(scale, ACC)
     bh = tl.program_id(1)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
@@ -340,7 +344,7 @@ def _self_adjusted_dq_kernel(
             xs, w, used, _ = _weights(x, c0, c1, state)
             w = tl.where((state == 1)[:, None], w, 0.0)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
+            g = mma(do_tile, tl.trans(v_tile), ACC)
             total += tl.sum(g * w * _factor(xs, low[:, None], s[:, None], span[:, None], True), 1)
             weighted += tl.sum(g * w, 1)
         tl.store(TOTAL + rows, total, mask=offs_m < lq)
@@ -357,12 +361,12 @@ def _self_adjusted_dq_kernel(
                                     lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
         xs, w, used, _ = _weights(x, c0, c1, state)
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-        g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
+        g = mma(do_tile, tl.trans(v_tile), ACC)
         ds = _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NORMALIZED)
         if SOFTCAP:
             ds = ds * slope
         k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
-        dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC)
+        dq += mma(ds.to(k_tile.dtype), k_tile, ACC)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
     if HAS_SINK:
@@ -378,7 +382,7 @@ def _self_adjusted_dq_kernel(
 def _self_adjusted_dkdv_kernel(
     Q, K, V, DO, TOTAL, STATS_PTR, WEIGHTED, DK, DV,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
-    heads, group, lq, lk, head_dim, value_dim, scale,
+    heads, group, lq, lk, head_dim, value_dim, scale: tl.float64,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
@@ -387,6 +391,7 @@ def _self_adjusted_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One key block of one key/value head: ``dv = sum y^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
+    scale = as_acc(scale, ACC)
     bh = tl.program_id(1)
     batch, kv_head, start, offs_n, offs_d, offs_dv = key_program(bh, heads, group, BLOCK_N, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
@@ -420,12 +425,12 @@ def _self_adjusted_dkdv_kernel(
                     y = tl.where(posinf, tl.where(w > 0, float("inf"), 0.0), xs * w)
                     low_term = tl.zeros((BLOCK_M,), ACC)
                     high_term = low_term
-                dv += tl.dot(tl.trans(y.to(do_tile.dtype)), do_tile, out_dtype=ACC)
-                g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
+                dv += mma(tl.trans(y.to(do_tile.dtype)), do_tile, ACC)
+                g = mma(do_tile, tl.trans(v_tile), ACC)
                 ds = _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NORMALIZED)
                 if SOFTCAP:
                     ds = ds * slope
-                dk += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, out_dtype=ACC)
+                dk += mma(tl.trans(ds.to(q_tile.dtype)), q_tile, ACC)
     key_rows = bh * lk + offs_n
     tl.store(DK + key_rows[:, None] * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=(offs_n < lk)[:, None] & (offs_d < head_dim)[None, :])

@@ -61,12 +61,14 @@ from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.attention_blocks import (
+    as_acc,
     key_block_bounds,
     key_program,
     key_scores,
     key_scores_slope,
     load_tile,
     mask_arguments,
+    mma,
     modifier_arguments,
     query_program,
     sink_scores,
@@ -167,7 +169,7 @@ def _logits(x, state, inv_temperature):
 def _topk_forward_kernel(
     Q, K, V, OUT, STATS_PTR, K_PARAM,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-    heads, group, lq, lk, head_dim, value_dim, scale, inv_temperature,
+    heads, group, lq, lk, head_dim, value_dim, scale: tl.float64, inv_temperature: tl.float64,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
@@ -177,6 +179,8 @@ def _topk_forward_kernel(
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr,
 ):
     """One query block: radix select of each row's k-th score, then a flash pass over the kept keys."""
+    scale = as_acc(scale, ACC)
+    inv_temperature = as_acc(inv_temperature, ACC)
     bh = tl.program_id(1)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
@@ -250,7 +254,7 @@ def _topk_forward_kernel(
             top = new_top
             total = total * rescale + tl.sum(p, 1)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            acc = acc * rescale[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, out_dtype=ACC)
+            acc = acc * rescale[:, None] + mma(p.to(v_tile.dtype), v_tile, ACC)
     if HAS_SINK:
         # The sink, key index lk, comes after every real key: the last tie; its value is zero.
         sink_tie = sink_allowed & (sink_key == threshold_key)
@@ -312,7 +316,7 @@ def _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_
 def _topk_dq_kernel(
     Q, K, V, DO, DELTA, STATS_PTR, DQ, D_SINK,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
-    heads, group, lq, lk, head_dim, value_dim, scale, inv_temperature,
+    heads, group, lq, lk, head_dim, value_dim, scale: tl.float64, inv_temperature: tl.float64,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
@@ -322,6 +326,8 @@ def _topk_dq_kernel(
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks; the sinks' ``ds`` per row (``D_SINK``)."""
+    scale = as_acc(scale, ACC)
+    inv_temperature = as_acc(inv_temperature, ACC)
     bh = tl.program_id(1)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
@@ -344,12 +350,12 @@ def _topk_dq_kernel(
                            KEY, UKEY, KEY_BITS)
         if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
+            g = mma(do_tile, tl.trans(v_tile), ACC)
             ds = tl.where((state == 1)[:, None] & (p > 0), p * (g - delta[:, None]) * inv_temperature, 0.0)
             if SOFTCAP:
                 ds = ds * slope
             k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
-            dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC)
+            dq += mma(ds.to(k_tile.dtype), k_tile, ACC)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
     if HAS_SINK:
@@ -365,7 +371,7 @@ def _topk_dq_kernel(
 def _topk_dkdv_kernel(
     Q, K, V, DO, DELTA, STATS_PTR, DK, DV,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
-    heads, group, lq, lk, head_dim, value_dim, scale, inv_temperature,
+    heads, group, lq, lk, head_dim, value_dim, scale: tl.float64, inv_temperature: tl.float64,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
@@ -375,6 +381,8 @@ def _topk_dkdv_kernel(
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """One key block of one key/value head: ``dv = sum p^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
+    scale = as_acc(scale, ACC)
+    inv_temperature = as_acc(inv_temperature, ACC)
     bh = tl.program_id(1)
     batch, kv_head, start, offs_n, offs_d, offs_dv = key_program(bh, heads, group, BLOCK_N, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
@@ -403,12 +411,12 @@ def _topk_dkdv_kernel(
                 if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
                     do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
                     delta = tl.load(DELTA + rows, mask=offs_m < lq, other=0.0)
-                    dv += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, out_dtype=ACC)
-                    g = tl.dot(do_tile, tl.trans(v_tile), out_dtype=ACC)
+                    dv += mma(tl.trans(p.to(do_tile.dtype)), do_tile, ACC)
+                    g = mma(do_tile, tl.trans(v_tile), ACC)
                     ds = tl.where((state == 1)[:, None] & (p > 0), p * (g - delta[:, None]) * inv_temperature, 0.0)
                     if SOFTCAP:
                         ds = ds * slope
-                    dk += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, out_dtype=ACC)
+                    dk += mma(tl.trans(ds.to(q_tile.dtype)), q_tile, ACC)
     key_rows = bh * lk + offs_n
     tl.store(DK + key_rows[:, None] * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=(offs_n < lk)[:, None] & (offs_d < head_dim)[None, :])
