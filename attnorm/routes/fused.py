@@ -40,6 +40,8 @@ have to be read to check they lie in [1, 2]) and alphas above 2.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -67,7 +69,21 @@ def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, addi
         return 1 <= alpha <= 2
     if kernel == "topk_softmax":
         return not isinstance(normalizer.kernel_params()["temperature"], Tensor)
+    if kernel == "self_adjusted_softmax":
+        return not (normalizer.normalized and additive is not None and q.dtype == torch.float64
+                    and q.device.type == "cuda" and not _triton_compiles_float64_self_adjusted())
     return True
+
+
+@functools.cache
+def _triton_compiles_float64_self_adjusted() -> bool:
+    """False for Triton before 3.9: it cannot compile the normalized Self-Adjusted backward in float64 with an
+    additive mask (``PassManager::run failed`` in ``TritonGPURemoveLayoutConversions``, at every block and
+    head-dim tile tried; seen with Triton 3.6 on an H100 on 2026-11-26 and reproduced offline with
+    ``scripts/compile_check.py``; Triton 3.9 compiles it).  Those calls take the blocked route instead."""
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9)
 
 
 def attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float,

@@ -24,7 +24,6 @@ from attnorm.kernels.triton.attention_blocks import load_tile
 
 __all__ = [
     "BLOCK_CUDA",
-    "BLOCK_CUDA_FLOAT64",
     "BLOCK_INTERPRETED",
     "CUDA_OPTIONS",
     "Problem",
@@ -43,29 +42,17 @@ BLOCK_INTERPRETED = 16
 """Query and key block size under Triton's interpreter (``tl.dot``'s smallest; the interpreter runs tiles in numpy)."""
 
 
-BLOCK_CUDA_FLOAT64 = 32
-"""The largest float64 block on CUDA.
-
-Triton 3.6 (the GPU machines' version) fails to compile the float64 Self-Adjusted dq and dk/dv
-kernels with an additive mask at blocks of 64 (``PassManager::run failed`` in
-``TritonGPURemoveLayoutConversions``; seen on an H100 on 2026-11-26 and reproduced offline with
-``scripts/compile_check.py`` under Triton 3.6; Triton 3.9 compiles them).  float64 is the
-exact path, not the fast one: every family takes blocks of 32 for it.
-"""
-
-
-def block_size(device: torch.device, row_bytes: int = 0, dtype: torch.dtype | None = None) -> int:
+def block_size(device: torch.device, row_bytes: int = 0) -> int:
     """Query and key block size: :data:`BLOCK_CUDA` on CUDA, :data:`BLOCK_INTERPRETED` elsewhere (interpreter).
 
     On CUDA the block halves for each doubling of ``row_bytes`` (a padded q/k/v row in the
     input dtype) past 256 bytes: ``scripts/compile_check.py`` found the float32 Self-Adjusted
     dq kernel at head dim 128 (512 bytes a row) needing 352 KiB of shared memory with blocks
-    of 64, over an sm_90 block's 227 KiB; blocks of 32 quarter its tiles.  float64 blocks are
-    at most :data:`BLOCK_CUDA_FLOAT64`.
+    of 64, over an sm_90 block's 227 KiB; blocks of 32 quarter its tiles.
     """
     if device.type != "cuda":
         return BLOCK_INTERPRETED
-    block = min(BLOCK_CUDA, BLOCK_CUDA_FLOAT64) if dtype == torch.float64 else BLOCK_CUDA
+    block = BLOCK_CUDA
     while row_bytes > 256 and block > BLOCK_INTERPRETED:
         block //= 2
         row_bytes //= 2
@@ -173,7 +160,7 @@ def problem(q: Tensor, k: Tensor, v: Tensor) -> Problem:
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     row_bytes = max(head_width(head_dim), head_width(v.shape[3])) * q.element_size()
-    return Problem(batch, heads, k.shape[1], lq, k.shape[2], head_dim, v.shape[3], block_size(q.device, row_bytes, q.dtype),
+    return Problem(batch, heads, k.shape[1], lq, k.shape[2], head_dim, v.shape[3], block_size(q.device, row_bytes),
                    launch.compute_dtype(q))
 
 
