@@ -61,9 +61,9 @@ for alpha > 2 the weights ``(z - tau)^p`` with ``p < 1`` amplify the rounding of
 correct, so python numbers above 2 raise ValueError.  Accuracy falls like
 ``eps / (alpha - 1)`` as alpha approaches 1 from above (1 itself is exact softmax).
 float16 / bfloat16 / float32 with float32 accumulation; float64 with float64
-accumulation (tested under the interpreter; ``tl.dot`` in float64 on a GPU is not
-verified here).  float32 products run at ``tl.dot``'s default precision (TF32 on
-GPUs that have it), as in the shared score tiles.  Head dims up to 256 (padded to
+accumulation (on an H100, 2026-11-26, float64 sparsemax matched to 1e-14).  Every product
+is :func:`.attention_blocks.mma`: float32 operands at full float32 precision, not
+TF32 (Triton's default, which put 1e-3 errors into float32 attention on the H100).  Head dims up to 256 (padded to
 a power of 2, at least 16).  A row with no allowed key gives a zero output and zero
 gradients; a NaN or +inf score at an allowed key makes its row NaN (output and
 gradients).
