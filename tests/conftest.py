@@ -64,23 +64,25 @@ def force_blocked(monkeypatch) -> None:
     monkeypatch.setattr(blocked, "BLOCKS_PER_INPUTS", 10**9)
 
 
-@pytest.fixture
-def blocks_of_32(monkeypatch) -> None:
-    """Fused attention kernels take blocks of 32 on every device (CUDA's 64 scaled down; several blocks per test)."""
+def fused_blocks(monkeypatch, size: int) -> None:
+    """Fused attention kernels take query and key blocks of ``size`` on every device (CUDA and interpreter)."""
     from attnorm.kernels.triton import attention_launch
 
-    monkeypatch.setattr(attention_launch, "BLOCK_INTERPRETED", 32)
-    monkeypatch.setattr(attention_launch, "BLOCK_CUDA", 32)
+    monkeypatch.setattr(attention_launch, "BLOCK_INTERPRETED", size)
+    monkeypatch.setattr(attention_launch, "BLOCK_CUDA", size)
+
+
+@pytest.fixture
+def blocks_of_32(monkeypatch) -> None:
+    """Blocks of 32 on every device (CUDA's 64 scaled down; several blocks per test)."""
+    fused_blocks(monkeypatch, 32)
 
 
 @pytest.fixture
 def blocks_of_16(monkeypatch) -> None:
-    """Fused attention kernels take blocks of 16 on every device (the interpreter's; CUDA's 64 shrunk), for tests
-    whose shapes place key-block boundaries."""
-    from attnorm.kernels.triton import attention_launch
-
-    monkeypatch.setattr(attention_launch, "BLOCK_INTERPRETED", 16)
-    monkeypatch.setattr(attention_launch, "BLOCK_CUDA", 16)
+    """Blocks of 16 on every device (the interpreter's; CUDA's 64 shrunk), for tests whose shapes place
+    key-block boundaries."""
+    fused_blocks(monkeypatch, 16)
 
 
 @pytest.fixture
