@@ -49,6 +49,12 @@ torch.cuda.get_device_name())"; gcc --version | head -1' ;;
             $results ;;
     decoding)
         step decoding 60 python3 benchmarks/bench_decoding.py --lengths ${DECODING_LENGTHS:-4096 65536} $results ;;
+    tune)  # launch settings of the fused kernels, timed (scripts/tune_attention.py)
+        step tune "${TUNE_SECONDS:-240}" python3 scripts/tune_attention.py --profile --out "$OUT/results" \
+            ${TUNE_SETTINGS:+--settings $TUNE_SETTINGS} ${TUNE_SPECS:+--specs $TUNE_SPECS} ;;
+    profile)  # where an eager call's time goes (scripts/profile_overhead.py)
+        step profile 60 python3 scripts/profile_overhead.py --device cuda --calls 1000 --top 20 --out "$OUT/results" \
+            > /dev/null ;;
     gpt2)
         step gpt2 120 python3 benchmarks/bench_attention.py --gpt2-step $results ;;
     normalizers)
