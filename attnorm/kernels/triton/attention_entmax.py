@@ -605,7 +605,7 @@ class _Launch:
             alpha_values, alpha_stride = torch.full((1,), float(alpha), dtype=acc, device=q.device), 0
         else:
             alpha_values, alpha_stride = alpha_heads.detach().to(device=q.device, dtype=acc).contiguous(), 1
-        self.options = launch_options(q.device)
+        self.options = launch_options(shape, q.device)
         self.shape = shape
         self.acc_dtype = acc
         self.head_args = (torch.full((1,), float(scale), dtype=acc, device=q.device), alpha_values, alpha_stride)

@@ -26,6 +26,7 @@ __all__ = [
     "BLOCK_CUDA",
     "BLOCK_INTERPRETED",
     "CUDA_OPTIONS",
+    "CUDA_OPTIONS_WIDE",
     "Problem",
     "block_size",
     "dot_operands",
@@ -59,32 +60,42 @@ def block_size(device: torch.device, row_bytes: int = 0) -> int:
     return block
 
 
-CUDA_OPTIONS = {"num_warps": 8, "num_stages": 2}
-"""Warps and pipelining stages of the fused attention kernels on CUDA.
+CUDA_OPTIONS = {"num_warps": 4, "num_stages": 3}
+"""Warps and pipelining stages of the fused attention kernels on CUDA, padded head dims up to 64.
 
-Chosen from register spills, not timings (no GPU was lent to measure). Compiled for sm_90
-(bfloat16, float16, float32; head dims 64 and 128), Triton's default of 4 warps and 3
-stages left the Self-Adjusted and top-k kernels at 255 registers, spilling up to 1.1 KiB a
-thread at head dim 128 (the bfloat16 Self-Adjusted forward 1000 B, top-k forward 624 B);
-entmax used 4 warps / 3 stages up to head dim 64.  With 8 warps and 2 stages the
-Self-Adjusted and top-k forward and dq kernels spill at most 144 B, the entmax forward 32 B
-and the decoding split kernel nothing, with at most 128 KiB of shared memory; entmax's
-backward kernels step half a block (:func:`.attention_entmax.entmax_attention_backward`)
-and spill at most 24 B.  Still spilling at head dim 128: the Self-Adjusted and top-k
-dk/dv kernels (up to 608 B).  Stages change nothing for most bfloat16 kernels; 2 keeps K
-and V loads pipelined.
+Timed (``scripts/tune_attention.py``, NVIDIA H200, Triton 3.6, 2026-11-26; bfloat16,
+causal, 16 heads, head dim 64, L = 16384, forward + backward beside SDPA in one run): 4 warps
+and 3 stages against the earlier 8 warps and 2 stages took sparsemax from 116 to 64 ms,
+1.5-entmax 129 to 71, top-k 516 to 310, Self-Adjusted 62 to 32 (normalized) and 45 to 20
+(plain); blocks of 128 with 8 warps were no better than 64 with 8 (``BLOCK_CUDA``).
 
 Every kernel of a family uses the same options and the same score-tile shape: the
 Self-Adjusted and top-k backward kernels test recomputed scores for equality with the
 forward's min/max or top-k threshold, which needs the same bits, so the same instructions.
 """
 
+CUDA_OPTIONS_WIDE = {"num_warps": 8, "num_stages": 2}
+"""Warps and stages for padded head dims above 64: chosen from register spills, not timed.
 
-def launch_options(device: torch.device) -> dict[str, int]:
-    """``num_warps`` and ``num_stages`` of a fused attention launch: :data:`CUDA_OPTIONS` on CUDA."""
-    if device.type == "cuda":
+Compiled for sm_90 at head dim 128, 4 warps and 3 stages left the Self-Adjusted and top-k
+kernels at 255 registers, spilling up to 1.1 KiB a thread (the bfloat16 Self-Adjusted
+forward 1000 B, top-k forward 624 B); with 8 warps and 2 stages the forward and dq kernels
+spill at most 144 B and the entmax forward 32 B.  Still spilling at head dim 128: the
+Self-Adjusted and top-k dk/dv kernels (up to 608 B).
+"""
+
+
+def launch_options(shape: Problem, device: torch.device) -> dict[str, int]:
+    """``num_warps`` and ``num_stages`` of a fused attention launch of ``shape`` on ``device``.
+
+    CUDA: :data:`CUDA_OPTIONS` when both padded head dims are at most 64, else
+    :data:`CUDA_OPTIONS_WIDE`; the interpreter ignores both.
+    """
+    if device.type != "cuda":
+        return {"num_warps": 4, "num_stages": 1}
+    if max(head_width(shape.head_dim), head_width(shape.value_dim)) <= 64:
         return dict(CUDA_OPTIONS)
-    return {"num_warps": 4, "num_stages": 1}  # the interpreter ignores both
+    return dict(CUDA_OPTIONS_WIDE)
 
 
 def head_width(dim: int) -> int:
