@@ -353,7 +353,7 @@ def self_adjusted_decoding_forward(
         q, k, v, part_stats, part_shifted, part_plain, *q.stride(), *k.stride(), *v.stride(),
         *shape.sizes, float(scale), split_blocks * shape.block, splits,
         **mask_arguments(mask, shape.score_shape, q.device),
-        BLOCK_N=shape.block, BLOCK_D=head_width(shape.head_dim), **constants, **launch_options(shape, q.device),
+        BLOCK_N=shape.block, BLOCK_D=head_width(shape.head_dim), **constants, **launch_options(shape, q),
     )
     launch.launchable(_combine_kernel)[(programs, row_blocks)](
         part_stats, part_shifted, part_plain, out, rows, splits, shape.value_dim, **constants,

@@ -61,7 +61,7 @@ def block_size(device: torch.device, row_bytes: int = 0) -> int:
 
 
 CUDA_OPTIONS = {"num_warps": 4, "num_stages": 3}
-"""Warps and pipelining stages of the fused attention kernels on CUDA, padded head dims up to 64.
+"""Warps and pipelining stages of the fused attention kernels on CUDA: bfloat16/float16, padded head dims up to 64.
 
 Timed (``scripts/tune_attention.py``, NVIDIA H200, Triton 3.6, 2026-11-26; bfloat16,
 causal, 16 heads, head dim 64, L = 16384, forward + backward beside SDPA in one run): 4 warps
@@ -75,7 +75,12 @@ forward's min/max or top-k threshold, which needs the same bits, so the same ins
 """
 
 CUDA_OPTIONS_WIDE = {"num_warps": 8, "num_stages": 2}
-"""Warps and stages for padded head dims above 64: chosen from register spills, not timed.
+"""Warps and stages for float32 and float64, and padded head dims above 64: chosen from register spills, not timed.
+
+float32 products run at full precision on the FMA units (:func:`.attention_blocks.mma`),
+which takes registers: compiled for sm_90 with 4 warps and 3 stages, the float32 top-k dq
+and dk/dv kernels at head dim 64 fell back to 32 registers and 8-14 KiB of stack a thread,
+against at most 424 B with 8 warps and 2 stages.
 
 Compiled for sm_90 at head dim 128, 4 warps and 3 stages left the Self-Adjusted and top-k
 kernels at 255 registers, spilling up to 1.1 KiB a thread (the bfloat16 Self-Adjusted
@@ -85,15 +90,15 @@ Self-Adjusted and top-k dk/dv kernels (up to 608 B).
 """
 
 
-def launch_options(shape: Problem, device: torch.device) -> dict[str, int]:
-    """``num_warps`` and ``num_stages`` of a fused attention launch of ``shape`` on ``device``.
+def launch_options(shape: Problem, q: Tensor) -> dict[str, int]:
+    """``num_warps`` and ``num_stages`` of a fused attention launch of ``shape`` on ``q``'s device and dtype.
 
-    CUDA: :data:`CUDA_OPTIONS` when both padded head dims are at most 64, else
-    :data:`CUDA_OPTIONS_WIDE`; the interpreter ignores both.
+    CUDA: :data:`CUDA_OPTIONS` for 2-byte inputs (float16, bfloat16) whose padded head dims
+    are at most 64, else :data:`CUDA_OPTIONS_WIDE`; the interpreter ignores both.
     """
-    if device.type != "cuda":
+    if q.device.type != "cuda":
         return {"num_warps": 4, "num_stages": 1}
-    if max(head_width(shape.head_dim), head_width(shape.value_dim)) <= 64:
+    if q.element_size() == 2 and max(head_width(shape.head_dim), head_width(shape.value_dim)) <= 64:
         return dict(CUDA_OPTIONS)
     return dict(CUDA_OPTIONS_WIDE)
 

@@ -485,7 +485,7 @@ def self_adjusted_attention_forward(
     strides, sizes, keywords = _common(shape, q, k, v, mask, scale, softcap, sinks)
     launch.launchable(_self_adjusted_forward_kernel)[shape.query_grid](
         q, k, v, out, stats, *strides, *sizes, **keywords, NORMALIZED=bool(normalized), **shape.constants,
-        **launch_options(shape, q.device),
+        **launch_options(shape, q),
     )
     return out, stats
 
@@ -520,7 +520,7 @@ def self_adjusted_attention_backward(
     q, k, v, grad_out = dot_operands(q, k, v, grad_out)
     strides, sizes, keywords = _common(shape, q, k, v, mask, scale, softcap, sinks)
     arguments = (*strides, *grad_out.stride(), *sizes)
-    constants = dict(**keywords, NORMALIZED=bool(normalized), **shape.constants, **launch_options(shape, q.device))
+    constants = dict(**keywords, NORMALIZED=bool(normalized), **shape.constants, **launch_options(shape, q))
     if dq.numel():
         launch.launchable(_self_adjusted_dq_kernel)[shape.query_grid](
             q, k, v, grad_out, total, stats, dq, weighted, weighted if d_sinks is None else d_sinks, *arguments,

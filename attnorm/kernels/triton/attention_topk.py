@@ -530,7 +530,7 @@ def topk_attention_forward(
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     launch.launchable(_topk_forward_kernel)[shape.query_grid](
         q, k, v, out, stats, k_param, *strides, *sizes, IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, **constants,
-        **launch_options(shape, q.device),
+        **launch_options(shape, q),
     )
     return out, stats
 
@@ -563,7 +563,7 @@ def topk_attention_backward(
     q, k, v, grad_out = dot_operands(q, k, v, grad_out)
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     arguments = (*strides, *grad_out.stride(), *sizes)
-    constants.update(launch_options(shape, q.device))
+    constants.update(launch_options(shape, q))
     if dq.numel():
         launch.launchable(_topk_dq_kernel)[shape.query_grid](
             q, k, v, grad_out, delta, stats, dq, delta if d_sinks is None else d_sinks, *arguments, **constants,
