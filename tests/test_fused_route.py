@@ -147,9 +147,9 @@ def test_route_choice(device):
     assert not fused.supports_scaled_softmax(softmax, None, q, k, v, 0.0, None, modified=False)
 
 
-def test_float64_normalized_self_adjusted_with_an_additive_mask_needs_triton_3_9_on_cuda(monkeypatch):
-    """Triton < 3.9 cannot compile that backward (routes/fused.py): on CUDA such calls leave the fused route;
-    float32, the plain variant, no additive mask, the CPU (interpreter) and newer Tritons keep it."""
+def test_normalized_self_adjusted_with_an_additive_mask_needs_triton_3_9_on_cuda(monkeypatch):
+    """Triton < 3.9 breaks that backward (routes/fused.py): on CUDA such calls leave the fused route, in every
+    dtype; the plain variant, no additive mask, the CPU (interpreter) and newer Tritons keep it."""
     def query(dtype, device):  # what the rule reads of q; Triton's own availability is patched below
         return types.SimpleNamespace(ndim=4, dtype=dtype, device=torch.device(device), shape=(B, H, LQ, D))
 
@@ -160,11 +160,13 @@ def test_float64_normalized_self_adjusted_with_an_additive_mask_needs_triton_3_9
     monkeypatch.setattr(fused, "_runs_triton", lambda normalizer, q: True)
     cuda64, cuda32, cpu64 = query(torch.float64, "cuda"), query(torch.float32, "cuda"), query(torch.float64, "cpu")
     for compiles in (False, True):
-        monkeypatch.setattr(fused, "_triton_compiles_float64_self_adjusted", lambda compiles=compiles: compiles)
+        monkeypatch.setattr(fused, "_triton_handles_normalized_additive_self_adjusted",
+                            lambda compiles=compiles: compiles)
         assert fused.supports(normalized, cuda64, k, v, 0.0, additive) is compiles
+        assert fused.supports(normalized, cuda32, k, v, 0.0, additive) is compiles
         assert fused.supports(plain, cuda64, k, v, 0.0, additive)
+        assert fused.supports(plain, cuda32, k, v, 0.0, additive)
         assert fused.supports(normalized, cuda64, k, v, 0.0, None)
-        assert fused.supports(normalized, cuda32, k, v, 0.0, additive)
         assert fused.supports(normalized, cpu64, k, v, 0.0, additive)  # the interpreter compiles nothing
 
 

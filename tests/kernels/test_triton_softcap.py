@@ -139,6 +139,27 @@ def assert_gradient(got, want, dtype, what):
     assert_close(without_nan_row(got), without_nan_row(want), dtype, GRADIENT_SLACK, what=what)
 
 
+def multiplier_rounding(y, g, scores, sink_weight=None, sink=None) -> torch.Tensor:
+    """A float32 rounding bound per row for the multiplier's gradient ``sum_j y_j (g_j - sum y g) c_j``.
+
+    The sum cancels where the weight sits on a few equal capped scores (a +inf row capped
+    to ``cap = 1e4`` on two keys: exactly 0), leaving a rounding error of order
+    ``eps * sum_j |y_j (g_j - sum y g) c_j|``: 4e-4 on an H200 (2026-11-26), past the
+    fixed 1e-5.  The bound is 8 eps times that sum (float64, from the kernel's own ``y``);
+    in rows of scores of order 1 it is below the fixed tolerance.
+    """
+    y, g, c = (cpu64(t) for t in (y, g, scores))
+    if sink_weight is not None:
+        y = torch.cat([y, cpu64(sink_weight).reshape(*y.shape[:-1], 1)], -1)
+        g = torch.cat([g, torch.zeros_like(g[..., :1])], -1)
+        c = torch.cat([c, cpu64(sink).reshape(*c.shape[:-1], 1)], -1)
+    y = torch.where(y.isnan(), 0.0, y)
+    g = g.expand_as(y)
+    dot = (y * g).sum(-1, keepdim=True)
+    terms = torch.where(y != 0, y * (g - dot) * c, 0.0).abs()
+    return 8 * torch.finfo(torch.float32).eps * terms.nansum(-1)
+
+
 def upstream(x: torch.Tensor) -> torch.Tensor:
     return torch.randn(x.shape, generator=torch.Generator().manual_seed(2), dtype=F64).to(x.device, x.dtype)
 
@@ -176,7 +197,15 @@ def test_softmax(path, mask_kind, cap, with_sink, dtype, variant, device, monkey
     want = reference.softmax_backward(cpu64(out[0]), cpu64(g), cpu64(out[1]), capped(x, cap), param_grad,
                                       sink_weight=cpu64(sink_weight), sink=cpu64(sink))
     assert_gradient(got[0], want[0] * slope(x, cap), dtype, "dx")
-    assert_gradient(got[1], want[1], dtype, "per-row gradient")
+    if param_grad == 2:
+        rounding = multiplier_rounding(out[0], g, capped(x, cap), sink_weight, sink).reshape(want[1].shape)
+        assert torch.equal(got[1].cpu().isnan(), want[1].cpu().isnan()), "per-row gradient"
+        error = (without_nan_row(got[1]) - without_nan_row(want[1])).abs()
+        tolerance = {key: value * GRADIENT_SLACK for key, value in TOLERANCES[dtype].items()}
+        allowed = tolerance["atol"] + tolerance["rtol"] * without_nan_row(want[1]).abs() + without_nan_row(rounding)
+        assert (error <= allowed).all(), f"per-row gradient: error {error.max():.3g}, allowed {allowed.min():.3g}"
+    else:
+        assert_gradient(got[1], want[1], dtype, "per-row gradient")
     if with_sink:
         assert_gradient(got[2], want[2], torch.float32, "dsink")
 
