@@ -176,13 +176,26 @@ def _weights(scores, row_max, tau, norm, multiplier, power, softmax):
 
 
 @triton.jit
-def _gppr(u, mass, p, gppr_scale, softmax):
+def _slope(u, mass, power):
+    """``[u]_+^(p - 1)`` given ``mass = [u]_+^p``: 1 and ``u`` on the support for ``p`` = 1 (sparsemax) and 2
+    (1.5-entmax), no division; ``mass / u`` otherwise (one division per score, against a second power)."""
+    on = u > 0
+    if power == 1:
+        slope = on.to(u.dtype)
+    elif power == 2:
+        slope = tl.where(on, u, 0.0)
+    else:
+        slope = tl.where(on, mass / tl.where(on, u, 1.0), 0.0)
+    return slope
+
+
+@triton.jit
+def _gppr(u, mass, p, gppr_scale, power, softmax):
     """``p^(2 - alpha)`` on the support, as ``u^(p - 1) N^(alpha - 2)`` (no power of ``p`` needed)."""
     if softmax:
         gppr = p
     else:
-        on = u > 0
-        gppr = tl.where(on, mass / tl.where(on, u, 1.0), 0.0) * gppr_scale[:, None]
+        gppr = _slope(u, mass, power) * gppr_scale[:, None]
     return gppr
 
 
@@ -192,7 +205,7 @@ def _threshold_sums(z, tau, power, softmax):
     u = z - tau[:, None]
     mass = _mass(u, power, softmax)
     on = u > 0
-    slope = tl.where(on, mass / tl.where(on, u, 1.0), 0.0)
+    slope = _slope(u, mass, power)
     return tl.sum(mass, 1), tl.sum(slope, 1), tl.sum(on.to(tl.int32), 1), tl.sum(tl.where(on, z, 0.0), 1)
 
 
@@ -441,7 +454,7 @@ def _entmax_attention_rows_kernel(
     entropy_dp = tl.zeros((BLOCK_M,), ACC)
     if HAS_SINK:
         sink_u, sink_mass, sink_p = _weights(sink_logit[:, None], row_max, tau, norm, multiplier, power, softmax)
-        gppr_sum += tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, softmax), 1)
+        gppr_sum += tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, power, softmax), 1)
         if ALPHA_GRAD:
             sink_on = sink_p > 0
             sink_entropy = sink_p * (beta - tl.log(tl.where(sink_on, sink_p, 1.0)))
@@ -453,7 +466,7 @@ def _entmax_attention_rows_kernel(
         if _live(p, nan_rows):
             v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
             dp = mma(do_tile, v_t, ACC)
-            gppr = _gppr(u, mass, p, gppr_scale, softmax)
+            gppr = _gppr(u, mass, p, gppr_scale, power, softmax)
             gppr_sum += tl.sum(gppr, 1)
             gppr_dp += tl.sum(gppr * dp, 1)
             if ALPHA_GRAD:
@@ -519,7 +532,7 @@ def _entmax_attention_dq_kernel(
         if _live(p, nan_rows):
             v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
             dp = mma(do_tile, v_t, ACC)
-            ds = _gppr(u, mass, p, gppr_scale, softmax) * (dp - delta[:, None])
+            ds = _gppr(u, mass, p, gppr_scale, power, softmax) * (dp - delta[:, None])
             if HAS_LOGIT_SCALE:
                 d_row_scale += tl.sum(ds * tl.where(scores != float("-inf"), scores, 0.0), 1)
                 ds = ds * row_scale[:, None]
@@ -532,7 +545,7 @@ def _entmax_attention_dq_kernel(
              mask=inside[:, None] & (offs_d < head_dim)[None, :])
     if HAS_SINK:
         sink_u, sink_mass, sink_p = _weights(sink_logit[:, None], row_max, tau, norm, multiplier, power, softmax)
-        d_sink = -tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, softmax), 1) * delta
+        d_sink = -tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, power, softmax), 1) * delta
         tl.store(D_SINK + row_base + offs_m, tl.where(nan_rows, float("nan"), d_sink), mask=inside)
     if HAS_LOGIT_SCALE:
         tl.store(D_LOGIT_SCALE + row_base + offs_m, tl.where(nan_rows, float("nan"), d_row_scale), mask=inside)
@@ -585,7 +598,7 @@ def _entmax_attention_dkdv_kernel(
                     delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < lq, other=0.0)
                     dp = mma(do_tile, v_t, ACC)
                     gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
-                    ds = _gppr(u, mass, p, gppr_scale, softmax) * (dp - delta[:, None])
+                    ds = _gppr(u, mass, p, gppr_scale, power, softmax) * (dp - delta[:, None])
                     if HAS_LOGIT_SCALE:
                         ds = ds * row_scale[:, None]
                     if SOFTCAP:
