@@ -67,7 +67,8 @@ Timed (``scripts/tune_attention.py``, NVIDIA H200, Triton 3.6, 2026-11-26; bfloa
 causal, 16 heads, head dim 64, L = 16384, forward + backward beside SDPA in one run): 4 warps
 and 3 stages against the earlier 8 warps and 2 stages took sparsemax from 116 to 64 ms,
 1.5-entmax 129 to 71, top-k 516 to 310, Self-Adjusted 62 to 32 (normalized) and 45 to 20
-(plain); blocks of 128 with 8 warps were no better than 64 with 8 (``BLOCK_CUDA``).
+(plain); blocks of 128 (``BLOCK_CUDA``) with 8 warps and 2 stages were slower than these for every
+family.  Against 2 and 4 stages, 3 won by 0.5-5 % (``benchmarks/results/tune_attention_h200_*.md``).
 
 Every kernel of a family uses the same options and the same score-tile shape: the
 Self-Adjusted and top-k backward kernels test recomputed scores for equality with the
