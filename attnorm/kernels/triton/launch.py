@@ -174,6 +174,19 @@ CONSTANTS_KEPT = 1024
 """Most one-element constants :func:`constant` keeps; once full, it makes fresh ones."""
 
 
+def _current_stream_key(device: torch.device) -> int:
+    """The current CUDA stream of ``device`` as a number: its raw handle, read as Triton's own launcher reads it.
+
+    ``torch.cuda.current_stream`` builds a ``Stream`` object on every call: ~11 of a sparsemax
+    call's ~140 µs under cProfile on an H200 (``scripts/profile_overhead.py``, 2026-11-26).
+    ``torch._C._cuda_getCurrentRawStream`` exists in CUDA builds only; without it, the public call.
+    """
+    raw = getattr(_C, "_cuda_getCurrentRawStream", None)
+    if raw is None:
+        return torch.cuda.current_stream(device).stream_id
+    return raw(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A one-element tensor holding ``value`` that kernels read (never write), made once in eager calls.
 
@@ -193,7 +206,7 @@ def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     if (torch.compiler.is_compiling() or _C._len_torch_dispatch_stack() or _C._get_tracing_state()
             or cuda and torch.cuda.is_current_stream_capturing()):
         return torch.full((1,), value, dtype=dtype, device=device)
-    stream = torch.cuda.current_stream(device).stream_id if cuda else 0
+    stream = _current_stream_key(device) if cuda else 0
     key = (value.hex(), dtype, device, stream)  # bits: -0.0 is not 0.0, and every NaN is one key
     kept = _CONSTANTS.get(key)
     if kept is None:
