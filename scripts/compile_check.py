@@ -63,6 +63,7 @@ import traceback
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 SHARED_LIMITS = {80: 166912, 90: 232448}
 """Bytes of shared memory one block may opt in to, per compute capability (sm_90: 227 KiB); others: not checked."""
@@ -464,7 +465,7 @@ def resource_usage(cubin: bytes) -> dict:
     return {key: int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", result.stdout)}
 
 
-def compile_variant(variant: Variant, arch: int) -> Variant:
+def compile_variant(variant: Variant, arch: int, dump: str | None = None) -> Variant:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -479,6 +480,11 @@ def compile_variant(variant: Variant, arch: int) -> Variant:
         variant.status, variant.error = "error", f"{type(exc).__name__}: {first_line(exc, launch.module)}"
     else:
         variant.shared = kernel.metadata.shared
+        if dump:
+            stem = Path(dump) / f"{launch.name}_{data_dtype(launch)}_{constexpr_digest(launch)}"
+            stem.with_suffix(".cubin").write_bytes(kernel.asm["cubin"])
+            stem.with_suffix(".ptx").write_text(kernel.asm["ptx"])
+            stem.with_suffix(".txt").write_text(f"{variant.cases[0]}\n{constexpr_summary(launch)}\n{launch.options}\n")
         variant.resources = resource_usage(kernel.asm["cubin"])
         variant.warps_stages = (kernel.metadata.num_warps, kernel.metadata.num_stages)
         variant.status = "ok"
@@ -510,6 +516,13 @@ def data_dtype(launch: Launch) -> str:
     """The dtype of the kernel's data: its first pointer argument's."""
     first = next((kind for kind in launch.signature.values() if kind.startswith("*")), "*?")
     return first[1:]
+
+
+def constexpr_digest(launch: Launch) -> str:
+    """A short stable name for a variant's specialisation (its constexprs, signature and options)."""
+    import hashlib
+
+    return hashlib.sha1(repr(launch.key()).encode()).hexdigest()[:8]
 
 
 def constexpr_summary(launch: Launch) -> str:
@@ -612,6 +625,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("-k", "--select", default="", help="regular expression: run only the calls it matches")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only the failed variants and the summary")
     parser.add_argument("--launches", help="also write every recorded launch to this file (one per line)")
+    parser.add_argument("--dump", help="write each variant's cubin, PTX and a label into this folder "
+                                       "(for scripts/sass_loops.py)")
     parser.add_argument("--options", type=_warps_stages, default=[],
                         help="comma-separated num_warps x num_stages, e.g. 4x3,8x2: compile every variant with each "
                              "instead of its launcher's choice and print the per-kernel summary of each (a sweep)")
@@ -654,9 +669,11 @@ def main() -> int:
         sweep(launches, args.options, args.arch)
         return 0
     variants = distinct(launches)
+    if args.dump:
+        Path(args.dump).mkdir(parents=True, exist_ok=True)
     print(f"compiling {len(variants)} distinct variants for sm_{args.arch}", flush=True)
     for number, variant in enumerate(variants, 1):
-        compile_variant(variant, args.arch)
+        compile_variant(variant, args.arch, args.dump)
         if variant.status != "ok":
             print(variant_line(number, variant), flush=True)
         if number % 100 == 0:

@@ -309,6 +309,8 @@ def _entmax_attention_forward_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, SPARSEMAX: tl.constexpr,
+    FIXED_ALPHA: tl.constexpr, ALPHA: tl.constexpr, ALPHA_SOFTMAX: tl.constexpr, ALPHA_MULTIPLIER: tl.constexpr,
+    ALPHA_POWER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block of one (batch, head): threshold search, then ``out = p v`` (module docstring).
@@ -319,7 +321,10 @@ def _entmax_attention_forward_kernel(
     bh = tl.program_id(1).to(tl.int64)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
-    alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+    if FIXED_ALPHA:  # compile-time: the power and softmax branches below are resolved, not selected per score
+        alpha, softmax, multiplier, power = ALPHA, ALPHA_SOFTMAX, ALPHA_MULTIPLIER, ALPHA_POWER
+    else:
+        alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
     keys = (K + batch * sk_b + kv_head * sk_h, sk_n, sk_d, offs_d, head_dim)
     v_base = V + batch * sv_b + kv_head * sv_h
@@ -423,6 +428,8 @@ def _entmax_attention_rows_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, ALPHA_GRAD: tl.constexpr,
+    FIXED_ALPHA: tl.constexpr, ALPHA: tl.constexpr, ALPHA_SOFTMAX: tl.constexpr, ALPHA_MULTIPLIER: tl.constexpr,
+    ALPHA_POWER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """Per row: ``delta = sum(g dP) / sum(g)`` and (ALPHA_GRAD) the row's alpha gradient, in one pass over K and V.
@@ -432,7 +439,10 @@ def _entmax_attention_rows_kernel(
     bh = tl.program_id(1).to(tl.int64)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
-    alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+    if FIXED_ALPHA:  # compile-time: the power and softmax branches below are resolved, not selected per score
+        alpha, softmax, multiplier, power = ALPHA, ALPHA_SOFTMAX, ALPHA_MULTIPLIER, ALPHA_POWER
+    else:
+        alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
     beta = tl.where(softmax, 0.0, power)
     row_base = bh * lq
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
@@ -495,6 +505,8 @@ def _entmax_attention_dq_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
+    FIXED_ALPHA: tl.constexpr, ALPHA: tl.constexpr, ALPHA_SOFTMAX: tl.constexpr, ALPHA_MULTIPLIER: tl.constexpr,
+    ALPHA_POWER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dq = scale dS k`` for one query block, one pass over K and V.
@@ -506,7 +518,10 @@ def _entmax_attention_dq_kernel(
     bh = tl.program_id(1).to(tl.int64)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
-    alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+    if FIXED_ALPHA:  # compile-time: the power and softmax branches below are resolved, not selected per score
+        alpha, softmax, multiplier, power = ALPHA, ALPHA_SOFTMAX, ALPHA_MULTIPLIER, ALPHA_POWER
+    else:
+        alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
     row_base = bh * lq
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
     do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
@@ -562,6 +577,8 @@ def _entmax_attention_dkdv_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
+    FIXED_ALPHA: tl.constexpr, ALPHA: tl.constexpr, ALPHA_SOFTMAX: tl.constexpr, ALPHA_MULTIPLIER: tl.constexpr,
+    ALPHA_POWER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dk = scale dS^T q`` and ``dv = p^T dO`` for one key block of one (batch, kv head), no atomics."""
@@ -582,7 +599,10 @@ def _entmax_attention_dkdv_kernel(
             for member in range(0, group):
                 head = kv_head * group + member
                 row_base = (batch * heads + head) * lq
-                alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+                if FIXED_ALPHA:
+                    alpha, softmax, multiplier, power = ALPHA, ALPHA_SOFTMAX, ALPHA_MULTIPLIER, ALPHA_POWER
+                else:
+                    alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
                 q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
                 row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
                 nan_rows = norm != norm
@@ -623,6 +643,28 @@ def _check_alpha(heads: int, alpha: float, alpha_heads: Tensor | None) -> None:
         raise ValueError(f"alpha_heads must have shape (Hq,) = ({heads},), got {tuple(alpha_heads.shape)}")
 
 
+SPECIALISED_ALPHAS = (1.0, 1.5, 2.0)
+"""Python alphas compiled as constants: softmax, 1.5-entmax and sparsemax.
+
+With alpha a runtime value, Triton if-converts the per-score branches on it (``exp`` for
+softmax heads; ``[u]_+^p`` as itself, its square, its square root or ``exp2(p log2 u)``) and
+computes every one of them for every score: the sm_90 SASS of the sparsemax output pass
+held 66 instructions per score and its backward kernels 91-111, against 15 for a plain
+flash-attention forward (``scripts/sass_loops.py``).  Other alphas, and per-head alphas
+(a tensor), keep the runtime path; specialising every alpha would compile a kernel per value.
+"""
+
+
+def _alpha_constants(alpha: float | None) -> dict:
+    """The kernels' alpha constexprs: ``FIXED_ALPHA`` and the alpha, softmax flag, ``alpha - 1`` and ``p``."""
+    if alpha is None or float(alpha) not in SPECIALISED_ALPHAS:
+        return dict(FIXED_ALPHA=False, ALPHA=0.0, ALPHA_SOFTMAX=False, ALPHA_MULTIPLIER=1.0, ALPHA_POWER=1.0)
+    alpha = float(alpha)
+    multiplier = 1.0 if alpha == 1.0 else alpha - 1.0
+    return dict(FIXED_ALPHA=True, ALPHA=alpha, ALPHA_SOFTMAX=alpha == 1.0, ALPHA_MULTIPLIER=multiplier,
+                ALPHA_POWER=1.0 / multiplier)
+
+
 class _Launch:
     """One entmax call: the shared :func:`.attention_launch.problem`, its alphas and scale, warps and stages.
 
@@ -642,6 +684,7 @@ class _Launch:
         else:
             alpha_values, alpha_stride = alpha_heads.detach().to(device=q.device, dtype=acc).contiguous(), 1
         self.options = launch_options(shape, q)
+        self.alpha_constants = _alpha_constants(alpha if alpha_heads is None else None)
         self.shape = shape
         self.acc_dtype = acc
         self.head_args = (torch.full((1,), float(scale), dtype=acc, device=q.device), alpha_values, alpha_stride)
@@ -658,7 +701,7 @@ class _Launch:
             return
         constants = {**self.shape.constants, **constants}  # a kernel's own constants win (the dk/dv BLOCK_M)
         launch.launchable(kernel)[grid](*pointers, *self.head_args, *self.strides, *extra_strides, *self.shape.sizes,
-                                        **self.mask_args, **constants, **self.options)
+                                        **self.mask_args, **self.alpha_constants, **constants, **self.options)
 
 
 def entmax_attention_forward(
