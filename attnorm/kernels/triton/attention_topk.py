@@ -279,10 +279,13 @@ def _topk_forward_kernel(
         allowed = x != float("-inf")
         keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
         ties = allowed & (keys == threshold_key[:, None])
-        kept_ties = ties & (ties_before[:, None] + tl.cumsum(ties.to(tl.int32), 1) <= tie_slots[:, None])
-        kept = (allowed & (keys > threshold_key[:, None])) | kept_ties
-        last_tie = tl.maximum(last_tie, tl.max(tl.where(kept_ties, offs_n[None, :], -1), 1))
-        ties_before += tl.sum(ties.to(tl.int32), 1)
+        kept = allowed & (keys > threshold_key[:, None])
+        if tl.max(tl.max(ties.to(tl.int32), 1), 0) > 0:  # a tile holding some row's k-th score: few per row
+            tie_count = ties.to(tl.int32)
+            kept_ties = ties & (ties_before[:, None] + tl.cumsum(tie_count, 1) <= tie_slots[:, None])
+            kept = kept | kept_ties
+            last_tie = tl.maximum(last_tie, tl.max(tl.where(kept_ties, offs_n[None, :], -1), 1))
+            ties_before += tl.sum(tie_count, 1)
         kept = kept & (state > 0)[:, None]
         if tl.max(tl.sum(kept.to(tl.int32), 1), 0) > 0:
             z = _logits(x, state, inv_temperature)
