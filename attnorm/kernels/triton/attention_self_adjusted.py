@@ -14,8 +14,8 @@ tiles, so every kernel sees bit-identical scores (the backward's ``x == low`` an
 online as the row max ``m`` grows: ``A = sum e (x - m) v`` and ``B = sum e v``; then
 ``out = (A + m B) / l`` (plain) or ``(A + (m - low) B) / (l span)`` (normalized); the
 weights of ``A`` lie in ``[-1/e, 0]``, so neither sum overflows, and ``(m - low) / span``
-is in ``[0, 1]``.  The same pass tracks ``l = sum e``, the row min and how many keys
-attain the min and the max.  Rows holding +inf (the limit of the
+is in ``[0, 1]``.  The same pass tracks ``l = sum e`` and, normalized, the row min and
+how many keys attain the min and the max.  Rows holding +inf (the limit of the
 finite case: uniform over their +inf keys, factor 1 normalized, +inf plain) take a
 second pass, only in query blocks that hold such a row.
 
@@ -98,7 +98,10 @@ STATS = 7
 ``w = exp((x - max) - log_sum)`` are the softmax weights; ``low_count`` (``high_count``)
 the keys attaining the row's finite min (max); ``state`` 1 for a finite row, 2 for a
 row holding +inf (then ``max = 0``, ``log_sum = log(count of +inf keys)``: ``w`` is
-uniform over them once they are read as 0), 0 for a row with no allowed key or a NaN."""
+uniform over them once they are read as 0), 0 for a row with no allowed key or a NaN.
+The plain variant's backward reads only ``max``, ``log_sum`` and ``state``: its forward
+does not track the min nor the tie counts (three row reductions a tile fewer) and
+writes 0 for ``low``, ``high`` and the counts."""
 
 
 _STATS_WIDTH = tl.constexpr(STATS)
@@ -246,14 +249,15 @@ def _self_adjusted_forward_kernel(
         posinf_count += tl.sum((x == float("inf")).to(ACC), 1)
         nan_count += tl.sum((x != x).to(ACC), 1)
         block_top = tl.max(tl.where(finite, x, float("-inf")), 1)
-        block_bottom = tl.min(tl.where(finite, x, float("inf")), 1)
-        at_top = tl.sum((finite & (x == block_top[:, None])).to(ACC), 1)
-        at_bottom = tl.sum((finite & (x == block_bottom[:, None])).to(ACC), 1)
-        top_count = tl.where(block_top > top, at_top, tl.where(block_top == top, top_count + at_top, top_count))
-        bottom_count = tl.where(block_bottom < bottom, at_bottom,
-                                tl.where(block_bottom == bottom, bottom_count + at_bottom, bottom_count))
+        if NORMALIZED:  # the min and the keys attaining min and max: only the normalized backward reads them
+            block_bottom = tl.min(tl.where(finite, x, float("inf")), 1)
+            at_top = tl.sum((finite & (x == block_top[:, None])).to(ACC), 1)
+            at_bottom = tl.sum((finite & (x == block_bottom[:, None])).to(ACC), 1)
+            top_count = tl.where(block_top > top, at_top, tl.where(block_top == top, top_count + at_top, top_count))
+            bottom_count = tl.where(block_bottom < bottom, at_bottom,
+                                    tl.where(block_bottom == bottom, bottom_count + at_bottom, bottom_count))
+            bottom = tl.minimum(bottom, block_bottom)
         new_top = tl.maximum(top, block_top)
-        bottom = tl.minimum(bottom, block_bottom)
         ref = tl.where(new_top > float("-inf"), new_top, 0.0)
         rescale = tl.where(top > float("-inf"), tl.exp(top - ref), 0.0)
         moved = tl.where(top > float("-inf"), top - ref, 0.0)
@@ -292,10 +296,11 @@ def _self_adjusted_forward_kernel(
     tl.store(ptrs, tl.where(finite_row, top, 0.0), mask=live_rows)
     log_sum = tl.where(finite_row, tl.log(divisor), tl.where(state == 2, tl.log(tl.maximum(posinf_count, 1.0)), 0.0))
     tl.store(ptrs + 1, log_sum, mask=live_rows)
-    tl.store(ptrs + 2, tl.where(finite_row, low, 0.0), mask=live_rows)
-    tl.store(ptrs + 3, tl.where(finite_row, high, 0.0), mask=live_rows)
-    tl.store(ptrs + 4, tl.where(finite_row, bottom_count, 0.0), mask=live_rows)
-    tl.store(ptrs + 5, tl.where(finite_row, top_count, 0.0), mask=live_rows)
+    normalized_row = finite_row & NORMALIZED  # plain does not track the min and the tie counts: zeros
+    tl.store(ptrs + 2, tl.where(normalized_row, low, 0.0), mask=live_rows)
+    tl.store(ptrs + 3, tl.where(normalized_row, high, 0.0), mask=live_rows)
+    tl.store(ptrs + 4, tl.where(normalized_row, bottom_count, 0.0), mask=live_rows)
+    tl.store(ptrs + 5, tl.where(normalized_row, top_count, 0.0), mask=live_rows)
     tl.store(ptrs + 6, state.to(ACC), mask=live_rows)
 
 
