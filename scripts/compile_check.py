@@ -78,6 +78,7 @@ CUDA_CHOICES = (
     ("attnorm.kernels.triton.attention_launch", "block_size"),
     ("attnorm.kernels.triton.attention_launch", "dot_operands"),
     ("attnorm.kernels.triton.attention_launch", "launch_options"),
+    ("attnorm.kernels.triton.attention_launch", "narrow_cuda"),
     ("attnorm.kernels.triton.attention_decoding", "split_count"),
 )
 """Launcher functions whose device tests are rewritten to their CUDA branch while recording."""

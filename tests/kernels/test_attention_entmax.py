@@ -23,7 +23,7 @@ import entmax  # noqa: E402
 
 import attnorm  # noqa: E402
 from attnorm.kernels.rules import AttentionMask  # noqa: E402
-from attnorm.kernels.triton import launch  # noqa: E402
+from attnorm.kernels.triton import attention_entmax, launch  # noqa: E402
 from attnorm.kernels.triton.attention_entmax import (  # noqa: E402
     entmax_attention_backward,
     entmax_attention_forward,
@@ -238,6 +238,21 @@ def test_key_blocks_of_32_with_backward_steps_of_16(case, blocks_of_32, launched
     assert blocks["_entmax_attention_forward_kernel"] == (32, 32)
     assert blocks["_entmax_attention_rows_kernel"] == blocks["_entmax_attention_dq_kernel"] == (32, 16)
     assert blocks["_entmax_attention_dkdv_kernel"] == (16, 32)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 1.3])
+def test_whole_block_backward_steps_where_four_warps_run(alpha, blocks_of_32, launched_kernels, monkeypatch, device):
+    """Where the 4-warp options run (narrow_cuda: CUDA, 2-byte inputs, head dims up to 64) the backward steps the
+    forward's whole block for a constant alpha (1, 1.5, 2), half a block for a runtime alpha; patched on here."""
+    monkeypatch.setattr(attention_entmax, "narrow_cuda", lambda shape, q: True)
+    lq, lk, build = CASES["causal"]
+    q, k, v, grad = inputs(1, 2, 1, lq, lk, 16, device=device)
+    mask, keep, additive = build(1, lq, lk, device)
+    check(q, k, v, grad, mask, keep, additive, alpha)
+    blocks = {name: (kwargs["BLOCK_M"], kwargs["BLOCK_N"]) for name, kwargs in launched_kernels.items()}
+    step = 32 if alpha == 1.5 else 16
+    assert blocks["_entmax_attention_rows_kernel"] == blocks["_entmax_attention_dq_kernel"] == (32, step)
+    assert blocks["_entmax_attention_dkdv_kernel"] == (step, 32)
 
 
 @pytest.mark.parametrize("alpha", [1.0, 1.25, 1.75])

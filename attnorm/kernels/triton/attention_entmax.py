@@ -109,7 +109,7 @@ from attnorm.kernels.triton.attention_blocks import (
     row_values,
     sink_scores,
 )
-from attnorm.kernels.triton.attention_launch import dot_operands, launch_options, problem
+from attnorm.kernels.triton.attention_launch import dot_operands, launch_options, narrow_cuda, problem
 from attnorm.kernels.triton.entmax import _power
 
 __all__ = ["entmax_attention_backward", "entmax_attention_forward"]
@@ -684,6 +684,7 @@ class _Launch:
         else:
             alpha_values, alpha_stride = alpha_heads.detach().to(device=q.device, dtype=acc).contiguous(), 1
         self.options = launch_options(shape, q)
+        self.narrow = narrow_cuda(shape, q)
         self.alpha_constants = _alpha_constants(alpha if alpha_heads is None else None)
         self.shape = shape
         self.acc_dtype = acc
@@ -784,14 +785,23 @@ def entmax_attention_backward(
     dk = launch.empty(tuple(k.shape), k.dtype, k.device)
     dv = launch.empty(tuple(v.shape), v.dtype, v.device)
     common = (call.q, call.k, call.v, grad_out, stats, delta)
-    # The backward kernels step half a block at a time along the axis they loop over (keys for the rows and
-    # dq kernels, queries for dk/dv), as FlashAttention-2's backward does: the BLOCK_M x BLOCK_N
-    # intermediates hold most of the registers.  On sm_90 at head dim 128 (bfloat16) this cut the spills
-    # of dk/dv from 816 B a thread to 24 B, of dq from 568 to 16 B, of rows from 256 to 8 B.  Safe
-    # here, not in the Self-Adjusted or top-k backward: with another tile shape a recomputed score may
-    # differ from the forward's in its last bit, which moves an entmax weight by about as much but would
-    # drop a key from their min/max or top-k set.
-    step = max(16, shape.block // 2)
+    # With 8 warps (float32, float64, head dims above 64) the backward kernels step half a block at a time
+    # along the axis they loop over (keys for the rows and dq kernels, queries for dk/dv), as
+    # FlashAttention-2's backward does: the BLOCK_M x BLOCK_N intermediates hold most of the registers.  On
+    # sm_90 at head dim 128 (bfloat16) this cut the spills of dk/dv from 816 B a thread to 24 B, of dq from
+    # 568 to 16 B, of rows from 256 to 8 B.  With 4 warps (narrow_cuda: 2-byte inputs up to head dim 64) and
+    # alpha a compile-time constant they step the forward's whole block: in the sm_90 SASS
+    # (scripts/sass_loops.py, causal sparsemax) the dk/dv loop then takes 38 instructions per score against
+    # 52, rows 33 against 39, dq 34 against 35, with no spill inside the loops; not timed.  dk/dv keeps half
+    # blocks with a softcap or an additive mask (whole blocks spilled 120-328 B there) and with a runtime
+    # alpha (376 B).  Another tile shape is safe here, not in the Self-Adjusted or top-k backward: a
+    # recomputed score may differ from the forward's in its last bit, which moves an entmax weight by about
+    # as much but would drop a key from their min/max or top-k set.
+    half = max(16, shape.block // 2)
+    whole = call.narrow and call.alpha_constants["FIXED_ALPHA"]
+    step = shape.block if whole else half
+    light = not (call.mask_args["SOFTCAP"] or call.mask_args["HAS_ADDITIVE"])
+    key_step = shape.block if whole and light else half
     call.launch(_entmax_attention_rows_kernel, shape.query_grid, *common, d_alpha_rows,
                 extra_strides=grad_out.stride(), ALPHA_GRAD=bool(alpha_grad), BLOCK_N=step)
     call.launch(_entmax_attention_dq_kernel, shape.query_grid, *common, dq,
@@ -802,7 +812,7 @@ def entmax_attention_backward(
         dv.zero_()
     else:
         call.launch(_entmax_attention_dkdv_kernel, shape.key_grid, *common, dk, dv, extra_strides=grad_out.stride(),
-                    BLOCK_M=step)
+                    BLOCK_M=key_step)
     d_alpha = None
     if alpha_grad:
         d_alpha = d_alpha_rows.sum((0, 2)) if shape.lq else torch.zeros(shape.heads, dtype=call.acc_dtype,

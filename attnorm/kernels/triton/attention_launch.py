@@ -32,6 +32,7 @@ __all__ = [
     "dot_operands",
     "head_width",
     "launch_options",
+    "narrow_cuda",
     "problem",
     "row_dot",
 ]
@@ -91,17 +92,22 @@ Self-Adjusted and top-k dk/dv kernels (up to 608 B).
 """
 
 
+def narrow_cuda(shape: Problem, q: Tensor) -> bool:
+    """Whether a fused launch of ``shape`` on ``q`` takes :data:`CUDA_OPTIONS`: on CUDA, 2-byte inputs (float16,
+    bfloat16), padded head dims at most 64."""
+    return (q.device.type == "cuda" and q.element_size() == 2
+            and max(head_width(shape.head_dim), head_width(shape.value_dim)) <= 64)
+
+
 def launch_options(shape: Problem, q: Tensor) -> dict[str, int]:
     """``num_warps`` and ``num_stages`` of a fused attention launch of ``shape`` on ``q``'s device and dtype.
 
-    CUDA: :data:`CUDA_OPTIONS` for 2-byte inputs (float16, bfloat16) whose padded head dims
-    are at most 64, else :data:`CUDA_OPTIONS_WIDE`; the interpreter ignores both.
+    CUDA: :data:`CUDA_OPTIONS` where :func:`narrow_cuda`, else :data:`CUDA_OPTIONS_WIDE`; the
+    interpreter ignores both.
     """
     if q.device.type != "cuda":
         return {"num_warps": 4, "num_stages": 1}
-    if q.element_size() == 2 and max(head_width(shape.head_dim), head_width(shape.value_dim)) <= 64:
-        return dict(CUDA_OPTIONS)
-    return dict(CUDA_OPTIONS_WIDE)
+    return dict(CUDA_OPTIONS) if narrow_cuda(shape, q) else dict(CUDA_OPTIONS_WIDE)
 
 
 def head_width(dim: int) -> int:
