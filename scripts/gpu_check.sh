@@ -5,6 +5,10 @@
 #
 #   bash scripts/gpu_check.sh                  # all steps
 #   STEPS="tests overhead" bash scripts/gpu_check.sh
+#   STEPS=tune TUNE_SETTINGS=64x4x3 bash scripts/gpu_check.sh   # the fused kernels' times, per kernel (~40 s)
+#
+# Keep each call short: on 2026-11-26 a machine was taken back mid-call and the call returned nothing
+# (342 s of a 900 s lease gone), so run the steps whose results matter most first, in calls of their own.
 #
 # Optional wheels (entmax, adasplash, liger-kernel) are installed from .whl/ when it exists.
 set -uo pipefail
