@@ -57,7 +57,7 @@ def classify(opcode: str) -> str:
     return "other"
 
 
-LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 TARGET = re.compile(r"\s*(0x[0-9a-f]+)")
 
 

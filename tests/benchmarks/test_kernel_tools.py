@@ -1,0 +1,70 @@
+"""The kernel speed tools in scripts/: SASS loop counting, launch-setting patches, the overhead profile (CPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import profile_overhead  # noqa: E402
+import sass_loops  # noqa: E402
+import tune_attention  # noqa: E402
+
+# A hand-written cuobjdump listing: an outer loop (0x0010-0x0080) around an inner one (0x0030-0x0060),
+# a forward branch that is no loop, and a second, separate loop (0x0090-0x00a0).
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/               @P0 BRA 0x0070 ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0040*/                   FFMA R5, R6, R7, R8 ;
+        /*0050*/                   MUFU.EX2 R9, R10 ;
+        /*0060*/              @!P1 BRA 0x0030 ;
+        /*0070*/                   SHFL.BFLY PT, R3, R2, 0x1, 0x1f ;
+        /*0080*/              @!P2 BRA 0x0010 ;
+        /*0090*/                   IMAD R3, R3, R4, RZ ;
+        /*00a0*/              @!P3 BRA 0x0090 ;
+        /*00b0*/                   EXIT ;
+"""
+
+
+def test_innermost_loops_are_the_backward_branches_that_hold_no_other_loop():
+    loops = sass_loops.innermost_loops(SASS)
+    assert loops == [["HGMMA.64x64x16.F32.BF16", "FFMA", "MUFU.EX2", "BRA"], ["IMAD", "BRA"]]
+
+
+@pytest.mark.parametrize(("opcode", "kind"), [
+    ("HGMMA.64x64x16.F32.BF16", "tensor"), ("MUFU.EX2", "mufu"), ("FFMA.FTZ", "float"),
+    ("LDGSTS.E.BYPASS.128", "global"), ("SHFL.BFLY", "shuffle"), ("LOP3.LUT", "int"),
+    ("BAR.SYNC.DEFER_BLOCKING", "sync"), ("STL", "other"),
+])
+def test_opcodes_fall_in_their_class(opcode, kind):
+    assert sass_loops.classify(opcode) == kind
+
+
+def test_scores_per_thread_come_from_the_dump_label():
+    label = "attention x\nHAS_RANGE BLOCK_M=64 BLOCK_N=32 BLOCK_D=64\n{'num_warps': 4, 'num_stages': 3}\n"
+    assert sass_loops.tile_elements(label) == 64 * 32 / 128
+    assert sass_loops.tile_elements("rows\nBLOCK_M=64 BLOCK_DV=64\n{'num_warps': 4}\n") is None
+    lines = sass_loops.describe("k", SASS, 2.0, 3)
+    assert lines[1].startswith("- loop 1: 4 instructions, 2.00 per score")
+
+
+def test_tune_settings_patch_the_fused_kernels_block_and_options(monkeypatch):
+    from attnorm.kernels.triton import attention_launch
+
+    monkeypatch.setattr(attention_launch, "BLOCK_CUDA", attention_launch.BLOCK_CUDA)
+    monkeypatch.setattr(attention_launch, "CUDA_OPTIONS", attention_launch.CUDA_OPTIONS)
+    tune_attention.apply("128x8x2")
+    assert attention_launch.BLOCK_CUDA == 128
+    assert attention_launch.CUDA_OPTIONS == {"num_warps": 8, "num_stages": 2}
+
+
+def test_overhead_profile_names_the_layers_of_a_call():
+    text = profile_overhead.profile_module("Sparsemax", "cpu", calls=20, requires_grad=False, top=10)
+    assert "Sparsemax on cpu" in text and "by tottime" in text and "by cumulative" in text
+    assert "forward" in text  # the module's own layer is among the cumulative top
