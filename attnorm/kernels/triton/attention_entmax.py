@@ -176,13 +176,14 @@ def _weights(scores, row_max, tau, norm, multiplier, power, softmax):
 
 
 @triton.jit
-def _slope(u, mass, power):
-    """``[u]_+^(p - 1)`` given ``mass = [u]_+^p``: 1 and ``u`` on the support for ``p`` = 1 (sparsemax) and 2
-    (1.5-entmax), no division; ``mass / u`` otherwise (one division per score, against a second power)."""
+def _slope(u, mass, ALPHA: tl.constexpr):
+    """``[u]_+^(p - 1)`` given ``mass = [u]_+^p``: 1 and ``u`` on the support for a constant alpha of 2 (sparsemax,
+    ``p = 1``) and 1.5 (``p = 2``), no division; ``mass / u`` otherwise (one division per score, against a
+    second power)."""
     on = u > 0
-    if power == 1:
+    if ALPHA == 2.0:
         slope = on.to(u.dtype)
-    elif power == 2:
+    elif ALPHA == 1.5:
         slope = tl.where(on, u, 0.0)
     else:
         slope = tl.where(on, mass / tl.where(on, u, 1.0), 0.0)
@@ -190,41 +191,41 @@ def _slope(u, mass, power):
 
 
 @triton.jit
-def _gppr(u, mass, p, gppr_scale, power, softmax):
+def _gppr(u, mass, p, gppr_scale, softmax, ALPHA: tl.constexpr):
     """``p^(2 - alpha)`` on the support, as ``u^(p - 1) N^(alpha - 2)`` (no power of ``p`` needed)."""
     if softmax:
         gppr = p
     else:
-        gppr = _slope(u, mass, power) * gppr_scale[:, None]
+        gppr = _slope(u, mass, ALPHA) * gppr_scale[:, None]
     return gppr
 
 
 @triton.jit
-def _threshold_sums(z, tau, power, softmax):
+def _threshold_sums(z, tau, power, softmax, ALPHA: tl.constexpr):
     """Per row of shifted logits ``z`` at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, support size, its ``sum z``."""
     u = z - tau[:, None]
     mass = _mass(u, power, softmax)
     on = u > 0
-    slope = _slope(u, mass, power)
+    slope = _slope(u, mass, ALPHA)
     return tl.sum(mass, 1), tl.sum(slope, 1), tl.sum(on.to(tl.int32), 1), tl.sum(tl.where(on, z, 0.0), 1)
 
 
 @triton.jit
-def _pass_sums(z, tau, power, softmax, SPARSEMAX: tl.constexpr):
+def _pass_sums(z, tau, power, softmax, ALPHA: tl.constexpr):
     """:func:`_threshold_sums`; for sparsemax (``p = 1``) from two row sums instead of four.
 
     With ``p = 1``: ``sum [u]_+ = sum_S z - tau |S|`` and ``sum [u]_+^0 = |S|`` over the
     support ``S``, so a pass needs no power and no division (~10 operations per score
     against ~25).
     """
-    if SPARSEMAX:
+    if ALPHA == 2.0:
         on = z > tau[:, None]
         support = tl.sum(on.to(tl.int32), 1)
         support_z = tl.sum(tl.where(on, z, 0.0), 1)
         count = support.to(tau.dtype)
         sums = support_z - tau * count, count, support, support_z
     else:
-        sums = _threshold_sums(z, tau, power, softmax)
+        sums = _threshold_sums(z, tau, power, softmax, ALPHA)
     return sums
 
 
@@ -235,12 +236,20 @@ def _live(p, nan_rows):
 
 
 @triton.jit
-def _head_alpha(alpha_ptr, alpha_stride, head):
-    """Head ``head``'s alpha: whether it is softmax (alpha = 1), ``alpha - 1`` (1 for softmax) and ``p``."""
-    alpha = tl.load(alpha_ptr + head * alpha_stride)
-    softmax = alpha == 1
-    multiplier = tl.where(softmax, 1.0, alpha - 1)
-    return alpha, softmax, multiplier, 1.0 / multiplier
+def _head_alpha(alpha_ptr, alpha_stride, head, ALPHA: tl.constexpr):
+    """Head ``head``'s alpha: whether it is softmax (alpha = 1), ``alpha - 1`` (1 for softmax) and ``p``.
+
+    ``ALPHA`` 0: read from ``alpha_ptr``; else the constant alpha (:data:`SPECIALISED_ALPHAS`), and all four
+    are compile-time constants, so the power and softmax branches on them are resolved, not selected per score.
+    """
+    if ALPHA == 0.0:
+        alpha = tl.load(alpha_ptr + head * alpha_stride)
+        softmax = alpha == 1
+        multiplier = tl.where(softmax, 1.0, alpha - 1)
+        return alpha, softmax, multiplier, 1.0 / multiplier
+    else:
+        multiplier: tl.constexpr = 1.0 if ALPHA == 1.0 else ALPHA - 1.0
+        return ALPHA, ALPHA == 1.0, multiplier, 1.0 / multiplier
 
 
 @triton.jit
@@ -272,7 +281,7 @@ def _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
 @triton.jit
 def _newton_sums(q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
                  HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr,
-                 HAS_LOGIT_SCALE: tl.constexpr, HAS_SINK: tl.constexpr, SPARSEMAX: tl.constexpr,
+                 HAS_LOGIT_SCALE: tl.constexpr, HAS_SINK: tl.constexpr, ALPHA: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     """One pass over the keys at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, support size, its ``sum z``.
 
@@ -280,7 +289,7 @@ def _newton_sums(q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, mul
     """
     if HAS_SINK:
         mass, slope, support, support_z = _pass_sums(((sink_logit - row_max) * multiplier)[:, None], tau,
-                                                     power, softmax, SPARSEMAX)
+                                                     power, softmax, ALPHA)
     else:
         mass = tl.zeros((BLOCK_M,), ACC)
         slope = tl.zeros((BLOCK_M,), ACC)
@@ -290,7 +299,7 @@ def _newton_sums(q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, mul
         scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                  HAS_LOGIT_SCALE, BLOCK_N, ACC)
         block_mass, block_slope, block_support, block_z = _pass_sums((scores - row_max[:, None]) * multiplier,
-                                                                     tau, power, softmax, SPARSEMAX)
+                                                                     tau, power, softmax, ALPHA)
         mass += block_mass
         slope += block_slope
         support += block_support
@@ -308,23 +317,17 @@ def _entmax_attention_forward_kernel(
     additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, SPARSEMAX: tl.constexpr,
-    FIXED_ALPHA: tl.constexpr, ALPHA: tl.constexpr, ALPHA_SOFTMAX: tl.constexpr, ALPHA_MULTIPLIER: tl.constexpr,
-    ALPHA_POWER: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, ALPHA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block of one (batch, head): threshold search, then ``out = p v`` (module docstring).
 
-    ``SPARSEMAX``: every head's alpha is 2 (a python number), so the threshold passes take
-    :func:`_pass_sums`' two-sum form.
+    ``ALPHA`` 2 (sparsemax): the threshold passes take :func:`_pass_sums`' two-sum form.
     """
     bh = tl.program_id(1).to(tl.int64)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
-    if FIXED_ALPHA:  # compile-time: the power and softmax branches below are resolved, not selected per score
-        alpha, softmax, multiplier, power = ALPHA, ALPHA_SOFTMAX, ALPHA_MULTIPLIER, ALPHA_POWER
-    else:
-        alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+    alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head, ALPHA)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
     keys = (K + batch * sk_b + kv_head * sk_h, sk_n, sk_d, offs_d, head_dim)
     v_base = V + batch * sv_b + kv_head * sv_h
@@ -374,7 +377,7 @@ def _entmax_attention_forward_kernel(
     while searching:
         mass, slope, support, support_z = _newton_sums(
             q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
-            HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, SPARSEMAX, BLOCK_M, BLOCK_N, ACC,
+            HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, ALPHA, BLOCK_M, BLOCK_N, ACC,
         )
         above = mass >= 1
         low = tl.where(above, tau, low)
@@ -428,8 +431,7 @@ def _entmax_attention_rows_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, ALPHA_GRAD: tl.constexpr,
-    FIXED_ALPHA: tl.constexpr, ALPHA: tl.constexpr, ALPHA_SOFTMAX: tl.constexpr, ALPHA_MULTIPLIER: tl.constexpr,
-    ALPHA_POWER: tl.constexpr,
+    ALPHA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """Per row: ``delta = sum(g dP) / sum(g)`` and (ALPHA_GRAD) the row's alpha gradient, in one pass over K and V.
@@ -439,10 +441,7 @@ def _entmax_attention_rows_kernel(
     bh = tl.program_id(1).to(tl.int64)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
-    if FIXED_ALPHA:  # compile-time: the power and softmax branches below are resolved, not selected per score
-        alpha, softmax, multiplier, power = ALPHA, ALPHA_SOFTMAX, ALPHA_MULTIPLIER, ALPHA_POWER
-    else:
-        alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+    alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head, ALPHA)
     beta = tl.where(softmax, 0.0, power)
     row_base = bh * lq
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
@@ -464,7 +463,7 @@ def _entmax_attention_rows_kernel(
     entropy_dp = tl.zeros((BLOCK_M,), ACC)
     if HAS_SINK:
         sink_u, sink_mass, sink_p = _weights(sink_logit[:, None], row_max, tau, norm, multiplier, power, softmax)
-        gppr_sum += tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, power, softmax), 1)
+        gppr_sum += tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, softmax, ALPHA), 1)
         if ALPHA_GRAD:
             sink_on = sink_p > 0
             sink_entropy = sink_p * (beta - tl.log(tl.where(sink_on, sink_p, 1.0)))
@@ -476,7 +475,7 @@ def _entmax_attention_rows_kernel(
         if _live(p, nan_rows):
             v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
             dp = mma(do_tile, v_t, ACC)
-            gppr = _gppr(u, mass, p, gppr_scale, power, softmax)
+            gppr = _gppr(u, mass, p, gppr_scale, softmax, ALPHA)
             gppr_sum += tl.sum(gppr, 1)
             gppr_dp += tl.sum(gppr * dp, 1)
             if ALPHA_GRAD:
@@ -505,8 +504,7 @@ def _entmax_attention_dq_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
-    FIXED_ALPHA: tl.constexpr, ALPHA: tl.constexpr, ALPHA_SOFTMAX: tl.constexpr, ALPHA_MULTIPLIER: tl.constexpr,
-    ALPHA_POWER: tl.constexpr,
+    ALPHA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dq = scale dS k`` for one query block, one pass over K and V.
@@ -518,10 +516,7 @@ def _entmax_attention_dq_kernel(
     bh = tl.program_id(1).to(tl.int64)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     scale = tl.load(scale_ptr)
-    if FIXED_ALPHA:  # compile-time: the power and softmax branches below are resolved, not selected per score
-        alpha, softmax, multiplier, power = ALPHA, ALPHA_SOFTMAX, ALPHA_MULTIPLIER, ALPHA_POWER
-    else:
-        alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+    alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head, ALPHA)
     row_base = bh * lq
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
     do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
@@ -547,7 +542,7 @@ def _entmax_attention_dq_kernel(
         if _live(p, nan_rows):
             v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
             dp = mma(do_tile, v_t, ACC)
-            ds = _gppr(u, mass, p, gppr_scale, power, softmax) * (dp - delta[:, None])
+            ds = _gppr(u, mass, p, gppr_scale, softmax, ALPHA) * (dp - delta[:, None])
             if HAS_LOGIT_SCALE:
                 d_row_scale += tl.sum(ds * tl.where(scores != float("-inf"), scores, 0.0), 1)
                 ds = ds * row_scale[:, None]
@@ -560,7 +555,7 @@ def _entmax_attention_dq_kernel(
              mask=inside[:, None] & (offs_d < head_dim)[None, :])
     if HAS_SINK:
         sink_u, sink_mass, sink_p = _weights(sink_logit[:, None], row_max, tau, norm, multiplier, power, softmax)
-        d_sink = -tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, power, softmax), 1) * delta
+        d_sink = -tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, softmax, ALPHA), 1) * delta
         tl.store(D_SINK + row_base + offs_m, tl.where(nan_rows, float("nan"), d_sink), mask=inside)
     if HAS_LOGIT_SCALE:
         tl.store(D_LOGIT_SCALE + row_base + offs_m, tl.where(nan_rows, float("nan"), d_row_scale), mask=inside)
@@ -577,8 +572,7 @@ def _entmax_attention_dkdv_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
-    FIXED_ALPHA: tl.constexpr, ALPHA: tl.constexpr, ALPHA_SOFTMAX: tl.constexpr, ALPHA_MULTIPLIER: tl.constexpr,
-    ALPHA_POWER: tl.constexpr,
+    ALPHA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dk = scale dS^T q`` and ``dv = p^T dO`` for one key block of one (batch, kv head), no atomics."""
@@ -599,10 +593,7 @@ def _entmax_attention_dkdv_kernel(
             for member in range(0, group):
                 head = kv_head * group + member
                 row_base = (batch * heads + head) * lq
-                if FIXED_ALPHA:
-                    alpha, softmax, multiplier, power = ALPHA, ALPHA_SOFTMAX, ALPHA_MULTIPLIER, ALPHA_POWER
-                else:
-                    alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head)
+                alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head, ALPHA)
                 q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
                 row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
                 nan_rows = norm != norm
@@ -618,7 +609,7 @@ def _entmax_attention_dkdv_kernel(
                     delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < lq, other=0.0)
                     dp = mma(do_tile, v_t, ACC)
                     gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
-                    ds = _gppr(u, mass, p, gppr_scale, power, softmax) * (dp - delta[:, None])
+                    ds = _gppr(u, mass, p, gppr_scale, softmax, ALPHA) * (dp - delta[:, None])
                     if HAS_LOGIT_SCALE:
                         ds = ds * row_scale[:, None]
                     if SOFTCAP:
@@ -655,14 +646,10 @@ flash-attention forward (``scripts/sass_loops.py``).  Other alphas, and per-head
 """
 
 
-def _alpha_constants(alpha: float | None) -> dict:
-    """The kernels' alpha constexprs: ``FIXED_ALPHA`` and the alpha, softmax flag, ``alpha - 1`` and ``p``."""
-    if alpha is None or float(alpha) not in SPECIALISED_ALPHAS:
-        return dict(FIXED_ALPHA=False, ALPHA=0.0, ALPHA_SOFTMAX=False, ALPHA_MULTIPLIER=1.0, ALPHA_POWER=1.0)
-    alpha = float(alpha)
-    multiplier = 1.0 if alpha == 1.0 else alpha - 1.0
-    return dict(FIXED_ALPHA=True, ALPHA=alpha, ALPHA_SOFTMAX=alpha == 1.0, ALPHA_MULTIPLIER=multiplier,
-                ALPHA_POWER=1.0 / multiplier)
+def _constant_alpha(alpha: float | None) -> float:
+    """The kernels' ``ALPHA`` constexpr: ``alpha`` when it is one of :data:`SPECIALISED_ALPHAS`, else 0 (each head's
+    alpha read at run time)."""
+    return float(alpha) if alpha is not None and float(alpha) in SPECIALISED_ALPHAS else 0.0
 
 
 class _Launch:
@@ -685,7 +672,7 @@ class _Launch:
             alpha_values, alpha_stride = alpha_heads.detach().to(device=q.device, dtype=acc).contiguous(), 1
         self.options = launch_options(shape, q)
         self.narrow = narrow_cuda(shape, q)
-        self.alpha_constants = _alpha_constants(alpha if alpha_heads is None else None)
+        self.constant_alpha = _constant_alpha(alpha if alpha_heads is None else None)
         self.shape = shape
         self.acc_dtype = acc
         self.head_args = (torch.full((1,), float(scale), dtype=acc, device=q.device), alpha_values, alpha_stride)
@@ -702,7 +689,7 @@ class _Launch:
             return
         constants = {**self.shape.constants, **constants}  # a kernel's own constants win (the dk/dv BLOCK_M)
         launch.launchable(kernel)[grid](*pointers, *self.head_args, *self.strides, *extra_strides, *self.shape.sizes,
-                                        **self.mask_args, **self.alpha_constants, **constants, **self.options)
+                                        **self.mask_args, ALPHA=self.constant_alpha, **constants, **self.options)
 
 
 def entmax_attention_forward(
@@ -746,8 +733,7 @@ def entmax_attention_forward(
     out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
     stats = shape.row_tensor(STATS, like=q)
     call.launch(_entmax_attention_forward_kernel, shape.query_grid, call.q, call.k, call.v, out, stats,
-                max_steps=2 * MAX_STEPS if q.dtype == torch.float64 else MAX_STEPS,
-                SPARSEMAX=alpha_heads is None and float(alpha) == 2.0)
+                max_steps=2 * MAX_STEPS if q.dtype == torch.float64 else MAX_STEPS)
     return out, stats
 
 
@@ -798,7 +784,7 @@ def entmax_attention_backward(
     # recomputed score may differ from the forward's in its last bit, which moves an entmax weight by about
     # as much but would drop a key from their min/max or top-k set.
     half = max(16, shape.block // 2)
-    whole = call.narrow and call.alpha_constants["FIXED_ALPHA"]
+    whole = call.narrow and call.constant_alpha != 0.0
     step = shape.block if whole else half
     light = not (call.mask_args["SOFTCAP"] or call.mask_args["HAS_ADDITIVE"])
     key_step = shape.block if whole and light else half
