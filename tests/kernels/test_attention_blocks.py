@@ -48,7 +48,7 @@ def _tiles(q, k, out, bounds, lq, lk, heads, scale,
         offs_n = start + tl.arange(0, BLOCK_N)
         k_ptrs = k + bh * lk * D + offs_n[None, :] * D + offs_d[:, None]
         k_mask = (offs_n < lk)[None, :]
-        tile = score_tile(q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, lk, scale, 1.0, batch, head,
+        tile = score_tile(q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, scale, 1.0, batch, head,
                           dense, dense_sb, dense_sh, dense_sm, dense_sn,
                           additive, add_sb, add_sh, add_sm, add_sn, HAS_DENSE, HAS_ADDITIVE, False, tl.float32)
         tl.store(out + bh * lq * lk + offs_m[:, None] * lk + offs_n[None, :], tile,
@@ -123,7 +123,7 @@ def _capped_tiles(q, k, out, slope_out, lq, lk, scale, softcap, additive, add_sb
         offs_n = start + tl.arange(0, BLOCK_N)
         k_ptrs = k + offs_n[None, :] * D + offs_d[:, None]
         k_mask = (offs_n < lk)[None, :]
-        tile, slope = score_tile_slope(q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, lk, scale,
+        tile, slope = score_tile_slope(q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, scale,
                                        softcap, 0, 0, additive, 0, 0, 0, 0, additive, add_sb, add_sh, add_sm, add_sn,
                                        False, True, True, tl.float32)
         ptrs = offs_m[:, None] * lk + offs_n[None, :]

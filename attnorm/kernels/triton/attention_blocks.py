@@ -229,7 +229,7 @@ def sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SI
 
 @triton.jit
 def score_tile_slope(
-    q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, lk, scale, softcap, batch, head,
+    q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, scale, softcap, batch, head,
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
     HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
@@ -261,7 +261,7 @@ def score_tile_slope(
 
 @triton.jit
 def score_tile(
-    q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, lk, scale, softcap, batch, head,
+    q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, scale, softcap, batch, head,
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
     HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
@@ -272,10 +272,10 @@ def score_tile(
     the key block as ``(D, BLOCK_N)`` (the transposed view, so ``tl.dot`` needs no
     transpose), loaded where ``k_mask`` holds (0 elsewhere).  ``scale q k`` is capped to
     ``softcap tanh(. / softcap)`` under ``SOFTCAP``, then the additive mask is added.
-    Keys past ``lk`` or outside a row's interval, dense-masked keys and -inf scores are
-    -inf; NaN scores stay NaN.
+    Keys outside a row's interval (which ends at ``lk`` at most, so keys past it are out),
+    dense-masked keys and -inf scores are -inf; NaN scores stay NaN.
     """
-    scores, _ = score_tile_slope(q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, lk, scale, softcap, batch,
+    scores, _ = score_tile_slope(q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, scale, softcap, batch,
                                  head, dense, dense_sb, dense_sh, dense_sm, dense_sn,
                                  additive, add_sb, add_sh, add_sm, add_sn, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
     return scores
@@ -296,7 +296,7 @@ def key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_di
     k_ptrs = k_base + offs_n[None, :] * sk_n + offs_d[:, None] * sk_d
     k_mask = (offs_d < head_dim)[:, None] & (offs_n < lk)[None, :]
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn = masking
-    return score_tile_slope(q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, lk, scale, softcap, batch,
+    return score_tile_slope(q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, scale, softcap, batch,
                             head, dense, dense_sb, dense_sh, dense_sm, dense_sn,
                             additive, add_sb, add_sh, add_sm, add_sn, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
 
