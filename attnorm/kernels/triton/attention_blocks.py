@@ -54,6 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnorm.kernels.rules import AttentionMask
+from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.blocks import stable_tanh
 
 __all__ = [
@@ -205,7 +206,7 @@ def modifier_arguments(softcap: float | None, sinks: Tensor | None, shape: tuple
     ``sinks``, the sink logit of each query row, broadcastable to ``(B, Hq, Lq)`` (``(Hq, 1)``
     for one per head), as :func:`row_arguments` ``"sink"``.
     """
-    cap = torch.full((1,), 1.0 if softcap is None else float(softcap), dtype=dtype, device=device)
+    cap = launch.constant(1.0 if softcap is None else float(softcap), dtype, device)
     return dict(softcap_ptr=cap, SOFTCAP=softcap is not None, **row_arguments("sink", sinks, shape[:3], dtype, device))
 
 

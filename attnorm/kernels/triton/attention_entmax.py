@@ -667,7 +667,7 @@ class _Launch:
         self.q, self.k, self.v = dot_operands(q, k, v)
         acc = rules.accumulation_dtype(q.dtype)
         if alpha_heads is None:
-            alpha_values, alpha_stride = torch.full((1,), float(alpha), dtype=acc, device=q.device), 0
+            alpha_values, alpha_stride = launch.constant(float(alpha), acc, q.device), 0
         else:
             alpha_values, alpha_stride = alpha_heads.detach().to(device=q.device, dtype=acc).contiguous(), 1
         self.options = launch_options(shape, q)
@@ -675,7 +675,7 @@ class _Launch:
         self.constant_alpha = _constant_alpha(alpha if alpha_heads is None else None)
         self.shape = shape
         self.acc_dtype = acc
-        self.head_args = (torch.full((1,), float(scale), dtype=acc, device=q.device), alpha_values, alpha_stride)
+        self.head_args = (launch.constant(float(scale), acc, q.device), alpha_values, alpha_stride)
         self.strides = (*self.q.stride(), *self.k.stride(), *self.v.stride())
         self.mask_args = dict(
             **mask_arguments(mask, shape.score_shape, q.device),
