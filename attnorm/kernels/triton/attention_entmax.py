@@ -22,7 +22,11 @@ Forward, per query block (``1 + I + 1`` passes over K, one over V):
    step no longer climbs; the block stops when all its rows have (no host
    synchronisation; at most :data:`MAX_STEPS` passes).  For sparsemax these steps
    are Michelot's algorithm and the threshold is finished exactly,
-   ``tau = (sum of the support's z - 1) / |support|`` (``N = 1``);
+   ``tau = (sum of the support's z - 1) / |support|`` (``N = 1``).  For a constant
+   alpha of 2 or 1.5 each pass also takes its support's least ``z``: the threshold
+   has a closed form on a known support (:func:`_settle`), and a row whose support
+   keeps every ``z`` above it stops on that pass, without the pass that would only
+   confirm it (1.5-entmax then also skips Newton's last quadratic steps, ``N = 1``);
 3. one output pass over K and V accumulating ``p v`` in float32 (float64 for
    float64 inputs).  A tile where no row of the block has a positive weight loads
    no V and skips its ``p v`` product.
@@ -30,8 +34,13 @@ Forward, per query block (``1 + I + 1`` passes over K, one over V):
 The forward keeps per row ``(m, tau, N)``: 12 bytes (24 for float64), the ``stats``
 tensor ``(B, Hq, Lq, 3)``.  ``I`` counts the pass that confirms convergence; measured
 with random q, k (head dim 64, Lk = 512, blocks of 64, scale 1 to 3 / sqrt(64)) it is
-4-7 for alpha in {1.1, 1.25, 1.5, 2}.  The output is exact for sparsemax (to the
-rounding of the scores), accurate to a few ulps otherwise.
+4-7 for alpha in {1.1, 1.25, 1.5, 2}.  With the closed-form stop, a float32 model of
+the loop (64-row blocks, q, k ~ N(0, 1), head dim 64, scale 1 / 8) takes, against
+before: sparsemax 5.3 / 6.2 passes at Lk = 1024 / 16384 (6.5 / 7.5), 1.5-entmax
+5.0 / 5.8 (7.0 / 8.0); the stop costs ~3 (sparsemax) and ~4 (1.5) SASS instructions
+per score and pass (sm_90, ``scripts/sass_loops.py``: 15.1 -> 17.9 and 18.5 -> 22.5).
+The output is exact for sparsemax (to the rounding of the scores), accurate to a few
+ulps otherwise.
 
 Backward, with ``g_ij = p_ij^(2 - alpha)`` on the support and ``dP = dO v^T``
 (the closed-form entmax Jacobian): ``dS = g (dP - delta)``,
@@ -201,32 +210,62 @@ def _gppr(u, mass, p, gppr_scale, softmax, ALPHA: tl.constexpr):
 
 
 @triton.jit
-def _threshold_sums(z, tau, power, softmax, ALPHA: tl.constexpr):
-    """Per row of shifted logits ``z`` at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, support size, its ``sum z``."""
-    u = z - tau[:, None]
-    mass = _mass(u, power, softmax)
-    on = u > 0
-    slope = _slope(u, mass, ALPHA)
-    return tl.sum(mass, 1), tl.sum(slope, 1), tl.sum(on.to(tl.int32), 1), tl.sum(tl.where(on, z, 0.0), 1)
-
-
-@triton.jit
 def _pass_sums(z, tau, power, softmax, ALPHA: tl.constexpr):
-    """:func:`_threshold_sums`; for sparsemax (``p = 1``) from two row sums instead of four.
+    """Per row of shifted logits ``z`` at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, the support's size, its
+    ``sum z`` and its least ``z`` (+inf where unused), ``u = z - tau``.
 
-    With ``p = 1``: ``sum [u]_+ = sum_S z - tau |S|`` and ``sum [u]_+^0 = |S|`` over the
-    support ``S``, so a pass needs no power and no division (~10 operations per score
-    against ~25).
+    For sparsemax (``p = 1``) from two row sums: ``sum [u]_+ = sum_S z - tau |S|`` and
+    ``sum [u]_+^0 = |S|`` over the support ``S``, so a pass needs no power and no division
+    (~10 operations per score against ~25).  The least ``z`` of the support (one row
+    minimum more, on the support's own predicate) lets :func:`_settle` stop a row on the
+    pass that finds its support; other alphas have no closed form for it and skip it.
     """
     if ALPHA == 2.0:
         on = z > tau[:, None]
         support = tl.sum(on.to(tl.int32), 1)
         support_z = tl.sum(tl.where(on, z, 0.0), 1)
         count = support.to(tau.dtype)
-        sums = support_z - tau * count, count, support, support_z
+        mass, slope = support_z - tau * count, count
     else:
-        sums = _threshold_sums(z, tau, power, softmax, ALPHA)
-    return sums
+        u = z - tau[:, None]
+        weights = _mass(u, power, softmax)
+        on = u > 0
+        mass, slope = tl.sum(weights, 1), tl.sum(_slope(u, weights, ALPHA), 1)
+        support = tl.sum(on.to(tl.int32), 1)
+        support_z = tl.sum(tl.where(on, z, 0.0), 1)
+    if ALPHA == 2.0 or ALPHA == 1.5:
+        least = tl.min(tl.where(on, z, float("inf")), 1)
+    else:
+        least = tl.full(tau.shape, float("inf"), tau.dtype)
+    return mass, slope, support, support_z, least
+
+
+@triton.jit
+def _settle(tau, mass, slope, support, support_z, least, ALPHA: tl.constexpr):
+    """Whether a pass at ``tau`` found the row's support, and the exact threshold on it (sparsemax, 1.5-entmax).
+
+    The pass's support ``S = {z > tau}``, with ``tau`` at or below the root (``mass >= 1``),
+    holds the true support.  On ``S`` the threshold has a closed form ``t``: sparsemax's
+    ``(sum_S z - 1) / |S|`` (Michelot's step), and for 1.5-entmax the smaller root of
+    ``sum_S (z - t)^2 = 1``, ``t = tau + (B - 1) / (A + sqrt(A^2 - |S| (B - 1)))`` with
+    ``A = sum_S u``, ``B = sum_S u^2`` the pass's sums (``u = z - tau``; the rationalised
+    form has no cancellation).  When every ``z`` of ``S`` stays above ``t``, ``S`` is the
+    support at ``t`` and ``t`` is the root: the row stops on this pass instead of the
+    next, which would only confirm it (Newton's iterate needs one more pass or several).
+    1.5-entmax settles only where ``A^2 - |S| (B - 1) >= A^2 / 4``, so the root is as
+    accurate as its inputs (near a double root the square root would amplify their
+    rounding); such rows go on with Newton.
+    """
+    count = tl.maximum(support, 1).to(tau.dtype)
+    if ALPHA == 2.0:
+        closed = (support_z - 1) / count
+        sound = support > 0
+    else:
+        excess = mass - 1
+        disc = slope * slope - count * excess
+        sound = (support > 0) & (disc >= 0.25 * slope * slope)
+        closed = tau + excess / tl.where(sound, slope + tl.sqrt(tl.where(sound, disc, 0.0)), 1.0)
+    return sound & (mass >= 1) & (least > closed), closed
 
 
 @triton.jit
@@ -288,23 +327,25 @@ def _newton_sums(q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, mul
     The sink, a column of its own, starts the sums.
     """
     if HAS_SINK:
-        mass, slope, support, support_z = _pass_sums(((sink_logit - row_max) * multiplier)[:, None], tau,
-                                                     power, softmax, ALPHA)
+        mass, slope, support, support_z, least = _pass_sums(((sink_logit - row_max) * multiplier)[:, None], tau,
+                                                            power, softmax, ALPHA)
     else:
         mass = tl.zeros((BLOCK_M,), ACC)
         slope = tl.zeros((BLOCK_M,), ACC)
         support = tl.zeros((BLOCK_M,), tl.int32)
         support_z = tl.zeros((BLOCK_M,), ACC)
+        least = tl.full((BLOCK_M,), float("inf"), ACC)
     for start in range(first, hi, BLOCK_N):
         scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                  HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        block_mass, block_slope, block_support, block_z = _pass_sums((scores - row_max[:, None]) * multiplier,
-                                                                     tau, power, softmax, ALPHA)
+        block_mass, block_slope, block_support, block_z, block_least = _pass_sums(
+            (scores - row_max[:, None]) * multiplier, tau, power, softmax, ALPHA)
         mass += block_mass
         slope += block_slope
         support += block_support
         support_z += block_z
-    return mass, slope, support, support_z
+        least = tl.minimum(least, block_least)
+    return mass, slope, support, support_z, least
 
 
 @triton.jit
@@ -372,13 +413,20 @@ def _entmax_attention_forward_kernel(
     mass = tl.zeros((BLOCK_M,), ACC)
     support = tl.zeros((BLOCK_M,), tl.int32)
     support_z = tl.zeros((BLOCK_M,), ACC)
+    settled = tl.zeros((BLOCK_M,), tl.int1)
     step_count = 0
     searching = True
     while searching:
-        mass, slope, support, support_z = _newton_sums(
+        mass, slope, support, support_z, least = _newton_sums(
             q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
             HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, ALPHA, BLOCK_M, BLOCK_N, ACC,
         )
+        if ALPHA == 2.0 or ALPHA == 1.5:
+            found, closed = _settle(tau, mass, slope, support, support_z, least, ALPHA)
+            found = found & active
+            settled = settled | found
+            tau = tl.where(found, closed, tau)
+            active = active & ~found
         above = mass >= 1
         low = tl.where(above, tau, low)
         high = tl.where(above, high, tau)
@@ -395,6 +443,8 @@ def _entmax_attention_forward_kernel(
     exact = (alpha != 1) & (power == 1)
     tau = tl.where(exact, (support_z - 1) / tl.maximum(support, 1).to(ACC), tau)
     norm = tl.where(exact, 1.0, tl.where(mass > 0, mass, 1.0))
+    if ALPHA == 1.5:
+        norm = tl.where(settled, 1.0, norm)  # sum [z - tau]_+^2 = 1 at the closed-form root, to its rounding
     norm = tl.where(nan_rows, float("nan"), norm)
 
     # Last pass: out = p v, skipping V for tiles without support (the sink's value is 0).

@@ -181,12 +181,26 @@ def _settle_digit(counts, prefix, above, keep, shift, UKEY: tl.constexpr, RADIX:
     """Settle one digit: the largest whose candidate keeps ``keep`` keys at or above it.
 
     ``above`` becomes the count at the next candidate when there is one: at the end, the keys above the k-th.
+    Also returns the count at the settled candidate (``>= keep``).
     """
     digits = tl.arange(0, 1 << RADIX)
     digit = tl.sum((counts >= keep[:, None]).to(tl.int32), 1) - 1
     next_count = tl.sum(tl.where(digits[None, :] == digit[:, None] + 1, counts, 0), 1)
+    at = tl.sum(tl.where(digits[None, :] == digit[:, None], counts, 0), 1)
     above = tl.where(digit < (1 << RADIX) - 1, next_count, above)
-    return prefix | (digit.to(UKEY) << shift.to(UKEY)), above
+    return prefix | (digit.to(UKEY) << shift.to(UKEY)), above, at
+
+
+@triton.jit
+def _cut(prefix, at, keep, KEY: tl.constexpr, KEY_BITS: tl.constexpr, ACC: tl.constexpr):
+    """Rows whose settled candidate ``prefix`` (unsettled digits 0) already has exactly ``keep`` keys at or above it.
+
+    Such a row keeps the keys ``>= prefix``: the threshold is ``prefix`` with every tie kept, and its lower
+    digits need no pass.  Only where ``prefix`` is the key of a score (not NaN, above -inf), so that the
+    threshold survives the stats' round trip through a float.
+    """
+    value = _key_value(prefix.to(KEY, bitcast=True) ^ (-(1 << (KEY_BITS - 1))), ACC, KEY_BITS)
+    return (at == keep) & (value > float("-inf"))
 
 
 @triton.jit
@@ -251,20 +265,25 @@ def _topk_forward_kernel(
     nan_count += (sink_score != sink_score).to(tl.int32)
     posinf_row = posinf_count > 0
     keep = tl.where(posinf_row, tl.minimum(keep, posinf_count), keep)
-    prefix, above = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
+    prefix, above, at = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
     every = keep >= allowed_count + sinks_here
-    passes = tl.where(tl.min(every.to(tl.int32), 0) > 0, 1, KEY_BITS // RADIX)
-    for level in range(1, passes):
+    # The block stops once each row keeps every key or has a candidate with exactly k keys at or above it.
+    cut = _cut(prefix, at, keep, KEY, KEY_BITS, ACC)
+    level = 1
+    while (level < KEY_BITS // RADIX) & (tl.min((every | cut).to(tl.int32), 0) == 0):
         shift = KEY_BITS - RADIX * (level + 1)
         counts, _, _, _, _ = _candidate_counts(
             q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, softcap,
             batch, head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, False,
             BLOCK_M, BLOCK_N, ACC, KEY, UKEY, KEY_BITS, RADIX,
         )
-        prefix, above = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
-    # Rows keeping every allowed key: threshold below all of them (key 0), no ties.
+        prefix, above, at = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
+        cut = _cut(prefix, at, keep, KEY, KEY_BITS, ACC)
+        level += 1
+    # Rows keeping every allowed key: threshold below all of them (key 0), no ties.  Cut rows keep every tie
+    # at their candidate; after the last digit the ties kept are the k - (keys above the k-th) first ones.
     threshold_key = tl.where(every, tl.zeros_like(prefix), prefix)
-    tie_slots = tl.where(every, 0, keep - above)
+    tie_slots = tl.where(every, 0, tl.where(cut, 1 << 30, keep - above))
 
     state = tl.where(nan_count > 0, 0, tl.where(keep > 0, tl.where(posinf_row, 2, 1), 0))
     top = tl.full((BLOCK_M,), float("-inf"), ACC)
