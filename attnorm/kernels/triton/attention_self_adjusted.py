@@ -145,6 +145,55 @@ def _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NO
 
 
 @triton.jit
+def _lean_weights(x, c0, c1, low, s, span, state, NORMALIZED: tl.constexpr):
+    """Scores, softmax weights ``w`` and factors ``phi`` of a tile, for the backward's score gradient.
+
+    The general :func:`_weights` selects the used keys per score (finite keys, or the +inf
+    ones of a state-2 row) and zeroes the rest.  Here the scores of rows off state 1 become
+    -inf (one select per score), and then a masked key (-inf) gets ``w = exp(-inf) = 0`` by
+    itself; ``phi`` is taken at ``max(x, low)`` (normalized: ``low`` at a masked key,
+    ``phi = 0``, ``x`` elsewhere) or is ``x`` where ``w > 0``, else 0 (plain).  ``w`` and
+    ``phi`` of the used keys of state-1 rows equal the general path's bit for bit (same
+    operations on the same values); every other ``w`` is 0, so the ``ds`` of
+    :func:`_lean_score_grad` is 0 there, as :func:`_score_grad` makes it.  A state-2 row's
+    weights on its +inf keys (``dv`` only) are left to the caller.
+    """
+    x = tl.where((state == 1)[:, None], x, float("-inf"))
+    w = tl.exp((x - c0[:, None]) - c1[:, None])
+    if NORMALIZED:
+        phi = _factor(tl.maximum(x, low[:, None]), low[:, None], s[:, None], span[:, None], True)
+    else:
+        phi = tl.where(w > 0, x, 0.0)
+    return x, w, phi
+
+
+@triton.jit
+def _lean_score_grad(x, w, phi, g, total, low, high, through_scale, low_term, high_term, NORMALIZED: tl.constexpr):
+    """:func:`_score_grad` of a tile from :func:`_lean_weights` (its ``x``), with no per-score predicate but the
+    paths through ``low`` and ``high`` (normalized).
+
+    ``through_scale`` is ``s / span`` in rows with a span in state 1, else 0 (as ``low_term`` and
+    ``high_term`` are), so those paths need no select on the span; ``x == low`` never holds at a
+    masked key (-inf), and ``w = 0`` there and off state 1 makes the rest of ``ds`` 0.
+    """
+    if NORMALIZED:
+        ds = w * g * phi - w * total[:, None]
+        through = g * w * through_scale[:, None] + tl.where(x == low[:, None], low_term[:, None], 0.0)
+        through -= tl.where(x == high[:, None], high_term[:, None], 0.0)
+        ds += through
+    else:
+        ds = w * (g * (1 + phi) - total[:, None])
+    return ds
+
+
+@triton.jit
+def _through_scale(low, high, state):
+    """``s / span`` per row with a span in state 1, 0 elsewhere (the factor of ``g w`` in ``ds``)."""
+    s, span = _span(low, high)
+    return tl.where((span > 0) & (state == 1), s / tl.where(span > 0, span, 1.0), 0.0)
+
+
+@triton.jit
 def _span_terms(total, weighted, low, high, low_count, high_count, state):
     """Per row, the paths through ``low`` and ``high`` of a key attaining them.
 
@@ -338,19 +387,18 @@ def _self_adjusted_dq_kernel(
     lo = lo // BLOCK_N * BLOCK_N
     softcap = tl.load(softcap_ptr)
 
+    s, span = _span(low, high)
     if NORMALIZED:
         total = tl.zeros((BLOCK_M,), ACC)
         weighted = tl.zeros((BLOCK_M,), ACC)
-        s, span = _span(low, high)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                            softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-            xs, w, used, _ = _weights(x, c0, c1, state)
-            w = tl.where((state == 1)[:, None], w, 0.0)
+            _, w, phi = _lean_weights(x, c0, c1, low, s, span, state, True)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
             g = mma(do_tile, tl.trans(v_tile), ACC)
-            total += tl.sum(g * w * _factor(xs, low[:, None], s[:, None], span[:, None], True), 1)
+            total += tl.sum(g * w * phi, 1)
             weighted += tl.sum(g * w, 1)
         tl.store(TOTAL + rows, total, mask=offs_m < lq)
         tl.store(WEIGHTED + rows, weighted, mask=offs_m < lq)
@@ -359,15 +407,16 @@ def _self_adjusted_dq_kernel(
         total = tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0)
         low_term = tl.zeros((BLOCK_M,), ACC)
         high_term = low_term
+    through_scale = _through_scale(low, high, state)
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
                                     lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-        xs, w, used, _ = _weights(x, c0, c1, state)
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         g = mma(do_tile, tl.trans(v_tile), ACC)
-        ds = _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NORMALIZED)
+        safe, w, phi = _lean_weights(x, c0, c1, low, s, span, state, NORMALIZED)
+        ds = _lean_score_grad(safe, w, phi, g, total, low, high, through_scale, low_term, high_term, NORMALIZED)
         if SOFTCAP:
             ds = ds * slope
         k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
@@ -420,19 +469,26 @@ def _self_adjusted_dkdv_kernel(
                 x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start,
                                             row_stop, lk, scale, softcap, batch, head, masking, HAS_DENSE,
                                             HAS_ADDITIVE, SOFTCAP, ACC)
-                xs, w, used, posinf = _weights(x, c0, c1, state)
+                s, span = _span(low, high)
                 if NORMALIZED:
-                    s, span = _span(low, high)
-                    y = tl.where(posinf, w, _factor(xs, low[:, None], s[:, None], span[:, None], True) * w)
                     weighted = tl.load(WEIGHTED + rows, mask=offs_m < lq, other=0.0)
                     low_term, high_term = _span_terms(total, weighted, low, high, low_count, high_count, state)
                 else:
-                    y = tl.where(posinf, tl.where(w > 0, float("inf"), 0.0), xs * w)
                     low_term = tl.zeros((BLOCK_M,), ACC)
                     high_term = low_term
+                safe, w, phi = _lean_weights(x, c0, c1, low, s, span, state, NORMALIZED)
+                y = phi * w
+                if tl.max((state == 2).to(tl.int32), 0) > 0:
+                    # A +inf row's weights sit uniformly on its +inf keys, factor 1 (normalized) or +inf (plain).
+                    posinf_keys = (state == 2)[:, None] & (x == float("inf"))
+                    if NORMALIZED:
+                        y += tl.where(posinf_keys, tl.exp((0.0 - c0) - c1)[:, None], 0.0)
+                    else:
+                        y = tl.where(posinf_keys, float("inf"), y)
                 dv += mma(tl.trans(y.to(do_tile.dtype)), do_tile, ACC)
                 g = mma(do_tile, tl.trans(v_tile), ACC)
-                ds = _score_grad(xs, w, used, g, low, high, state, total, low_term, high_term, NORMALIZED)
+                ds = _lean_score_grad(safe, w, phi, g, total, low, high, _through_scale(low, high, state), low_term,
+                                      high_term, NORMALIZED)
                 if SOFTCAP:
                     ds = ds * slope
                 dk += mma(tl.trans(ds.to(q_tile.dtype)), q_tile, ACC)
@@ -504,9 +560,10 @@ def self_adjusted_attention_backward(
     Plain: a pre-pass ``P = rowsum(dO * out)`` (no K/V), the dq kernel (one pass over K
     and V per query block).  Normalized: the dq kernel sums ``P = sum g y`` and
     ``Q = sum g w`` in a first pass over K and V, then accumulates dq in a second.  Then
-    the dk/dv kernel (one pass over the group's q and dO per key block).  Rows in state 0
-    or 2 (no key, NaN, +inf) get no score gradient; +inf rows still pass their weights to
-    ``dv``.
+    the dk/dv kernel (one pass over the group's q and dO per key block).  Rows in state 0,
+    2 or 3 (no key, +inf, NaN) get no score gradient; +inf rows still pass their weights to
+    ``dv``.  Normalized tiles take the lean path (``_lean_weights``: one per-score select,
+    then none but the paths through ``low`` and ``high``).
 
     Returns:
         ``(dq, dk, dv, d_sinks)``: shaped and typed like ``q``, ``k``, ``v``; the score
