@@ -153,8 +153,7 @@ def _candidate_counts(
 
     The suffix sums of the pass's digit histogram (:func:`_digit_histogram`).  The sink
     (``sink_key``, a candidate of every row) is counted with the keys.  The ``FIRST`` pass
-    also returns each row's allowed, +inf and NaN key counts (real keys only) and its
-    largest finite score (zeros and -inf otherwise).
+    also returns each row's allowed, +inf and NaN key counts (real keys only; zeros otherwise).
     """
     tl.static_assert(BLOCK_N < 256, "8-bit digit counts per key block")
     tl.static_assert(RADIX >= 2, "four digits to a word at least")
@@ -162,7 +161,6 @@ def _candidate_counts(
     allowed_count = tl.zeros((BLOCK_M,), tl.int32)
     posinf_count = tl.zeros((BLOCK_M,), tl.int32)
     nan_count = tl.zeros((BLOCK_M,), tl.int32)
-    top = tl.full((BLOCK_M,), float("-inf"), ACC)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
@@ -174,13 +172,12 @@ def _candidate_counts(
             allowed_count += tl.sum(allowed.to(tl.int32), 1)
             posinf_count += tl.sum((x == float("inf")).to(tl.int32), 1)
             nan_count += tl.sum((x != x).to(tl.int32), 1)
-            top = tl.maximum(top, tl.max(tl.where(allowed & (x < float("inf")) & (x == x), x, float("-inf")), 1))
     counts = tl.sum(histogram, 1)[:, None] - tl.cumsum(histogram, 1) + histogram
     if HAS_SINK:
         digits = tl.arange(0, 1 << RADIX).to(UKEY)
         candidates = prefix[:, None] | (digits[None, :] << shift.to(UKEY))
         counts += (sink_key[:, None] >= candidates).to(tl.int32)
-    return counts, allowed_count, posinf_count, nan_count, top
+    return counts, allowed_count, posinf_count, nan_count
 
 
 @triton.jit
@@ -258,7 +255,7 @@ def _topk_forward_kernel(
     prefix = tl.zeros((BLOCK_M,), UKEY)
     above = tl.zeros((BLOCK_M,), tl.int32)
     shift = tl.full((), KEY_BITS - RADIX, tl.int32)
-    counts, allowed_count, posinf_count, nan_count, _ = _candidate_counts(
+    counts, allowed_count, posinf_count, nan_count = _candidate_counts(
         q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, softcap, batch,
         head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, True, BLOCK_M, BLOCK_N,
         ACC, KEY, UKEY, KEY_BITS, RADIX,
@@ -279,7 +276,7 @@ def _topk_forward_kernel(
     level = 1
     while (level < KEY_BITS // RADIX) & (tl.min((every | cut).to(tl.int32), 0) == 0):
         shift = KEY_BITS - RADIX * (level + 1)
-        counts, _, _, _, _ = _candidate_counts(
+        counts, _, _, _ = _candidate_counts(
             q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, softcap,
             batch, head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, False,
             BLOCK_M, BLOCK_N, ACC, KEY, UKEY, KEY_BITS, RADIX,
