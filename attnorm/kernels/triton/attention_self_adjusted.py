@@ -199,8 +199,7 @@ def _span_terms(total, weighted, low, high, low_count, high_count, state):
 
     ``(P - Q) / (n_low span)`` and ``P / (n_high span)``; 0 without a span or off state 1.
     """
-    s, span = _span(low, high)
-    per_span = tl.where((span > 0) & (state == 1), s / tl.where(span > 0, span, 1.0), 0.0)
+    per_span = _through_scale(low, high, state)
     return (total - weighted) * per_span / tl.maximum(low_count, 1.0), total * per_span / tl.maximum(high_count, 1.0)
 
 
