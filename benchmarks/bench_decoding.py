@@ -15,6 +15,12 @@ both variants) gets two more providers, each timing one route function alone (no
 * ``<spec>[rows]``: scores as rows, ``attnorm.routes.blocked.materialised_attention``;
 * ``<spec>[split_k]``: the split-K kernel, ``attnorm.routes.decoding.attention``.
 
+With ``--copies`` every family on the rows route gets one more provider,
+``<spec>[f32 copies]``: ``attention()`` with half-precision scores from float32 copies
+of q and k (``torch.matmul``), the route before the scores kernel
+(:func:`attnorm.routes.decoding.scores_kernel_applies`), so one run shows what the
+kernel saves.
+
 The second table gives ``split_k / rows`` per KV length: below 1 split-K is faster,
 and the family's entry in ``DECODING_ROUTES`` should be ``"split_k"``.  On CPU the
 split-K kernel runs only under Triton's interpreter (``TRITON_INTERPRET=1``, the
@@ -34,6 +40,7 @@ Usage::
     python benchmarks/bench_decoding.py --device cpu            # KV 1k..8k, batch 2, float32
     python benchmarks/bench_decoding.py --device cpu --quick    # seconds
     python benchmarks/bench_decoding.py --specs sa_softmax sa_softmax:normalized=false   # the route choice
+    python benchmarks/bench_decoding.py --copies --specs sparsemax topk:k=64    # the scores kernel's saving
 
 Writes ``bench_decoding_<device>.csv`` and ``.md`` into ``--out`` (default ``benchmarks/results/``).
 """
@@ -97,6 +104,32 @@ def route_with(spec: str, route: str, device: str, q: torch.Tensor, k: torch.Ten
         if not decoding.supports(normalizer, q, k, v, mask, None, 0.0):
             raise RuntimeError(f"the split-K route does not take {spec} on {device}")
     return lambda q, k, v: decoding.attention(normalizer, q, k, v, mask, None, scale)
+
+
+COPIES = "[f32 copies]"
+"""Suffix of the providers that score through float32 copies of q and k (``--copies``)."""
+
+
+def with_copies(call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``call`` with the rows route's scores kernel switched off: scores from float32 copies of q and k."""
+
+    def copies(*inputs: torch.Tensor) -> torch.Tensor:
+        kernel_applies = decoding.scores_kernel_applies
+        decoding.scores_kernel_applies = lambda *args: False
+        try:
+            return call(*inputs)
+        finally:
+            decoding.scores_kernel_applies = kernel_applies
+
+    return copies
+
+
+def on_rows_route(spec: str) -> bool:
+    """True when ``spec``'s family decodes by scores as rows (a spec that does not build: False)."""
+    try:
+        return decoding.route(attnorm.make(spec)) == "rows"
+    except Exception:  # its own provider reports the error
+        return False
 
 
 def has_split_k(spec: str) -> bool:
@@ -177,6 +210,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 calls[spec] = attend_with(spec, args.device, args.queries, lk)
             except Exception as error:
                 errors[spec] = error_text(error)
+            if args.copies and spec in calls and on_rows_route(spec):
+                calls[spec + COPIES] = with_copies(calls[spec])
         for spec in routed:
             for route in ROUTES:
                 try:
@@ -243,6 +278,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", help="KV lengths")
     parser.add_argument("--queries", type=int, default=1, help="query rows per step (default 1)")
     parser.add_argument("--specs", nargs="+", help="normalizer specs ({heads} = the run's heads)")
+    parser.add_argument("--copies", action="store_true",
+                        help=f"also time rows-route families with scores from float32 copies ('<spec>{COPIES}')")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)

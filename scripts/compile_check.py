@@ -80,6 +80,7 @@ CUDA_CHOICES = (
     ("attnorm.kernels.triton.attention_launch", "launch_options"),
     ("attnorm.kernels.triton.attention_launch", "narrow_cuda"),
     ("attnorm.kernels.triton.attention_decoding", "split_count"),
+    ("attnorm.kernels.triton.attention_decoding", "decoding_scores_forward"),
 )
 """Launcher functions whose device tests are rewritten to their CUDA branch while recording."""
 
@@ -373,7 +374,10 @@ def attention_cases(full: bool = True):
 
 
 def decoding_cases(full: bool = True):
-    """The split-K Self-Adjusted kernel (inference, Lq <= 16): both variants, dtypes, head dims; ``full``: masks."""
+    """The split-K Self-Adjusted kernel (inference, Lq <= 16): both variants, dtypes, head dims; ``full``: masks.
+
+    Then the rows route's scores kernel (half precision, sparsemax's row kernels after it).
+    """
     import torch
 
     import attnorm
@@ -393,6 +397,17 @@ def decoding_cases(full: bool = True):
                    attention_call(make, torch.bfloat16, 64, mask, lq=lq, lk=DECODING_KEYS, grad=False))
         yield (f"decoding {family} float64 D64 Lq1",
                attention_call(make, torch.float64, 64, "none", lq=1, lk=DECODING_KEYS, grad=False))
+    # The rows route's scores kernel (half precision only), with the row kernels after it.
+    sparsemax = lambda: attnorm.Sparsemax(backend="triton")
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim in (64, 128):
+            name = str(dtype).removeprefix("torch.")
+            yield (f"decoding scores sparsemax {name} D{head_dim} Lq1",
+                   attention_call(sparsemax, dtype, head_dim, "none", lq=1, lk=DECODING_KEYS, grad=False))
+    if full:
+        yield ("decoding scores sparsemax bf16 D64 Lq16 MHA",
+               attention_call(sparsemax, torch.bfloat16, 64, "causal", lq=16, lk=DECODING_KEYS, grad=False,
+                              kv_heads=HEADS))
 
 
 def record(blocks: str, arch: int, selection: str, output: str) -> None:

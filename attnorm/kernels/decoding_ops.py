@@ -1,21 +1,25 @@
-"""The decoding operator: ``torch.ops.attnorm.self_adjusted_decoding_fwd``, split-K, forward only.
+"""The decoding operators: split-K Self-Adjusted attention and the rows route's scores, forward only.
 
 =================================== ========================================== ==============
 op                                  outputs                                    backward
 =================================== ========================================== ==============
 ``self_adjusted_decoding_fwd``      out ``(B, Hq, Lq, Dv)``                    raises
+``decoding_scores_fwd``             scores ``(B, Hq, Lq, Lk)``, float32        raises
+                                    (float64 for float64 inputs)
 =================================== ========================================== ==============
 
 Defined in the ``attnorm`` namespace like :mod:`attnorm.kernels.attention_ops` (a fake
-kernel gives the shape, so ``torch.compile`` and ``torch.export`` see it); its CPU and
+kernel gives the shape, so ``torch.compile`` and ``torch.export`` see it); their CPU and
 CUDA kernels are :func:`attnorm.kernels.triton.attention_decoding.self_adjusted_decoding_forward`
+and :func:`~attnorm.kernels.triton.attention_decoding.decoding_scores_forward`
 (on CPU tensors under ``TRITON_INTERPRET=1``, otherwise a clear error).  Masks travel
 as the four fields of :class:`~attnorm.kernels.rules.AttentionMask`.
 
 Forward only: decoding is inference.  :func:`attnorm.routes.decoding.supports` never
-takes this op when an input requires grad (the materialised route runs, with its
-gradients); called directly on such inputs, its backward raises instead of returning
-a wrong or missing gradient.
+takes the split-K op when an input requires grad (the materialised route runs, with its
+gradients), nor does :func:`attnorm.routes.decoding.scores_kernel_applies` take the
+scores op; called directly on such inputs, their backward raises instead of returning a
+wrong or missing gradient.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from torch import Tensor
 from attnorm.kernels import backends, inductor, ops
 from attnorm.kernels.rules import AttentionMask
 
-__all__ = ["self_adjusted_decoding"]
+__all__ = ["decoding_scores", "self_adjusted_decoding"]
 
 _LIBRARY = torch.library.Library("attnorm", "FRAGMENT")
 _NAME = "self_adjusted_decoding_fwd"
+_SCORES = "decoding_scores_fwd"
 
 _LIBRARY.define(
     f"{_NAME}(Tensor q, Tensor k, Tensor v, Tensor? key_start, Tensor? key_stop, Tensor? dense, Tensor? additive, "
@@ -49,18 +54,41 @@ def _fake(q, k, v, *rest):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
-def _backward(ctx, grad_out):
-    raise RuntimeError(
-        f"attnorm::{_NAME} is forward only (decoding); attnorm.attention takes another route when inputs require grad"
-    )
+def _scores_kernel(q, k, scale):
+    backends.resolve("triton", q.device)
+    from attnorm.kernels.triton.attention_decoding import decoding_scores_forward
+
+    return decoding_scores_forward(q, k, scale)
+
+
+def _scores_fake(q, k, scale):
+    return q.new_empty(*q.shape[:-1], k.shape[-2], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def _forward_only(name):
+    def backward(ctx, grad_out):
+        raise RuntimeError(
+            f"attnorm::{name} is forward only (decoding); attnorm.attention takes another route when inputs require "
+            "grad"
+        )
+
+    return backward
 
 
 _LIBRARY.impl(_NAME, _device_kernel, "CPU")
 _LIBRARY.impl(_NAME, _device_kernel, "CUDA")
 torch.library.register_fake(f"attnorm::{_NAME}", _fake, lib=_LIBRARY)
-torch.library.register_autograd(f"attnorm::{_NAME}", _backward, lib=_LIBRARY)
+torch.library.register_autograd(f"attnorm::{_NAME}", _forward_only(_NAME), lib=_LIBRARY)
 inductor.register(f"attnorm::{_NAME}", _device_kernel, _LIBRARY)
 ops.register_eager(getattr(torch.ops.attnorm, _NAME).default, _device_kernel)
+
+_LIBRARY.define(f"{_SCORES}(Tensor q, Tensor k, float scale) -> Tensor")
+_LIBRARY.impl(_SCORES, _scores_kernel, "CPU")
+_LIBRARY.impl(_SCORES, _scores_kernel, "CUDA")
+torch.library.register_fake(f"attnorm::{_SCORES}", _scores_fake, lib=_LIBRARY)
+torch.library.register_autograd(f"attnorm::{_SCORES}", _forward_only(_SCORES), lib=_LIBRARY)
+inductor.register(f"attnorm::{_SCORES}", _scores_kernel, _LIBRARY)
+ops.register_eager(getattr(torch.ops.attnorm, _SCORES).default, _scores_kernel)
 
 
 def self_adjusted_decoding(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,
@@ -74,3 +102,14 @@ def self_adjusted_decoding(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return op(q, k, v, *mask, scale, normalized, splits)
     return ops.call(op, q, k, v, *mask, scale, normalized, splits)
+
+
+def decoding_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """``scale q k^T`` ``(B, Hq, Lq, Lk)`` in float32 (float64 for float64), GQA by shapes, K read once.
+
+    The rows route's first step for half-precision decoding (no float32 copy of K); forward only.
+    """
+    op = torch.ops.attnorm.decoding_scores_fwd.default
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return op(q, k, scale)
+    return ops.call(op, q, k, scale)

@@ -49,8 +49,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from attnorm.kernels.decoding_ops import decoding_scores
 from attnorm.kernels.ops import forward_mode
 from attnorm.masks import StructuredMask
+from attnorm.routes import decoding
 from attnorm.routes.common import interval, interval_rows
 
 __all__ = ["BLOCKS_PER_INPUTS", "MIN_BLOCK_BYTES", "block_rows", "blocked_attention", "materialised_attention"]
@@ -153,15 +155,18 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
     # bfloat16 (a spacing of 2^-8 relative) they would tie where the fused route does not, and a
     # top-k selection or an entmax support would differ (decoding against the full sequence).
     half = q_rows.dtype in _HALF
-    q_wide, k_wide = (q_rows.float(), k.float()) if half else (q_rows, k)
-    if groups > 1:
-        # (B, Hkv * g, rows, D) -> (B, Hkv, g * rows, D): one product with each key head, no repeated keys.
-        lead, rows = q_rows.shape[:-3], stop - start
-        stacked = q_wide.reshape(*lead, k.shape[-3], groups * rows, q.shape[-1])
-        scores = torch.matmul(stacked, k_wide.transpose(-2, -1)).reshape(*lead, q.shape[-3], rows, k.shape[-2])
+    if half and decoding.scores_kernel_applies(normalizer, q_rows, k):
+        scores = decoding_scores(q_rows, k, scale)  # float32, K read in its own dtype (no float32 copy)
     else:
-        scores = torch.matmul(q_wide, k_wide.transpose(-2, -1))  # (..., Hq, rows, Lk)
-    scores = scores * scale
+        q_wide, k_wide = (q_rows.float(), k.float()) if half else (q_rows, k)
+        if groups > 1:
+            # (B, Hkv * g, rows, D) -> (B, Hkv, g * rows, D): one product with each key head, no repeated keys.
+            lead, rows = q_rows.shape[:-3], stop - start
+            stacked = q_wide.reshape(*lead, k.shape[-3], groups * rows, q.shape[-1])
+            scores = torch.matmul(stacked, k_wide.transpose(-2, -1)).reshape(*lead, q.shape[-3], rows, k.shape[-2])
+        else:
+            scores = torch.matmul(q_wide, k_wide.transpose(-2, -1))  # (..., Hq, rows, Lk)
+        scores = scores * scale
     kernel = getattr(normalizer, "kernel", "")
     if softcap is not None and (additive_rows is not None or not kernel):
         # The cap comes before the additive mask, which the row kernels would read already added.

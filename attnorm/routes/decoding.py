@@ -27,10 +27,21 @@ import torch
 from torch import Tensor
 
 from attnorm.kernels.decoding_ops import self_adjusted_decoding
+from attnorm.kernels.ops import forward_mode
 from attnorm.routes.common import kernel_mask
 from attnorm.routes.fused import _runs_triton
 
-__all__ = ["DECODING_ROUTES", "ROUTES", "SPLIT_K_KERNELS", "attention", "get_route", "route", "supports", "use_route"]
+__all__ = [
+    "DECODING_ROUTES",
+    "ROUTES",
+    "SPLIT_K_KERNELS",
+    "attention",
+    "get_route",
+    "route",
+    "scores_kernel_applies",
+    "supports",
+    "use_route",
+]
 
 DECODING_ROUTES = {
     "softmax": "sdpa",
@@ -48,10 +59,11 @@ and split).  Scores as rows add, per key and query row, the float32 score's writ
 row kernel's passes over it and the weight's read by ``w v``: 16 bytes for a one-pass
 normalizer (1.06x the bytes of split-K at one query row per key/value head, 2x at 16),
 about 40 for entmax's threshold search or top-k's radix select (``1 + I + 1`` reads).
-Half-precision q and k are multiplied as float32 copies (scores rounded to bfloat16 would
-tie where the fused kernels' float32 scores do not, and change a top-k selection): the
-copy of K costs 384 more bytes per key at ``D = 64`` (its float32 write and read), which
-``torch.bmm(..., out_dtype=torch.float32)`` on CUDA could avoid; unmeasured.
+Half-precision scores are float32 (scores rounded to bfloat16 would tie where the fused
+kernels' float32 scores do not, and change a top-k selection): where Triton runs, the
+scores kernel (:func:`scores_kernel_applies`) reads K once in its own dtype; elsewhere q
+and k are multiplied as float32 copies, whose copy of K costs 384 more bytes per key at
+``D = 64`` (its float32 write and read).
 A split-K kernel for those multi-pass families would re-read K (128 bytes per key)
 once per pass instead, so for sparsemax, entmax and top-k scores as rows is the
 cheaper design (:mod:`attnorm.kernels.triton.attention_decoding` explains it).
@@ -130,3 +142,21 @@ def attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tenso
     """The split-K kernel's attention ``(B, Hq, Lq, Dv)``; call only when :func:`supports` says so."""
     masks = kernel_mask(mask, additive, q, k.shape[-2])
     return self_adjusted_decoding(q, k, v, masks, scale, normalizer.normalized)
+
+
+def scores_kernel_applies(normalizer, q: Tensor, k: Tensor) -> bool:
+    """True when the rows route computes ``scale q k^T`` with :func:`~attnorm.kernels.decoding_ops.decoding_scores`.
+
+    It does for half-precision ``q`` and ``k`` ``(B, Hq, Lq, D)`` / ``(B, Hkv, Lk, D)`` (float32
+    scores wanted without a float32 copy of K), when no gradient is to be taken (the op is
+    forward only; reverse or forward mode) and the normalizer has row kernels whose backend
+    runs Triton on ``q``'s device.  Any number of query rows: the blocked route's inference
+    blocks take it too.
+    """
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or q.ndim != 4 or k.ndim != 4:
+        return False
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad) or forward_mode():
+        return False
+    return bool(getattr(normalizer, "kernel", "")) and _runs_triton(normalizer, q)

@@ -51,3 +51,25 @@ def test_route_providers_are_left_out_without_the_interpreter(tmp_path, monkeypa
                                 "--out", str(tmp_path)]) == 0
     assert {row["normalizer"] for row in read_rows(tmp_path)} == {"sdpa", "sa_softmax"}
     assert "route providers left out: split-K runs CPU tensors only under TRITON_INTERPRET=1" in capsys.readouterr().out
+
+
+def test_copies_providers_for_rows_route_families(tmp_path):
+    """--copies: one '[f32 copies]' provider per family on the rows route (not SDPA's, not split-K's)."""
+    specs = ["softmax", "sparsemax", "sa_softmax"]
+    assert bench_decoding.main(["--device", "cpu", "--quick", "--lengths", "40", "--copies", "--specs", *specs,
+                                "--out", str(tmp_path)]) == 0
+    names = {row["normalizer"] for row in read_rows(tmp_path)}
+    assert "sparsemax[f32 copies]" in names
+    assert "softmax[f32 copies]" not in names and "sa_softmax[f32 copies]" not in names
+
+
+def test_with_copies_switches_the_scores_kernel_off_for_the_call_only():
+    import torch
+
+    import attnorm
+    from attnorm.routes import decoding
+
+    q, k = torch.zeros(1, 2, 1, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    sparsemax = attnorm.Sparsemax(backend="triton")
+    seen = bench_decoding.with_copies(lambda: decoding.scores_kernel_applies(sparsemax, q, k))()
+    assert seen is False and decoding.scores_kernel_applies(sparsemax, q, k)

@@ -31,7 +31,8 @@ pytest.importorskip("triton")
 
 from attnorm.kernels import decoding_ops  # noqa: E402
 from attnorm.kernels.triton import attention_decoding as split_k  # noqa: E402
-from attnorm.routes import decoding  # noqa: E402
+from attnorm.kernels.triton import launch  # noqa: E402
+from attnorm.routes import blocked, decoding  # noqa: E402
 from tests.conftest import slow_under_interpreter  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked-off lanes
@@ -299,3 +300,102 @@ def test_attention_takes_split_k_for_inference_and_rows_for_training(device, mon
     expected_out = reference(q_ref, k_ref, v_ref, AttentionMask(*mask.key_range(2, 1, 40, device)), 16**-0.5, True)
     for got, want in zip(grads, torch.autograd.grad(expected_out.sum(), (q_ref, k_ref, v_ref)), strict=True):
         torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
+
+
+# ---- the rows route's scores kernel ----------------------------------------------------------
+
+
+def product_reference(q, k, scale):
+    """``scale q k^T`` in float64, each key head repeated for its group of query heads."""
+    k = k.to(F64).repeat_interleave(q.shape[1] // k.shape[1], 1)
+    return scale * (q.to(F64) @ k.transpose(-1, -2))
+
+
+SCORE_TOLERANCES = {torch.float64: {"atol": 1e-12, "rtol": 1e-12}, torch.float32: {"atol": 1e-5, "rtol": 1e-5}}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "lq", "lk", "head_dim"),
+                         [(4, 2, 3, LK, 16), (4, 1, 16, 33, 20), (2, 2, 1, 5, 64), (1, 1, 1, 1, 16)])
+def test_scores_kernel_matches_float64_products(dtype, heads, kv_heads, lq, lk, head_dim, device):
+    """Float32 scores of half inputs (float64 of float64): the inputs' exact products, not rounded to q's dtype."""
+    q, k, _ = make_qkv(2, heads, kv_heads, lq, lk, head_dim, 16, dtype, device)
+    scores = split_k.decoding_scores_forward(q, k, 0.3)
+    assert scores.shape == (2, heads, lq, lk)
+    assert scores.dtype == (F64 if dtype == F64 else torch.float32)
+    tolerance = SCORE_TOLERANCES[F64 if dtype == F64 else torch.float32]
+    torch.testing.assert_close(scores.to(F64), product_reference(q, k, 0.3), **tolerance)
+
+
+def test_scores_kernel_chunks_row_blocks_and_strides(monkeypatch, device):
+    """One key block per program, 16-row blocks of 4 x 16 stacked rows, non-contiguous q and k."""
+    monkeypatch.setattr(split_k, "SCORE_BLOCKS_PER_PROGRAM", 1)
+    monkeypatch.setattr(split_k, "MAX_STACKED_ROWS", 16)
+    q, k, _ = make_qkv(2, 8, 2, 16, LK, 24, 16, torch.bfloat16, device)
+    q, k = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
+    assert not k.is_contiguous()
+    scores = split_k.decoding_scores_forward(q, k[:, :, 3:], 0.125)
+    torch.testing.assert_close(scores.to(F64), product_reference(q, k[:, :, 3:], 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_scores_kernel_keeps_extremes_and_empty_shapes(device):
+    """inf and NaN products pass through as the float64 products give them; no key or no row: an empty result."""
+    q, k, _ = make_qkv(1, 2, 1, 2, 20, 16, 16, torch.float16, device)
+    k[0, 0, 3] = math.inf
+    q[0, 1, 1, 0] = math.nan
+    scores = split_k.decoding_scores_forward(q, k, 1.0)
+    expected = product_reference(q, k, 1.0)
+    torch.testing.assert_close(scores.to(F64), expected, equal_nan=True, atol=1e-5, rtol=1e-5)
+    assert split_k.decoding_scores_forward(q, k[:, :, :0], 1.0).shape == (1, 2, 2, 0)
+    assert split_k.decoding_scores_forward(q[:, :, :0], k, 1.0).shape == (1, 2, 0, 20)
+
+
+def test_scores_op_passes_opcheck_and_is_forward_only(device):
+    q, k, _ = make_qkv(2, 4, 2, 3, 40, 16, 16, torch.bfloat16, device)
+    torch.library.opcheck(torch.ops.attnorm.decoding_scores_fwd, (q, k, 0.25),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    scores = decoding_ops.decoding_scores(q.requires_grad_(), k, 0.25)
+    with pytest.raises(RuntimeError, match="forward only"):
+        scores.sum().backward()
+
+
+ROW_NORMALIZERS = {
+    "sparsemax": lambda: attnorm.Sparsemax(backend="triton"),
+    "entmax 1.5": lambda: attnorm.Entmax(1.5, backend="triton"),
+    "top-5": lambda: attnorm.TopKSoftmax(5, backend="triton"),
+}
+
+
+@pytest.mark.parametrize("name", ROW_NORMALIZERS)
+def test_rows_route_takes_the_scores_kernel_for_half_inference(name, monkeypatch, device):
+    """Half-precision decoding on Triton: the scores kernel, the output of float32 copies' products; not with grad."""
+    q, k, v = make_qkv(2, 4, 2, 2, 40, 16, 16, torch.bfloat16, device)
+    normalizer = ROW_NORMALIZERS[name]()
+    mask = attnorm.causal_mask(40 - 2)
+    taken = []
+    original = decoding_ops.decoding_scores
+    monkeypatch.setattr(blocked, "decoding_scores", lambda *args: taken.append(1) or original(*args))
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+    assert taken == [1]
+    monkeypatch.setattr(decoding, "scores_kernel_applies", lambda *args: False)
+    torch.testing.assert_close(out, attnorm.attention(q, k, v, normalizer, attn_mask=mask), atol=1e-2, rtol=1e-2)
+    monkeypatch.undo()
+    monkeypatch.setattr(launch, "empty", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype,
+                                                                                   device=device))
+    taken.clear()
+    monkeypatch.setattr(blocked, "decoding_scores", lambda *args: taken.append(1) or original(*args))
+    attnorm.attention(q.requires_grad_(), k, v, normalizer, attn_mask=mask).float().sum().backward()
+    assert taken == [] and q.grad.isfinite().all()
+
+
+def test_scores_kernel_applies_only_where_it_can():
+    sparsemax = attnorm.Sparsemax(backend="triton")
+    q, k = torch.zeros(1, 4, 1, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    assert decoding.scores_kernel_applies(sparsemax, q, k)
+    assert not decoding.scores_kernel_applies(sparsemax, q.float(), k.float())  # float32: torch.matmul already is
+    assert not decoding.scores_kernel_applies(attnorm.Sparsemax(backend="native"), q, k)
+    assert not decoding.scores_kernel_applies(sparsemax, q[0], k[0])  # (H, L, D)
+    assert not decoding.scores_kernel_applies(sparsemax, q[:, :3], k)  # 3 query heads on 2 key heads
+    assert not decoding.scores_kernel_applies(sparsemax, q.requires_grad_(), k)
+    with torch.no_grad():
+        assert decoding.scores_kernel_applies(sparsemax, q, k)

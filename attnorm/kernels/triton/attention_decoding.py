@@ -1,4 +1,4 @@
-"""Split-K (flash-decoding) Self-Adjusted Softmax attention for a few queries against a long KV cache.
+"""Decoding kernels: split-K (flash-decoding) Self-Adjusted Softmax attention, and float32 scores for the rows route.
 
 ``out_i = sum_j phi(x_ij) w_ij v_j`` with ``x = scale q k^T + additive`` over row ``i``'s
 allowed keys, ``w = softmax(x)`` and ``phi(x) = x`` (plain) or ``(x - low) / (high - low)``,
@@ -69,6 +69,13 @@ a small matrix.  This is reasoning about bytes, not a measurement; the choice pe
 family is :data:`attnorm.routes.decoding.DECODING_ROUTES`, and
 ``benchmarks/bench_decoding.py`` times both routes.
 
+**Scores for the rows route** (:func:`decoding_scores_forward`).  Half-precision scores
+are wanted in float32, as the fused kernels compute them; ``torch.matmul`` needs both
+operands in one dtype, and multiplying float32 copies wrote and read a float32 copy of K
+on every decoding step: per key ``2 D`` bytes read, ``4 D`` written, ``4 D`` read again
+(640 bytes at ``D = 64``, where SDPA reads 256 for K and V together).  The scores kernel
+reads each key once in its own dtype, ``2 D`` bytes, and writes 4 bytes per stacked row.
+
 Tiles: ``tl.dot`` needs 16 rows, so one query against a key/value head of one query
 head fills 1 of 16 rows of the score tile; the wasted products are compute, which
 decoding (bound by the bytes of K and V) has to spare.
@@ -102,6 +109,8 @@ __all__ = [
     "MAX_STACKED_ROWS",
     "PARTIAL_STATS",
     "PROGRAMS_PER_SM",
+    "SCORE_BLOCKS_PER_PROGRAM",
+    "decoding_scores_forward",
     "self_adjusted_decoding_forward",
     "split_count",
 ]
@@ -118,6 +127,10 @@ PROGRAMS_PER_SM = 2
 
 INTERPRETED_SMS = 4
 """Streaming multiprocessors assumed off CUDA (Triton's interpreter), so small tests still get several splits."""
+
+SCORE_BLOCKS_PER_PROGRAM = 8
+"""Key blocks one program of the scores kernel streams (512 keys at the 64-key block: at batch 8, 16 key/value
+heads and 64k keys, 16384 programs; at 4k, 1024)."""
 
 _PARTIAL_WIDTH = tl.constexpr(PARTIAL_STATS)
 
@@ -302,7 +315,34 @@ def _combine_kernel(
     tl.store(OUT + out_rows[:, None] * value_dim + offs_dv[None, :], out.to(OUT.dtype.element_ty), mask=tile)
 
 
-# ---- host function ---------------------------------------------------------------------------
+@triton.jit
+def _scores_kernel(
+    Q, K, OUT, sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, heads, group, lq, lk, head_dim, scale: tl.float64,
+    chunk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):
+    """Scores ``scale q k^T`` in ``ACC`` of a row block of stacked rows against keys ``[c chunk, (c + 1) chunk)``.
+
+    The stacked query tile is loaded once; each key block is read once in its own dtype and
+    multiplied into ``ACC`` (no float32 copy of K); the scores go to ``OUT[b, head, query, key]``.
+    """
+    scale = as_acc(scale, ACC)
+    bh = tl.program_id(1)
+    kv_heads = heads // group
+    batch, kv_head = bh // kv_heads, bh % kv_heads
+    r, head, query = _stacked_rows(kv_head, group, lq, tl.program_id(2), BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_tile = load_tile(Q + batch * sq_b + head[:, None] * sq_h, query, offs_d, lq, head_dim, sq_m, sq_d)
+    k_base = K + batch * sk_b + kv_head * sk_h
+    out_rows = OUT + ((batch * heads + head) * lq + query).to(tl.int64) * lk
+    live = (query < lq)[:, None]
+    first = tl.program_id(0) * chunk
+    for start in range(first, tl.minimum(first + chunk, lk), BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x = mma(q_tile, load_tile(k_base, offs_d, offs_n, head_dim, lk, sk_d, sk_n), ACC) * scale
+        tl.store(out_rows[:, None] + offs_n[None, :], x, mask=live & (offs_n < lk)[None, :])
+
+
+# ---- host functions --------------------------------------------------------------------------
 
 
 def self_adjusted_decoding_forward(
@@ -357,5 +397,42 @@ def self_adjusted_decoding_forward(
     )
     launch.launchable(_combine_kernel)[(programs, row_blocks)](
         part_stats, part_shifted, part_plain, out, rows, splits, shape.value_dim, **constants,
+    )
+    return out
+
+
+def decoding_scores_forward(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """Scores ``scale q k^T`` ``(B, Hq, Lq, Lk)`` in the accumulation dtype, K read once in its own dtype.
+
+    The first step of the scores-as-rows decoding route (:data:`attnorm.routes.decoding.DECODING_ROUTES`)
+    for half-precision inputs: their scores are wanted in float32 (the fused kernels' precision),
+    and ``torch.matmul`` of float32 copies would first write and then read a float32 copy of K
+    (``6 D`` bytes per key more than reading K's ``2 D``; 384 at ``D = 64``).  Here each key is
+    read once, ``2 D`` bytes, and each score written once, 4 bytes per stacked row.  One program
+    per (:data:`SCORE_BLOCKS_PER_PROGRAM` key blocks, batch x key/value head, row block of up to
+    :data:`MAX_STACKED_ROWS` stacked GQA rows): K is read once per key/value head, never per
+    query head.  No mask: the row kernels apply it.
+
+    Args:
+        q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``, ``Hq % Hkv == 0``, q's dtype.
+        scale: the score scale (rounded to the accumulation dtype, as ``scores * scale`` rounds it).
+
+    Raises:
+        ValueError: shapes :func:`.attention_launch.problem` rejects.
+    """
+    shape = problem(q, k, k)
+    out = launch.empty(shape.score_shape, rules.accumulation_dtype(q.dtype), q.device)
+    if out.numel() == 0:
+        return out
+    rows = shape.group * shape.lq
+    block_m = min(MAX_STACKED_ROWS, max(16, launch.next_power_of_2(rows)))
+    chunk = SCORE_BLOCKS_PER_PROGRAM * shape.block
+    grid = (launch.cdiv(shape.lk, chunk), shape.batch * shape.kv_heads, launch.cdiv(rows, block_m))
+    q, k = dot_operands(q, k)
+    options = {"num_warps": 4, "num_stages": 3 if q.device.type == "cuda" else 1}
+    launch.launchable(_scores_kernel)[grid](
+        q, k, out, *q.stride(), *k.stride(), shape.heads, shape.group, shape.lq, shape.lk, shape.head_dim,
+        float(scale), chunk, BLOCK_M=block_m, BLOCK_N=shape.block, BLOCK_D=head_width(shape.head_dim), ACC=shape.acc,
+        **options,
     )
     return out
