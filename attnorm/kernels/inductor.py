@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
+from attnorm.kernels import fast_launch
+
 __all__ = ["DEVICES", "enabled", "launchable", "register", "set_enabled"]
 
 DEVICES: tuple[str, ...] = ("cuda",)
@@ -61,10 +63,13 @@ def set_enabled(value: bool) -> None:
 
 
 def launchable(kernel: Any) -> Any:
-    """``kernel`` wrapped by :func:`torch.library.wrap_triton` while an op decomposes, else itself."""
+    """``kernel`` wrapped by :func:`torch.library.wrap_triton` while an op decomposes, else launched eagerly.
+
+    Eagerly: ``kernel`` itself, or its direct launcher when :mod:`attnorm.kernels.fast_launch` is on.
+    """
     if getattr(_STATE, "tracing", False):
         return torch.library.wrap_triton(kernel)
-    return kernel
+    return fast_launch.launcher(kernel)
 
 
 @contextmanager

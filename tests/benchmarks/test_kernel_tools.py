@@ -68,3 +68,20 @@ def test_overhead_profile_names_the_layers_of_a_call():
     text = profile_overhead.profile_module("Sparsemax", "cpu", calls=20, requires_grad=False, top=10)
     assert "Sparsemax on cpu" in text and "by tottime" in text and "by cumulative" in text
     assert "forward" in text  # the module's own layer is among the cumulative top
+
+
+@pytest.mark.slow
+def test_launch_overhead_times_both_launch_paths_without_a_gpu():
+    """scripts/launch_overhead.py: Triton compiles for sm_90 offline, the stand-in driver launches nothing."""
+    import os
+    import subprocess
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS.parent)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, str(SCRIPTS / "launch_overhead.py"), "--modules", "Sparsemax",
+                           "--no-decoding", "--calls", "3", "--rounds", "1"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| Sparsemax |")]
+    assert len(rows) == 2 and all(float(cell) > 0 for row in rows for cell in row.split("|")[3:5])
