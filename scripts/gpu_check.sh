@@ -45,14 +45,14 @@ torch.cuda.get_device_name())"; gcc --version | head -1' ;;
             --dist worksteal --timeout 120 -rfE \
             tests/kernels tests/test_fused_route.py tests/test_softcap_sinks.py tests/test_packed.py ;;
     overhead)
-        step overhead 60 python3 benchmarks/bench_overhead.py --device cuda --rounds 30 $results ;;
+        step overhead 90 python3 benchmarks/bench_overhead.py --device cuda --rounds 30 --fast-launch $results ;;
     attention)  # the issue's goals: causal, forward + backward, bf16, 16 heads, head dim 64, 16384 tokens
         step attention "${ATTENTION_SECONDS:-150}" python3 benchmarks/bench_attention.py --causal yes --modes forward+backward \
             --lengths ${ATTENTION_LENGTHS:-2048 16384} --providers ${ATTENTION_PROVIDERS:-sdpa attnorm adasplash} \
             --specs ssmax sparsemax entmax:alpha=1.5 topk:k=64 topk:k=0.06 sa_softmax sa_softmax:normalized=false \
             $results ;;
     decoding)
-        step decoding 60 python3 benchmarks/bench_decoding.py --lengths ${DECODING_LENGTHS:-4096 65536} $results ;;
+        step decoding 90 python3 benchmarks/bench_decoding.py --lengths ${DECODING_LENGTHS:-4096 65536} --copies $results ;;
     tune)  # launch settings of the fused kernels, timed (scripts/tune_attention.py)
         step tune "${TUNE_SECONDS:-240}" python3 scripts/tune_attention.py --profile --out "$OUT/results" \
             ${TUNE_SETTINGS:+--settings $TUNE_SETTINGS} ${TUNE_SPECS:+--specs $TUNE_SPECS} ;;

@@ -60,12 +60,14 @@ from attnorm.kernels.triton.blocks import stable_tanh
 __all__ = [
     "DOT_PRECISION",
     "as_acc",
+    "inner_key_blocks",
     "key_block_bounds",
     "key_program",
     "key_scores",
     "key_scores_slope",
     "load_tile",
     "mask_arguments",
+    "masked_block_start",
     "mma",
     "modifier_arguments",
     "query_program",
@@ -234,25 +236,37 @@ def score_tile_slope(
     dense, dense_sb, dense_sh, dense_sm, dense_sn,
     additive, add_sb, add_sh, add_sm, add_sn,
     HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
     """:func:`score_tile` and the softcap's derivative ``1 - tanh^2(scale q k / cap)`` (0 where the score is -inf).
 
     Without ``SOFTCAP`` the derivative is 1 (callers multiply by it only under ``SOFTCAP``).
+    ``MASKED`` False: a tile inside every row's interval (:func:`inner_key_blocks`), whose
+    keys need no interval test (the dense and additive masks still apply).
     """
     k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0)
     scores = mma(q_tile, k_tile, ACC) * scale
-    keep = (offs_n[None, :] >= row_start[:, None]) & (offs_n[None, :] < row_stop[:, None])
     if SOFTCAP:
         t = stable_tanh(scores / softcap)
         scores = softcap * t
-    if HAS_DENSE:
-        dense_ptrs = dense + batch * dense_sb + head * dense_sh
-        dense_ptrs += offs_m[:, None] * dense_sm + offs_n[None, :] * dense_sn
-        keep = keep & (tl.load(dense_ptrs, mask=keep, other=0) != 0)
-    if HAS_ADDITIVE:
-        add_ptrs = additive + batch * add_sb + head * add_sh + offs_m[:, None] * add_sm + offs_n[None, :] * add_sn
-        scores = scores + tl.load(add_ptrs, mask=keep, other=0.0).to(ACC)
-    scores = tl.where(keep, scores, float("-inf"))
+    if MASKED:
+        keep = (offs_n[None, :] >= row_start[:, None]) & (offs_n[None, :] < row_stop[:, None])
+        if HAS_DENSE:
+            dense_ptrs = dense + batch * dense_sb + head * dense_sh
+            dense_ptrs += offs_m[:, None] * dense_sm + offs_n[None, :] * dense_sn
+            keep = keep & (tl.load(dense_ptrs, mask=keep, other=0) != 0)
+        if HAS_ADDITIVE:
+            add_ptrs = additive + batch * add_sb + head * add_sh + offs_m[:, None] * add_sm + offs_n[None, :] * add_sn
+            scores = scores + tl.load(add_ptrs, mask=keep, other=0.0).to(ACC)
+        scores = tl.where(keep, scores, float("-inf"))
+    else:
+        if HAS_ADDITIVE:
+            add_ptrs = additive + batch * add_sb + head * add_sh + offs_m[:, None] * add_sm + offs_n[None, :] * add_sn
+            scores = scores + tl.load(add_ptrs).to(ACC)
+        if HAS_DENSE:
+            dense_ptrs = dense + batch * dense_sb + head * dense_sh
+            dense_ptrs += offs_m[:, None] * dense_sm + offs_n[None, :] * dense_sn
+            scores = tl.where(tl.load(dense_ptrs) != 0, scores, float("-inf"))
     if SOFTCAP:
         slope = tl.where(scores == float("-inf"), 0.0, 1.0 - t * t)
     else:
@@ -285,31 +299,69 @@ def score_tile(
 @triton.jit
 def key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                      softcap, batch, head, masking, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
-                     SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+                     SOFTCAP: tl.constexpr, ACC: tl.constexpr, MASKED: tl.constexpr = True):
     """:func:`score_tile_slope` for keys at ``k_base``; ``masking`` packs the dense and additive arguments.
 
     Columns past the head dim and keys past ``lk`` load as 0 (a mask, not clamped
     pointers: a clamped column index hides the key rows' contiguity from Triton's
     alignment analysis, which then loads a bfloat16 tile 2 bytes at a time with no
     ``cp.async`` pipelining; measured in the sm_90 PTX of the entmax forward: 48 scalar
-    ``ld.global.b16`` per thread before, 16-byte vector loads after).
+    ``ld.global.b16`` per thread before, 16-byte vector loads after).  ``MASKED`` False
+    (an inner tile, every key below ``lk``): no key test at all.
     """
     k_ptrs = k_base + offs_n[None, :] * sk_n + offs_d[:, None] * sk_d
-    k_mask = (offs_d < head_dim)[:, None] & (offs_n < lk)[None, :]
+    if MASKED:
+        k_mask = (offs_d < head_dim)[:, None] & (offs_n < lk)[None, :]
+    else:
+        k_mask = (offs_d < head_dim)[:, None]  # broadcast over the keys
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn = masking
     return score_tile_slope(q_tile, k_ptrs, k_mask, offs_m, offs_n, row_start, row_stop, scale, softcap, batch,
                             head, dense, dense_sb, dense_sh, dense_sm, dense_sn,
-                            additive, add_sb, add_sh, add_sm, add_sn, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
+                            additive, add_sb, add_sh, add_sm, add_sn, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC, MASKED)
 
 
 @triton.jit
 def key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale, softcap,
                batch, head, masking, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr,
-               ACC: tl.constexpr):
+               ACC: tl.constexpr, MASKED: tl.constexpr = True):
     """:func:`score_tile` for keys at ``k_base`` (:func:`key_scores_slope` without the slope)."""
     scores, _ = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
-                                 lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
+                                 lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC,
+                                 MASKED)
     return scores
+
+
+@triton.jit
+def inner_key_blocks(row_start, row_stop, offs_m, lq, lk, first, hi, BLOCK_N: tl.constexpr):
+    """Split a query block's key blocks ``[first, hi)`` into masked and inner ones (FlashAttention-2's causal split).
+
+    Returns ``(inner_lo, inner_hi, masked)``: the key blocks of ``[inner_lo, inner_hi)`` lie
+    inside every row's interval and below ``lk`` (scores need no interval test: ``MASKED``
+    False), ``masked`` is the number of the other blocks, ``[first, inner_lo)`` then
+    ``[inner_hi, hi)``, which :func:`masked_block_start` enumerates.  A block holding a row
+    past ``lq`` (the last, partial query block) or a row with no key gets no inner block.
+    ``first`` is a multiple of ``BLOCK_N``; so are ``inner_lo`` and ``inner_hi``.
+
+    In a causal attention of ``L`` keys only the ``L / BLOCK_N`` diagonal tiles stay masked:
+    the interval test cost ~4-6 of the 18-28 sm_90 instructions per score of the entmax
+    passes (``scripts/sass_loops.py``, with and without it).
+    """
+    partial = tl.max((offs_m >= lq).to(tl.int32), 0) > 0
+    inner_lo = tl.maximum((tl.max(row_start, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, first)
+    inner_hi = tl.minimum(tl.minimum(tl.min(row_stop, 0), lk) // BLOCK_N * BLOCK_N, hi)
+    empty = (inner_hi <= inner_lo) | partial
+    end = first + (hi - first + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # past the last key block
+    inner_lo = tl.where(empty, tl.maximum(end, first), inner_lo)
+    inner_hi = tl.where(empty, tl.maximum(end, first), inner_hi)
+    masked = (inner_lo - first) // BLOCK_N + (hi - inner_hi + BLOCK_N - 1) // BLOCK_N
+    return inner_lo, inner_hi, tl.maximum(masked, 0)
+
+
+@triton.jit
+def masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N: tl.constexpr):
+    """The first key of masked block ``i`` of :func:`inner_key_blocks` (below ``inner_lo``, then from ``inner_hi``)."""
+    start = first + i * BLOCK_N
+    return tl.where(start < inner_lo, start, start + (inner_hi - inner_lo))
 
 
 @triton.jit

@@ -106,11 +106,13 @@ from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.attention_blocks import (
+    inner_key_blocks,
     key_block_bounds,
     key_program,
     key_scores_slope,
     load_tile,
     mask_arguments,
+    masked_block_start,
     mma,
     modifier_arguments,
     query_program,
@@ -136,7 +138,8 @@ STATS = 3
 @triton.jit
 def _score_parts(q_tile, keys, offs_m, start, rows, masks,
                  HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr,
-                 HAS_LOGIT_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+                 HAS_LOGIT_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+                 MASKED: tl.constexpr = True):
     """The logit tile of keys ``start + [0, BLOCK_N)``, with what the backward's chain rule needs.
 
     ``keys`` = (base, row stride, column stride, offs_d, head_dim) of the key rows,
@@ -144,11 +147,12 @@ def _score_parts(q_tile, keys, offs_m, start, rows, masks,
     dense and additive arguments.  Returns ``(logits, scores, slope, offs_n)``: the masked
     (capped) scores times the row's logit multiplier (under ``HAS_LOGIT_SCALE``), the
     scores themselves and the cap's derivative (:func:`.attention_blocks.score_tile_slope`).
+    ``MASKED`` False: an inner tile (:func:`.attention_blocks.inner_key_blocks`), no interval test.
     """
     offs_n = start + tl.arange(0, BLOCK_N)
     scores, slope = key_scores_slope(q_tile, keys[0], keys[1], keys[2], offs_m, offs_n, keys[3], keys[4],
                                      rows[0], rows[1], rows[2], rows[3], rows[6], rows[4], rows[5], masks,
-                                     HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
+                                     HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC, MASKED)
     logits = scores
     if HAS_LOGIT_SCALE:
         logits = tl.where(scores == float("-inf"), scores, scores * rows[7][:, None])
@@ -158,10 +162,11 @@ def _score_parts(q_tile, keys, offs_m, start, rows, masks,
 @triton.jit
 def _score_block(q_tile, keys, offs_m, start, rows, masks,
                  HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr,
-                 HAS_LOGIT_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+                 HAS_LOGIT_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+                 MASKED: tl.constexpr = True):
     """The masked logit tile of keys ``start + [0, BLOCK_N)`` and its keys (:func:`_score_parts`)."""
     logits, _, _, offs_n = _score_parts(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
-                                        HAS_LOGIT_SCALE, BLOCK_N, ACC)
+                                        HAS_LOGIT_SCALE, BLOCK_N, ACC, MASKED)
     return logits, offs_n
 
 
@@ -318,34 +323,55 @@ def _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
 
 
 @triton.jit
-def _newton_sums(q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
+def _max_add(scores, row_max, below, count, bad, ACC: tl.constexpr):
+    """The first pass's per-row max, ``sum(s - max)`` (rescaled as the max grows) and counts, one tile on."""
+    invalid = (scores != scores) | (scores == float("inf"))
+    finite = (scores != float("-inf")) & ~invalid
+    new_max = tl.maximum(row_max, tl.max(tl.where(finite, scores, float("-inf")), 1))
+    pivot = tl.where(new_max == float("-inf"), 0.0, new_max)  # -inf - -inf would be NaN
+    shift = tl.where(count > 0, row_max, pivot) - pivot
+    below += count.to(ACC) * shift + tl.sum(tl.where(finite, scores, pivot[:, None]) - pivot[:, None], 1)
+    count += tl.sum(finite.to(tl.int32), 1)
+    bad += tl.sum(invalid.to(tl.int32), 1)
+    return new_max, below, count, bad
+
+
+@triton.jit
+def _newton_add(scores, row_max, tau, multiplier, power, softmax, sums, ALPHA: tl.constexpr):
+    """``sums`` (:func:`_newton_sums`) with one tile's added."""
+    mass, slope, support, support_z, least = sums
+    block_mass, block_slope, block_support, block_z, block_least = _pass_sums(
+        (scores - row_max[:, None]) * multiplier, tau, power, softmax, ALPHA)
+    return (mass + block_mass, slope + block_slope, support + block_support, support_z + block_z,
+            tl.minimum(least, block_least))
+
+
+@triton.jit
+def _newton_sums(q_tile, keys, offs_m, span, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
                  HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr,
                  HAS_LOGIT_SCALE: tl.constexpr, HAS_SINK: tl.constexpr, ALPHA: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     """One pass over the keys at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, support size, its ``sum z``.
 
-    The sink, a column of its own, starts the sums.
+    The sink, a column of its own, starts the sums.  ``span`` = ``(first, inner_lo, inner_hi,
+    masked)``: the masked key blocks, then the inner ones (:func:`.attention_blocks.inner_key_blocks`).
     """
     if HAS_SINK:
-        mass, slope, support, support_z, least = _pass_sums(((sink_logit - row_max) * multiplier)[:, None], tau,
-                                                            power, softmax, ALPHA)
+        sums = _pass_sums(((sink_logit - row_max) * multiplier)[:, None], tau, power, softmax, ALPHA)
     else:
-        mass = tl.zeros((BLOCK_M,), ACC)
-        slope = tl.zeros((BLOCK_M,), ACC)
-        support = tl.zeros((BLOCK_M,), tl.int32)
-        support_z = tl.zeros((BLOCK_M,), ACC)
-        least = tl.full((BLOCK_M,), float("inf"), ACC)
-    for start in range(first, hi, BLOCK_N):
+        sums = (tl.zeros((BLOCK_M,), ACC), tl.zeros((BLOCK_M,), ACC), tl.zeros((BLOCK_M,), tl.int32),
+                tl.zeros((BLOCK_M,), ACC), tl.full((BLOCK_M,), float("inf"), ACC))
+    first, inner_lo, inner_hi, masked = span
+    for i in range(0, masked):
+        start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                  HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        block_mass, block_slope, block_support, block_z, block_least = _pass_sums(
-            (scores - row_max[:, None]) * multiplier, tau, power, softmax, ALPHA)
-        mass += block_mass
-        slope += block_slope
-        support += block_support
-        support_z += block_z
-        least = tl.minimum(least, block_least)
-    return mass, slope, support, support_z, least
+        sums = _newton_add(scores, row_max, tau, multiplier, power, softmax, sums, ALPHA)
+    for start in range(inner_lo, inner_hi, BLOCK_N):
+        scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
+                                 HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
+        sums = _newton_add(scores, row_max, tau, multiplier, power, softmax, sums, ALPHA)
+    return sums
 
 
 @triton.jit
@@ -374,6 +400,8 @@ def _entmax_attention_forward_kernel(
     v_base = V + batch * sv_b + kv_head * sv_h
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     first = (lo // BLOCK_N) * BLOCK_N
+    inner_lo, inner_hi, masked = inner_key_blocks(row_start, row_stop, offs_m, lq, lk, first, hi, BLOCK_N)
+    span = (first, inner_lo, inner_hi, masked)
     sink_logit, row_scale = _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
                                            logit_scale_sh, logit_scale_sm, batch, head, offs_m, lq, HAS_SINK,
                                            HAS_LOGIT_SCALE, BLOCK_M, ACC)
@@ -388,18 +416,15 @@ def _entmax_attention_forward_kernel(
     below = tl.zeros((BLOCK_M,), ACC)
     count = sink_counts.to(tl.int32)
     bad = sink_bad.to(tl.int32)
-    for start in range(first, hi, BLOCK_N):
+    for i in range(0, masked):  # the masked key blocks, then the inner ones
+        start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                  HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        invalid = (scores != scores) | (scores == float("inf"))
-        finite = (scores != float("-inf")) & ~invalid
-        new_max = tl.maximum(row_max, tl.max(tl.where(finite, scores, float("-inf")), 1))
-        pivot = tl.where(new_max == float("-inf"), 0.0, new_max)  # -inf - -inf would be NaN
-        shift = tl.where(count > 0, row_max, pivot) - pivot
-        below += count.to(ACC) * shift + tl.sum(tl.where(finite, scores, pivot[:, None]) - pivot[:, None], 1)
-        count += tl.sum(finite.to(tl.int32), 1)
-        bad += tl.sum(invalid.to(tl.int32), 1)
-        row_max = new_max
+        row_max, below, count, bad = _max_add(scores, row_max, below, count, bad, ACC)
+    for start in range(inner_lo, inner_hi, BLOCK_N):
+        scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
+                                 HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
+        row_max, below, count, bad = _max_add(scores, row_max, below, count, bad, ACC)
     nan_rows = bad > 0
     row_max = tl.where(count > 0, row_max, 0.0)
 
@@ -418,7 +443,7 @@ def _entmax_attention_forward_kernel(
     searching = True
     while searching:
         mass, slope, support, support_z, least = _newton_sums(
-            q_tile, keys, offs_m, first, hi, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
+            q_tile, keys, offs_m, span, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
             HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, ALPHA, BLOCK_M, BLOCK_N, ACC,
         )
         if ALPHA == 2.0 or ALPHA == 1.5:
@@ -449,9 +474,17 @@ def _entmax_attention_forward_kernel(
 
     # Last pass: out = p v, skipping V for tiles without support (the sink's value is 0).
     acc = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
-    for start in range(first, hi, BLOCK_N):
+    for i in range(0, masked):
+        start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                       HAS_LOGIT_SCALE, BLOCK_N, ACC)
+        _, _, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
+        if _live(p, nan_rows):
+            v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+            acc += mma(p.to(v_tile.dtype), v_tile, ACC)
+    for start in range(inner_lo, inner_hi, BLOCK_N):
+        scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
+                                      HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
         _, _, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
         if _live(p, nan_rows):
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
@@ -468,6 +501,61 @@ def _entmax_attention_forward_kernel(
 
 
 # ---- backward ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD: tl.constexpr, ALPHA: tl.constexpr,
+               ACC: tl.constexpr):
+    """The rows kernel's four sums (``g``, ``g dP``, and under ``ALPHA_GRAD`` the entropy terms), one tile on.
+
+    ``stats`` = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, beta);
+    ``values`` = (do_tile, v_base, offs_dv, value_dim, lk, sv_d, sv_n).  A tile without
+    support reads no V.
+    """
+    gppr_sum, gppr_dp, entropy_sum, entropy_dp = sums
+    row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, beta = stats
+    do_tile, v_base, offs_dv, value_dim, lk, sv_d, sv_n = values
+    u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
+    if _live(p, nan_rows):
+        v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
+        dp = mma(do_tile, v_t, ACC)
+        gppr = _gppr(u, mass, p, gppr_scale, softmax, ALPHA)
+        gppr_sum += tl.sum(gppr, 1)
+        gppr_dp += tl.sum(gppr * dp, 1)
+        if ALPHA_GRAD:
+            on = p > 0
+            entropy = tl.where(on, p * (beta - tl.log(tl.where(on, p, 1.0))), 0.0)
+            entropy = tl.where(p != p, p, entropy)
+            entropy_sum += tl.sum(entropy, 1)
+            entropy_dp += tl.sum(entropy * dp, 1)
+    return gppr_sum, gppr_dp, entropy_sum, entropy_dp
+
+
+@triton.jit
+def _dq_add(logits, scores, slope, offs_n, grads, stats, operands, SOFTCAP: tl.constexpr,
+            HAS_LOGIT_SCALE: tl.constexpr, ALPHA: tl.constexpr, ACC: tl.constexpr):
+    """``(dq, d_row_scale)`` with one tile's terms added; a tile without support reads neither V nor K again.
+
+    ``stats`` = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, delta,
+    row_scale); ``operands`` = (do_tile, v_base, offs_dv, value_dim, lk, sv_d, sv_n, k_base,
+    offs_d, head_dim, sk_n, sk_d).
+    """
+    dq, d_row_scale = grads
+    row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, delta, row_scale = stats
+    do_tile, v_base, offs_dv, value_dim, lk, sv_d, sv_n, k_base, offs_d, head_dim, sk_n, sk_d = operands
+    u, mass, p = _weights(logits, row_max, tau, norm, multiplier, power, softmax)
+    if _live(p, nan_rows):
+        v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
+        dp = mma(do_tile, v_t, ACC)
+        ds = _gppr(u, mass, p, gppr_scale, softmax, ALPHA) * (dp - delta[:, None])
+        if HAS_LOGIT_SCALE:
+            d_row_scale += tl.sum(ds * tl.where(scores != float("-inf"), scores, 0.0), 1)
+            ds = ds * row_scale[:, None]
+        if SOFTCAP:
+            ds = ds * slope
+        k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
+        dq += mma(ds.to(k_tile.dtype), k_tile, ACC)
+    return dq, d_row_scale
 
 
 @triton.jit
@@ -518,22 +606,21 @@ def _entmax_attention_rows_kernel(
             sink_on = sink_p > 0
             sink_entropy = sink_p * (beta - tl.log(tl.where(sink_on, sink_p, 1.0)))
             entropy_sum += tl.sum(tl.where(sink_on, sink_entropy, 0.0), 1)
-    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+    sums = (gppr_sum, gppr_dp, entropy_sum, entropy_dp)
+    stats = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, beta)
+    values = (do_tile, v_base, offs_dv, value_dim, lk, sv_d, sv_n)
+    first = (lo // BLOCK_N) * BLOCK_N
+    inner_lo, inner_hi, masked = inner_key_blocks(row_start, row_stop, offs_m, lq, lk, first, hi, BLOCK_N)
+    for i in range(0, masked):  # the masked key blocks, then the inner ones
+        start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                       HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
-        if _live(p, nan_rows):
-            v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
-            dp = mma(do_tile, v_t, ACC)
-            gppr = _gppr(u, mass, p, gppr_scale, softmax, ALPHA)
-            gppr_sum += tl.sum(gppr, 1)
-            gppr_dp += tl.sum(gppr * dp, 1)
-            if ALPHA_GRAD:
-                on = p > 0
-                entropy = tl.where(on, p * (beta - tl.log(tl.where(on, p, 1.0))), 0.0)
-                entropy = tl.where(p != p, p, entropy)
-                entropy_sum += tl.sum(entropy, 1)
-                entropy_dp += tl.sum(entropy * dp, 1)
+        sums = _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD, ALPHA, ACC)
+    for start in range(inner_lo, inner_hi, BLOCK_N):
+        scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
+                                      HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
+        sums = _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD, ALPHA, ACC)
+    gppr_sum, gppr_dp, entropy_sum, entropy_dp = sums
     safe_sum = tl.where(gppr_sum > 0, gppr_sum, 1.0)
     delta = tl.where(nan_rows, float("nan"), gppr_dp / safe_sum)
     inside = offs_m < lq
@@ -585,21 +672,21 @@ def _entmax_attention_dq_kernel(
     masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     d_row_scale = tl.zeros((BLOCK_M,), ACC)
-    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+    grads = (dq, d_row_scale)
+    stats = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, delta, row_scale)
+    operands = (do_tile, v_base, offs_dv, value_dim, lk, sv_d, sv_n, keys[0], offs_d, head_dim, sk_n, sk_d)
+    first = (lo // BLOCK_N) * BLOCK_N
+    inner_lo, inner_hi, masked = inner_key_blocks(row_start, row_stop, offs_m, lq, lk, first, hi, BLOCK_N)
+    for i in range(0, masked):  # the masked key blocks, then the inner ones
+        start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         logits, scores, slope, offs_n = _score_parts(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE,
                                                      HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        u, mass, p = _weights(logits, row_max, tau, norm, multiplier, power, softmax)
-        if _live(p, nan_rows):
-            v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
-            dp = mma(do_tile, v_t, ACC)
-            ds = _gppr(u, mass, p, gppr_scale, softmax, ALPHA) * (dp - delta[:, None])
-            if HAS_LOGIT_SCALE:
-                d_row_scale += tl.sum(ds * tl.where(scores != float("-inf"), scores, 0.0), 1)
-                ds = ds * row_scale[:, None]
-            if SOFTCAP:
-                ds = ds * slope
-            k_tile = load_tile(keys[0], offs_n, offs_d, lk, head_dim, sk_n, sk_d)
-            dq += mma(ds.to(k_tile.dtype), k_tile, ACC)
+        grads = _dq_add(logits, scores, slope, offs_n, grads, stats, operands, SOFTCAP, HAS_LOGIT_SCALE, ALPHA, ACC)
+    for start in range(inner_lo, inner_hi, BLOCK_N):
+        logits, scores, slope, offs_n = _score_parts(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE,
+                                                     HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
+        grads = _dq_add(logits, scores, slope, offs_n, grads, stats, operands, SOFTCAP, HAS_LOGIT_SCALE, ALPHA, ACC)
+    dq, d_row_scale = grads
     dq = tl.where(nan_rows[:, None], float("nan"), dq * scale)
     tl.store(DQ + (row_base + offs_m)[:, None] * head_dim + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=inside[:, None] & (offs_d < head_dim)[None, :])
