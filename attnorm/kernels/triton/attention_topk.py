@@ -71,12 +71,14 @@ from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.attention_blocks import (
     as_acc,
+    inner_key_blocks,
     key_block_bounds,
     key_program,
     key_scores,
     key_scores_slope,
     load_tile,
     mask_arguments,
+    masked_block_start,
     mma,
     modifier_arguments,
     query_program,
@@ -142,8 +144,23 @@ def _digit_histogram(keys, prefix, shift, BLOCK_M: tl.constexpr, UKEY: tl.conste
 
 
 @triton.jit
+def _tally(x, tallies, prefix, shift, FIRST: tl.constexpr, BLOCK_M: tl.constexpr, KEY: tl.constexpr,
+           UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr):
+    """One score tile added to a selection pass's histogram (and, ``FIRST``, to the allowed, +inf and NaN counts)."""
+    histogram, allowed_count, posinf_count, nan_count = tallies
+    allowed = x != float("-inf")
+    keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
+    histogram += _digit_histogram(keys, prefix, shift, BLOCK_M, UKEY, RADIX)
+    if FIRST:
+        allowed_count += tl.sum(allowed.to(tl.int32), 1)
+        posinf_count += tl.sum((x == float("inf")).to(tl.int32), 1)
+        nan_count += tl.sum((x != x).to(tl.int32), 1)
+    return histogram, allowed_count, posinf_count, nan_count
+
+
+@triton.jit
 def _candidate_counts(
-    q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, softcap, batch,
+    q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, span, lk, scale, softcap, batch,
     head, masking, prefix, shift, sink_key,
     HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
     FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
@@ -154,6 +171,9 @@ def _candidate_counts(
     The suffix sums of the pass's digit histogram (:func:`_digit_histogram`).  The sink
     (``sink_key``, a candidate of every row) is counted with the keys.  The ``FIRST`` pass
     also returns each row's allowed, +inf and NaN key counts (real keys only; zeros otherwise).
+    ``span`` = ``(first, inner_lo, inner_hi, masked)``: the masked key blocks, then the inner
+    ones, whose tiles need no interval test (:func:`.attention_blocks.inner_key_blocks`; a
+    histogram does not care in which order its keys come).
     """
     tl.static_assert(BLOCK_N < 256, "8-bit digit counts per key block")
     tl.static_assert(RADIX >= 2, "four digits to a word at least")
@@ -161,17 +181,19 @@ def _candidate_counts(
     allowed_count = tl.zeros((BLOCK_M,), tl.int32)
     posinf_count = tl.zeros((BLOCK_M,), tl.int32)
     nan_count = tl.zeros((BLOCK_M,), tl.int32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+    first, inner_lo, inner_hi, masked = span
+    tallies = (histogram, allowed_count, posinf_count, nan_count)
+    for i in range(0, masked):
+        offs_n = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N) + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                        softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-        allowed = x != float("-inf")
-        keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
-        histogram += _digit_histogram(keys, prefix, shift, BLOCK_M, UKEY, RADIX)
-        if FIRST:
-            allowed_count += tl.sum(allowed.to(tl.int32), 1)
-            posinf_count += tl.sum((x == float("inf")).to(tl.int32), 1)
-            nan_count += tl.sum((x != x).to(tl.int32), 1)
+        tallies = _tally(x, tallies, prefix, shift, FIRST, BLOCK_M, KEY, UKEY, KEY_BITS, RADIX)
+    for start in range(inner_lo, inner_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                       softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC, False)
+        tallies = _tally(x, tallies, prefix, shift, FIRST, BLOCK_M, KEY, UKEY, KEY_BITS, RADIX)
+    histogram, allowed_count, posinf_count, nan_count = tallies
     counts = tl.sum(histogram, 1)[:, None] - tl.cumsum(histogram, 1) + histogram
     if HAS_SINK:
         digits = tl.arange(0, 1 << RADIX).to(UKEY)
@@ -245,6 +267,8 @@ def _topk_forward_kernel(
     v_base = V + batch * sv_b + kv_head * sv_h
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     lo = lo // BLOCK_N * BLOCK_N  # aligned tiles: the backward recomputes the very same ones
+    inner_lo, inner_hi, masked = inner_key_blocks(row_start, row_stop, offs_m, lq, lk, lo, hi, BLOCK_N)
+    span = (lo, inner_lo, inner_hi, masked)
     softcap = tl.load(softcap_ptr)
     sink_score = sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SINK, BLOCK_M, ACC)
     sink_allowed = sink_score != float("-inf")
@@ -256,7 +280,7 @@ def _topk_forward_kernel(
     above = tl.zeros((BLOCK_M,), tl.int32)
     shift = tl.full((), KEY_BITS - RADIX, tl.int32)
     counts, allowed_count, posinf_count, nan_count = _candidate_counts(
-        q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, softcap, batch,
+        q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, span, lk, scale, softcap, batch,
         head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, True, BLOCK_M, BLOCK_N,
         ACC, KEY, UKEY, KEY_BITS, RADIX,
     )
@@ -277,7 +301,7 @@ def _topk_forward_kernel(
     while (level < KEY_BITS // RADIX) & (tl.min((every | cut).to(tl.int32), 0) == 0):
         shift = KEY_BITS - RADIX * (level + 1)
         counts, _, _, _ = _candidate_counts(
-            q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lo, hi, lk, scale, softcap,
+            q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, span, lk, scale, softcap,
             batch, head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, False,
             BLOCK_M, BLOCK_N, ACC, KEY, UKEY, KEY_BITS, RADIX,
         )
