@@ -70,12 +70,14 @@ from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
 from attnorm.kernels.triton.attention_blocks import (
     as_acc,
+    inner_key_blocks,
     key_block_bounds,
     key_program,
     key_scores,
     key_scores_slope,
     load_tile,
     mask_arguments,
+    masked_block_start,
     mma,
     modifier_arguments,
     query_program,
@@ -254,6 +256,41 @@ def _load_stats(STATS_PTR, rows, offs_m, lq, ACC: tl.constexpr):
 
 
 @triton.jit
+def _forward_add(x, offs_n, sums, values, NORMALIZED: tl.constexpr, ACC: tl.constexpr):
+    """The forward's online sums with one score tile ``x`` of keys ``offs_n`` added (V read once).
+
+    ``sums`` = (top, bottom, top_count, bottom_count, total, posinf_count, nan_count, A, B);
+    ``values`` = (v_base, offs_dv, lk, value_dim, sv_n, sv_d).
+    """
+    top, bottom, top_count, bottom_count, total, posinf_count, nan_count, shifted_sum, plain_sum = sums
+    v_base, offs_dv, lk, value_dim, sv_n, sv_d = values
+    finite = (x > float("-inf")) & (x < float("inf"))
+    posinf_count += tl.sum((x == float("inf")).to(ACC), 1)
+    nan_count += tl.sum((x != x).to(ACC), 1)
+    block_top = tl.max(tl.where(finite, x, float("-inf")), 1)
+    if NORMALIZED:  # the min and the keys attaining min and max: only the normalized backward reads them
+        block_bottom = tl.min(tl.where(finite, x, float("inf")), 1)
+        at_top = tl.sum((finite & (x == block_top[:, None])).to(ACC), 1)
+        at_bottom = tl.sum((finite & (x == block_bottom[:, None])).to(ACC), 1)
+        top_count = tl.where(block_top > top, at_top, tl.where(block_top == top, top_count + at_top, top_count))
+        bottom_count = tl.where(block_bottom < bottom, at_bottom,
+                                tl.where(block_bottom == bottom, bottom_count + at_bottom, bottom_count))
+        bottom = tl.minimum(bottom, block_bottom)
+    new_top = tl.maximum(top, block_top)
+    ref = tl.where(new_top > float("-inf"), new_top, 0.0)
+    rescale = tl.where(top > float("-inf"), tl.exp(top - ref), 0.0)
+    moved = tl.where(top > float("-inf"), top - ref, 0.0)
+    xs = tl.where(finite, x - ref[:, None], 0.0)
+    e = tl.where(finite, tl.exp(xs), 0.0)
+    total = total * rescale + tl.sum(e, 1)
+    v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+    shifted_sum = rescale[:, None] * (shifted_sum + moved[:, None] * plain_sum)
+    shifted_sum += mma((e * xs).to(v_tile.dtype), v_tile, ACC)
+    plain_sum = rescale[:, None] * plain_sum + mma(e.to(v_tile.dtype), v_tile, ACC)
+    return new_top, bottom, top_count, bottom_count, total, posinf_count, nan_count, shifted_sum, plain_sum
+
+
+@triton.jit
 def _self_adjusted_forward_kernel(
     Q, K, V, OUT, STATS_PTR,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
@@ -289,34 +326,20 @@ def _self_adjusted_forward_kernel(
     nan_count = (sink_logit != sink_logit).to(ACC)
     shifted_sum = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # A = sum e (x - top) v
     plain_sum = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # B = sum e v
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+    sums = (top, bottom, top_count, bottom_count, total, posinf_count, nan_count, shifted_sum, plain_sum)
+    values = (v_base, offs_dv, lk, value_dim, sv_n, sv_d)
+    inner_lo, inner_hi, masked = inner_key_blocks(row_start, row_stop, offs_m, lq, lk, lo, hi, BLOCK_N)
+    for i in range(0, masked):  # the masked key blocks, then the inner ones (sums that do not care about order)
+        offs_n = masked_block_start(i, lo, inner_lo, inner_hi, BLOCK_N) + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                        softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-        finite = (x > float("-inf")) & (x < float("inf"))
-        posinf_count += tl.sum((x == float("inf")).to(ACC), 1)
-        nan_count += tl.sum((x != x).to(ACC), 1)
-        block_top = tl.max(tl.where(finite, x, float("-inf")), 1)
-        if NORMALIZED:  # the min and the keys attaining min and max: only the normalized backward reads them
-            block_bottom = tl.min(tl.where(finite, x, float("inf")), 1)
-            at_top = tl.sum((finite & (x == block_top[:, None])).to(ACC), 1)
-            at_bottom = tl.sum((finite & (x == block_bottom[:, None])).to(ACC), 1)
-            top_count = tl.where(block_top > top, at_top, tl.where(block_top == top, top_count + at_top, top_count))
-            bottom_count = tl.where(block_bottom < bottom, at_bottom,
-                                    tl.where(block_bottom == bottom, bottom_count + at_bottom, bottom_count))
-            bottom = tl.minimum(bottom, block_bottom)
-        new_top = tl.maximum(top, block_top)
-        ref = tl.where(new_top > float("-inf"), new_top, 0.0)
-        rescale = tl.where(top > float("-inf"), tl.exp(top - ref), 0.0)
-        moved = tl.where(top > float("-inf"), top - ref, 0.0)
-        top = new_top
-        xs = tl.where(finite, x - ref[:, None], 0.0)
-        e = tl.where(finite, tl.exp(xs), 0.0)
-        total = total * rescale + tl.sum(e, 1)
-        v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-        shifted_sum = rescale[:, None] * (shifted_sum + moved[:, None] * plain_sum)
-        shifted_sum += mma((e * xs).to(v_tile.dtype), v_tile, ACC)
-        plain_sum = rescale[:, None] * plain_sum + mma(e.to(v_tile.dtype), v_tile, ACC)
+        sums = _forward_add(x, offs_n, sums, values, NORMALIZED, ACC)
+    for start in range(inner_lo, inner_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                       softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC, False)
+        sums = _forward_add(x, offs_n, sums, values, NORMALIZED, ACC)
+    top, bottom, top_count, bottom_count, total, posinf_count, nan_count, shifted_sum, plain_sum = sums
 
     out, top, low, high, divisor = finish(top, total, bottom, shifted_sum, plain_sum, NORMALIZED)
     live = total > 0
