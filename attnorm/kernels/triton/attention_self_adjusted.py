@@ -376,6 +376,35 @@ def _self_adjusted_forward_kernel(
 
 
 @triton.jit
+def _gradient_sums_add(x, offs_n, sums, stats, values, ACC: tl.constexpr):
+    """The normalized dq kernel's ``(P, Q) = (sum g w phi, sum g w)`` with one score tile added."""
+    total, weighted = sums
+    c0, c1, low, s, span, state = stats
+    v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile = values
+    _, w, phi = _lean_weights(x, c0, c1, low, s, span, state, True)
+    v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+    g = mma(do_tile, tl.trans(v_tile), ACC)
+    return total + tl.sum(g * w * phi, 1), weighted + tl.sum(g * w, 1)
+
+
+@triton.jit
+def _dq_add(x, slope, offs_n, dq, stats, values, terms, NORMALIZED: tl.constexpr, SOFTCAP: tl.constexpr,
+            ACC: tl.constexpr):
+    """``dq`` with one score tile's ``ds k`` added (:func:`_lean_score_grad`)."""
+    c0, c1, low, s, span, state = stats
+    v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile = values
+    total, high, through_scale, low_term, high_term, k_base, offs_d, head_dim, sk_n, sk_d = terms
+    v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+    g = mma(do_tile, tl.trans(v_tile), ACC)
+    safe, w, phi = _lean_weights(x, c0, c1, low, s, span, state, NORMALIZED)
+    ds = _lean_score_grad(safe, w, phi, g, total, low, high, through_scale, low_term, high_term, NORMALIZED)
+    if SOFTCAP:
+        ds = ds * slope
+    k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
+    return dq + mma(ds.to(k_tile.dtype), k_tile, ACC)
+
+
+@triton.jit
 def _self_adjusted_dq_kernel(
     Q, K, V, DO, TOTAL, STATS_PTR, DQ, WEIGHTED, D_SINK,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
@@ -410,18 +439,22 @@ def _self_adjusted_dq_kernel(
     softcap = tl.load(softcap_ptr)
 
     s, span = _span(low, high)
+    inner_lo, inner_hi, masked = inner_key_blocks(row_start, row_stop, offs_m, lq, lk, lo, hi, BLOCK_N)
+    values = (v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile)
+    stats = (c0, c1, low, s, span, state)
     if NORMALIZED:
-        total = tl.zeros((BLOCK_M,), ACC)
-        weighted = tl.zeros((BLOCK_M,), ACC)
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+        sums = (tl.zeros((BLOCK_M,), ACC), tl.zeros((BLOCK_M,), ACC))
+        for i in range(0, masked):  # the masked key blocks, then the inner ones
+            offs_n = masked_block_start(i, lo, inner_lo, inner_hi, BLOCK_N) + tl.arange(0, BLOCK_N)
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                            softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-            _, w, phi = _lean_weights(x, c0, c1, low, s, span, state, True)
-            v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            g = mma(do_tile, tl.trans(v_tile), ACC)
-            total += tl.sum(g * w * phi, 1)
-            weighted += tl.sum(g * w, 1)
+            sums = _gradient_sums_add(x, offs_n, sums, stats, values, ACC)
+        for start in range(inner_lo, inner_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                           softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC, False)
+            sums = _gradient_sums_add(x, offs_n, sums, stats, values, ACC)
+        total, weighted = sums
         tl.store(TOTAL + rows, total, mask=offs_m < lq)
         tl.store(WEIGHTED + rows, weighted, mask=offs_m < lq)
         low_term, high_term = _span_terms(total, weighted, low, high, low_count, high_count, state)
@@ -431,18 +464,18 @@ def _self_adjusted_dq_kernel(
         high_term = low_term
     through_scale = _through_scale(low, high, state)
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+    terms = (total, high, through_scale, low_term, high_term, k_base, offs_d, head_dim, sk_n, sk_d)
+    for i in range(0, masked):
+        offs_n = masked_block_start(i, lo, inner_lo, inner_hi, BLOCK_N) + tl.arange(0, BLOCK_N)
         x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
                                     lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-        v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-        g = mma(do_tile, tl.trans(v_tile), ACC)
-        safe, w, phi = _lean_weights(x, c0, c1, low, s, span, state, NORMALIZED)
-        ds = _lean_score_grad(safe, w, phi, g, total, low, high, through_scale, low_term, high_term, NORMALIZED)
-        if SOFTCAP:
-            ds = ds * slope
-        k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
-        dq += mma(ds.to(k_tile.dtype), k_tile, ACC)
+        dq = _dq_add(x, slope, offs_n, dq, stats, values, terms, NORMALIZED, SOFTCAP, ACC)
+    for start in range(inner_lo, inner_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
+                                    lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC,
+                                    False)
+        dq = _dq_add(x, slope, offs_n, dq, stats, values, terms, NORMALIZED, SOFTCAP, ACC)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
     if HAS_SINK:
