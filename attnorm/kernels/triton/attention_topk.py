@@ -401,6 +401,24 @@ def _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_
 
 
 @triton.jit
+def _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP: tl.constexpr, ACC: tl.constexpr, KEY: tl.constexpr,
+            UKEY: tl.constexpr, KEY_BITS: tl.constexpr):
+    """``dq`` with one score tile's ``ds k`` added; a tile keeping no key reads neither V nor K again."""
+    top, log_sum, threshold_key, last_tie, state, inv_temperature, delta = stats
+    v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile, k_base, offs_d, head_dim, sk_n, sk_d = operands
+    p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature, KEY, UKEY, KEY_BITS)
+    if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
+        v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+        g = mma(do_tile, tl.trans(v_tile), ACC)
+        ds = tl.where((state == 1)[:, None] & (p > 0), p * (g - delta[:, None]) * inv_temperature, 0.0)
+        if SOFTCAP:
+            ds = ds * slope
+        k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
+        dq += mma(ds.to(k_tile.dtype), k_tile, ACC)
+    return dq
+
+
+@triton.jit
 def _topk_dq_kernel(
     Q, K, V, DO, DELTA, STATS_PTR, DQ, D_SINK,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
@@ -430,20 +448,20 @@ def _topk_dq_kernel(
     lo = lo // BLOCK_N * BLOCK_N
     softcap = tl.load(softcap_ptr)
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+    stats = (top, log_sum, threshold_key, last_tie, state, inv_temperature, delta)
+    operands = (v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile, k_base, offs_d, head_dim, sk_n, sk_d)
+    inner_lo, inner_hi, masked = inner_key_blocks(row_start, row_stop, offs_m, lq, lk, lo, hi, BLOCK_N)
+    for i in range(0, masked):  # the masked key blocks, then the inner ones (a sum: any order)
+        offs_n = masked_block_start(i, lo, inner_lo, inner_hi, BLOCK_N) + tl.arange(0, BLOCK_N)
         x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
                                     lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-        p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
-                           KEY, UKEY, KEY_BITS)
-        if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
-            v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            g = mma(do_tile, tl.trans(v_tile), ACC)
-            ds = tl.where((state == 1)[:, None] & (p > 0), p * (g - delta[:, None]) * inv_temperature, 0.0)
-            if SOFTCAP:
-                ds = ds * slope
-            k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
-            dq += mma(ds.to(k_tile.dtype), k_tile, ACC)
+        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, ACC, KEY, UKEY, KEY_BITS)
+    for start in range(inner_lo, inner_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
+                                    lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC,
+                                    False)
+        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, ACC, KEY, UKEY, KEY_BITS)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
     if HAS_SINK:
