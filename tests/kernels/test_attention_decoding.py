@@ -366,7 +366,8 @@ ROW_NORMALIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", ROW_NORMALIZERS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=slow_under_interpreter(name == "sparsemax"))
+                                  for name in ROW_NORMALIZERS])
 def test_rows_route_takes_the_scores_kernel_for_half_inference(name, monkeypatch, device):
     """Half-precision decoding on Triton: the scores kernel, the output of float32 copies' products; not with grad."""
     q, k, v = make_qkv(2, 4, 2, 2, 40, 16, 16, torch.bfloat16, device)
