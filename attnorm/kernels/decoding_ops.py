@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from attnorm.kernels import backends, inductor, ops
-from attnorm.kernels.rules import AttentionMask
+from attnorm.kernels.rules import AttentionMask, accumulation_dtype
 
 __all__ = ["decoding_scores", "self_adjusted_decoding"]
 
@@ -62,7 +62,7 @@ def _scores_kernel(q, k, scale):
 
 
 def _scores_fake(q, k, scale):
-    return q.new_empty(*q.shape[:-1], k.shape[-2], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return q.new_empty(*q.shape[:-1], k.shape[-2], dtype=accumulation_dtype(q.dtype))
 
 
 def _forward_only(name):
@@ -75,20 +75,19 @@ def _forward_only(name):
     return backward
 
 
-_LIBRARY.impl(_NAME, _device_kernel, "CPU")
-_LIBRARY.impl(_NAME, _device_kernel, "CUDA")
-torch.library.register_fake(f"attnorm::{_NAME}", _fake, lib=_LIBRARY)
-torch.library.register_autograd(f"attnorm::{_NAME}", _forward_only(_NAME), lib=_LIBRARY)
-inductor.register(f"attnorm::{_NAME}", _device_kernel, _LIBRARY)
-ops.register_eager(getattr(torch.ops.attnorm, _NAME).default, _device_kernel)
+def _register(name, kernel, fake):
+    """Op ``attnorm::name`` (already defined): ``kernel`` on CPU and CUDA, its fake, a raising backward."""
+    _LIBRARY.impl(name, kernel, "CPU")
+    _LIBRARY.impl(name, kernel, "CUDA")
+    torch.library.register_fake(f"attnorm::{name}", fake, lib=_LIBRARY)
+    torch.library.register_autograd(f"attnorm::{name}", _forward_only(name), lib=_LIBRARY)
+    inductor.register(f"attnorm::{name}", kernel, _LIBRARY)
+    ops.register_eager(getattr(torch.ops.attnorm, name).default, kernel)
 
+
+_register(_NAME, _device_kernel, _fake)
 _LIBRARY.define(f"{_SCORES}(Tensor q, Tensor k, float scale) -> Tensor")
-_LIBRARY.impl(_SCORES, _scores_kernel, "CPU")
-_LIBRARY.impl(_SCORES, _scores_kernel, "CUDA")
-torch.library.register_fake(f"attnorm::{_SCORES}", _scores_fake, lib=_LIBRARY)
-torch.library.register_autograd(f"attnorm::{_SCORES}", _forward_only(_SCORES), lib=_LIBRARY)
-inductor.register(f"attnorm::{_SCORES}", _scores_kernel, _LIBRARY)
-ops.register_eager(getattr(torch.ops.attnorm, _SCORES).default, _scores_kernel)
+_register(_SCORES, _scores_kernel, _scores_fake)
 
 
 def self_adjusted_decoding(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,

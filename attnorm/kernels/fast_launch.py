@@ -27,9 +27,10 @@ kept kernel is always the one Triton would pick:
 Not taken (Triton's own path, every time): off CUDA (the interpreter's functions are not
 ``JITFunction`` objects), while a launch hook is installed (a profiler such as Proton
 reads the launch metadata this path does not compute; Triton's empty hook chains are
-passed to the launcher as None, which it reads as "no hook"), for a grid given as a function,
-for an argument of another kind (a ``TensorDescriptor``, a tuple), and once :data:`MAX_KEPT` kernels are kept.  The
-kept kernels are never dropped: each is a compiled variant Triton keeps anyway.
+passed to the launcher as None, which it reads as "no hook"), for a grid given as a
+function, for an argument of another kind (a ``TensorDescriptor``, a tuple), and once
+:data:`MAX_KEPT` kernels are kept.  The kept kernels are never dropped: each is a
+compiled variant Triton keeps anyway.
 
 **Status.**  Off by default: written in a session without a GPU, so the direct launch
 has run only against a stand-in launcher (``tests/kernels/test_fast_launch.py`` checks
@@ -49,6 +50,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from attnorm.validation import check_bool
+
 __all__ = ["MAX_KEPT", "enabled", "kept", "launcher", "set_enabled"]
 
 MAX_KEPT = 4096
@@ -61,6 +64,7 @@ _MISSING = inspect.Parameter.empty
 _SCALARS = frozenset((bool, int, float, str, type(None)))
 _KNOBS: Any = None
 _JIT_FUNCTION: Any = None
+_check_switch = check_bool("value")
 
 
 class _Plan(NamedTuple):
@@ -174,9 +178,7 @@ def enabled() -> bool:
 def set_enabled(value: bool) -> None:
     """Turn the direct launch on or off (kept kernels stay kept)."""
     global _ENABLED
-    if not isinstance(value, bool):
-        raise TypeError(f"value must be a bool, got {type(value).__name__}")
-    _ENABLED = value
+    _ENABLED = _check_switch(value)
 
 
 def kept() -> int:

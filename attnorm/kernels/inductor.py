@@ -39,6 +39,7 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from attnorm.kernels import fast_launch
+from attnorm.validation import check_bool
 
 __all__ = ["DEVICES", "enabled", "launchable", "register", "set_enabled"]
 
@@ -47,6 +48,7 @@ DEVICES: tuple[str, ...] = ("cuda",)
 
 _ENABLED = os.environ.get("ATTNORM_INDUCTOR_KERNELS", "0") == "1"
 _STATE = threading.local()
+_check_switch = check_bool("value")
 
 
 def enabled() -> bool:
@@ -57,9 +59,7 @@ def enabled() -> bool:
 def set_enabled(value: bool) -> None:
     """Turn the decomposition on or off for graphs traced from now on (compiled graphs keep theirs)."""
     global _ENABLED
-    if not isinstance(value, bool):
-        raise TypeError(f"value must be a bool, got {type(value).__name__}")
-    _ENABLED = value
+    _ENABLED = _check_switch(value)
 
 
 def launchable(kernel: Any) -> Any:
