@@ -350,9 +350,9 @@ def inner_key_blocks(row_start, row_stop, offs_m, lq, lk, first, hi, BLOCK_N: tl
     inner_lo = tl.maximum((tl.max(row_start, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, first)
     inner_hi = tl.minimum(tl.minimum(tl.min(row_stop, 0), lk) // BLOCK_N * BLOCK_N, hi)
     empty = (inner_hi <= inner_lo) | partial
-    end = first + (hi - first + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # past the last key block
-    inner_lo = tl.where(empty, tl.maximum(end, first), inner_lo)
-    inner_hi = tl.where(empty, tl.maximum(end, first), inner_hi)
+    end = tl.maximum(first + (hi - first + BLOCK_N - 1) // BLOCK_N * BLOCK_N, first)  # past the last key block
+    inner_lo = tl.where(empty, end, inner_lo)
+    inner_hi = tl.where(empty, end, inner_hi)
     masked = (inner_lo - first) // BLOCK_N + (hi - inner_hi + BLOCK_N - 1) // BLOCK_N
     return inner_lo, inner_hi, tl.maximum(masked, 0)
 
