@@ -10,7 +10,8 @@ registered mask function is called with the pattern::
     and_masks(packed_sequence_mask_function(sequence_ids),
               remap_positions_for_packed_sequence(causal_or_sliding_window, position_ids))
 
-(the two parts in the other order in later releases, 5.24 for one), which ``sdpa_mask``
+(the two parts in the other order in later releases, 5.24 for one; earlier releases, 5.17
+for one, have no remapping and pass ``causal_or_sliding_window`` itself), which ``sdpa_mask``
 would expand into a dense ``(B, 1, L, L)`` bool tensor.
 :func:`attnorm_mask` recognises exactly that pattern, for a batch of one row, no padding,
 no cache offsets and outside tracing, and returns the same mask as a
@@ -111,10 +112,13 @@ def _packed_pattern(mask_function: Callable, local_size: int | None) -> tuple[Te
         return None
     if _closure(parts[0], codes["packed"]) is None:  # transformers >= 5.x puts the packed part second
         parts = parts[::-1]
-    packed, remapped = (_closure(part, codes[name]) for part, name in zip(parts, ("packed", "remap"), strict=True))
-    if packed is None or remapped is None or not isinstance(packed.get("packed_sequence_mask"), Tensor):
+    packed = _closure(parts[0], codes["packed"])
+    if packed is None or not isinstance(packed.get("packed_sequence_mask"), Tensor):
         return None
-    within = _within_sequence(remapped.get("mask_function"), local_size)
+    # Releases before remap_positions_for_packed_sequence (5.17, for one) pass the causal or sliding-window
+    # function itself: on global positions, and-ed with the packed part, it is the same mask.
+    remapped = _closure(parts[1], codes["remap"]) if codes["remap"] is not None else None
+    within = _within_sequence(parts[1] if remapped is None else remapped.get("mask_function"), local_size)
     return None if within is None else (packed["packed_sequence_mask"], within)
 
 
@@ -148,9 +152,10 @@ def _factory_codes() -> dict:
     from transformers import masking_utils as mu
 
     ids = torch.zeros(1, 1, dtype=torch.long)
+    remap = getattr(mu, "remap_positions_for_packed_sequence", None)  # absent before transformers 5.2x
     return {
         "and": mu.and_masks(mu.causal_mask_function).__code__,
         "packed": mu.packed_sequence_mask_function(ids).__code__,
-        "remap": mu.remap_positions_for_packed_sequence(mu.causal_mask_function, ids).__code__,
+        "remap": None if remap is None else remap(mu.causal_mask_function, ids).__code__,
         "window": mu.sliding_window_overlay(1).__code__,
     }

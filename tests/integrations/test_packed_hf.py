@@ -11,6 +11,7 @@ with transformers' ``sdpa_mask``: the same mask, structured when packed, identic
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -25,6 +26,7 @@ transformers.logging.set_verbosity_error()
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: E402
 
 import attnorm  # noqa: E402
+import transformers.modeling_utils  # noqa: E402, F401  (registers "attnorm" when no model was built before)
 from attnorm.integrations import transformers as integration  # noqa: E402
 from attnorm.integrations.transformers_masks import packed_causal_mask  # noqa: E402
 
@@ -149,6 +151,29 @@ def test_mask_function_gives_the_sdpa_mask_structured_when_packed(sliding):
     packed = torch.tensor([[0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2]])
     expected = build_mask(config, "sdpa", packed, sliding=sliding)
     got = build_mask(config, "attnorm", packed, sliding=sliding)
+    assert isinstance(got, attnorm.StructuredMask)
+    torch.testing.assert_close(got.materialize(expected.shape), expected[0, 0])
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["causal", "sliding_window"])
+def test_mask_function_knows_the_pattern_of_releases_without_remapping(sliding, monkeypatch):
+    """transformers before ``remap_positions_for_packed_sequence`` (5.17, for one) and-ed the packed part with
+    the causal (or sliding-window) function itself; such a transformers has no remapping factory at all."""
+    from transformers import masking_utils as mu
+
+    from attnorm.integrations import transformers_masks
+
+    monkeypatch.delattr(mu, "remap_positions_for_packed_sequence", raising=False)
+    uncached = transformers_masks._factory_codes.__wrapped__  # read again without the factory, for this test only
+    monkeypatch.setattr(transformers_masks, "_factory_codes", functools.cache(uncached))
+    ids = torch.tensor([[0, 0, 0, 0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3]])
+    within = mu.sliding_window_causal_mask_function(3) if sliding else mu.causal_mask_function
+    function = mu.and_masks(within, mu.packed_sequence_mask_function(ids))
+    local_size = 3 if sliding else None
+    length = ids.shape[-1]
+    expected = mu.sdpa_mask(batch_size=1, q_length=length, kv_length=length, mask_function=function,
+                            local_size=local_size, allow_is_causal_skip=False)
+    got = transformers_masks.attnorm_mask(1, length, length, mask_function=function, local_size=local_size)
     assert isinstance(got, attnorm.StructuredMask)
     torch.testing.assert_close(got.materialize(expected.shape), expected[0, 0])
 

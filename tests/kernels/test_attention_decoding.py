@@ -389,9 +389,10 @@ def test_rows_route_takes_the_scores_kernel_for_half_inference(name, monkeypatch
     assert taken == [] and q.grad.isfinite().all()
 
 
-def test_scores_kernel_applies_only_where_it_can():
+def test_scores_kernel_applies_only_where_it_can(device):
     sparsemax = attnorm.Sparsemax(backend="triton")
-    q, k = torch.zeros(1, 4, 1, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    q = torch.zeros(1, 4, 1, 16, dtype=torch.bfloat16, device=device)
+    k = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16, device=device)
     assert decoding.scores_kernel_applies(sparsemax, q, k)
     assert not decoding.scores_kernel_applies(sparsemax, q.float(), k.float())  # float32: torch.matmul already is
     assert not decoding.scores_kernel_applies(attnorm.Sparsemax(backend="native"), q, k)

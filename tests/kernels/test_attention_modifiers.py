@@ -31,6 +31,7 @@ pytest.importorskip("triton")
 entmax = pytest.importorskip("entmax")
 
 from attnorm.kernels.triton import launch  # noqa: E402
+from attnorm.routes.fused import _triton_handles_normalized_additive_self_adjusted  # noqa: E402
 from tests.conftest import DEVICE, slow_under_interpreter  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked lanes
@@ -242,7 +243,8 @@ def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4
     names = ["q", "k", "v"] + (["sinks"] if sinks is not None else []) + [f"param{i}" for i in range(len(params))]
     for name, actual, reference_grad in zip(names, got, wanted, strict=True):
         assert torch.isfinite(actual).all(), name
-        torch.testing.assert_close(actual.double().cpu(), reference_grad, atol=tolerance, rtol=tolerance, msg=name)
+        torch.testing.assert_close(actual.double().cpu(), reference_grad, atol=tolerance, rtol=tolerance,
+                                   msg=lambda message, name=name: f"{name}: {message}")
     return out
 
 
@@ -280,6 +282,10 @@ def test_one_learnable_multiplier_shared_by_every_row():
 
 @pytest.mark.parametrize("family,mask", list(mask_sweep()))
 def test_softcap_and_sinks_under_every_mask(family, mask):
+    if family == "sa_normalized" and mask == "additive" and DEVICE == "cuda" \
+            and not _triton_handles_normalized_additive_self_adjusted():
+        pytest.skip("Triton < 3.9 breaks the normalized Self-Adjusted backward with an additive mask on CUDA: "
+                    "attention() takes the blocked route there (routes/fused.py)")
     check(family, MASKS[mask](), SOFTCAP, SINKS)
 
 

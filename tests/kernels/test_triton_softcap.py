@@ -143,10 +143,13 @@ def multiplier_rounding(y, g, scores, sink_weight=None, sink=None) -> torch.Tens
     """A float32 rounding bound per row for the multiplier's gradient ``sum_j y_j (g_j - sum y g) c_j``.
 
     The sum cancels where the weight sits on a few equal capped scores (a +inf row capped
-    to ``cap = 1e4`` on two keys: exactly 0), leaving a rounding error of order
-    ``eps * sum_j |y_j (g_j - sum y g) c_j|``: 4e-4 on an H200 (2026-11-26), past the
-    fixed 1e-5.  The bound is 8 eps times that sum (float64, from the kernel's own ``y``);
-    in rows of scores of order 1 it is below the fixed tolerance.
+    to ``cap = 1e4`` on two keys: exactly 0; one key holding all the weight: ``g_j - sum y g``
+    is 0).  What is left is the rounding of its operands: ``g_j - sum y g`` is only as exact
+    as ``eps (|g_j| + sum |y g|)``, and it is multiplied by ``|y_j c_j|`` up to 1e4.  Bounds
+    built on ``|g_j - sum y g|`` alone missed it on an H200 (2026-11-26: 4e-4 errors where
+    that bound was 0).  The bound is 8 eps times ``sum_j |y_j c_j| (|g_j| + sum |y g|)``
+    (float64, from the kernel's own ``y``); in rows of scores of order 1 it is below the
+    fixed tolerance.
     """
     y, g, c = (cpu64(t) for t in (y, g, scores))
     if sink_weight is not None:
@@ -155,8 +158,8 @@ def multiplier_rounding(y, g, scores, sink_weight=None, sink=None) -> torch.Tens
         c = torch.cat([c, cpu64(sink).reshape(*c.shape[:-1], 1)], -1)
     y = torch.where(y.isnan(), 0.0, y)
     g = g.expand_as(y)
-    dot = (y * g).sum(-1, keepdim=True)
-    terms = torch.where(y != 0, y * (g - dot) * c, 0.0).abs()
+    absolute_dot = (y * g).abs().sum(-1, keepdim=True)
+    terms = torch.where(y != 0, (y * c).abs() * (g.abs() + absolute_dot), 0.0)
     return 8 * torch.finfo(torch.float32).eps * terms.nansum(-1)
 
 
