@@ -23,10 +23,10 @@ transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers.logging.set_verbosity_error()
 
+import transformers.modeling_utils  # noqa: E402, F401  (registers "attnorm" when no model was built before)
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: E402
 
 import attnorm  # noqa: E402
-import transformers.modeling_utils  # noqa: E402, F401  (registers "attnorm" when no model was built before)
 from attnorm.integrations import transformers as integration  # noqa: E402
 from attnorm.integrations.transformers_masks import packed_causal_mask  # noqa: E402
 
