@@ -31,6 +31,7 @@ pytest.importorskip("triton")
 entmax = pytest.importorskip("entmax")
 
 from attnorm.kernels.triton import launch  # noqa: E402
+from attnorm.routes import fused as fused_route  # noqa: E402
 from attnorm.routes.fused import _triton_handles_normalized_additive_self_adjusted  # noqa: E402
 from tests.conftest import DEVICE, slow_under_interpreter  # noqa: E402
 
@@ -53,6 +54,7 @@ def fused_only(monkeypatch):
         raise AssertionError("the call left the fused route")
 
     monkeypatch.setattr(launch, "empty", empty)
+    monkeypatch.setattr(fused_route, "_untrusted_capped_backward", lambda *args: False)  # the kernels themselves
     monkeypatch.setattr(attention_module, "DECODING_ROWS", 0)
     monkeypatch.setattr(attention_module, "blocked_attention", elsewhere)
     monkeypatch.setattr(attention_module, "materialised_attention", elsewhere)
@@ -303,7 +305,11 @@ def test_a_fully_masked_row_attends_only_its_sink(family):
 
 @pytest.mark.parametrize("family,dtype", [("entmax15", torch.float16), ("ssmax_learnable", torch.bfloat16),
                                           ("sa_normalized", torch.float16), ("topk_frac", torch.bfloat16)])
-def test_half_precision(family, dtype):
+def test_half_precision(family, dtype, request):
+    if DEVICE == "cuda" and family in ("entmax15", "ssmax_learnable"):
+        # An H200 with Triton 3.6 (2026-11-26): dk 90 % wrong, so attention() sends such calls to the blocked route
+        # (routes/fused.py, _untrusted_capped_backward).  Strict: a run where it passes says the rule can go.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the capped entmax-kernel dk on CUDA"))
     check(family, MASKS["bool"](), SOFTCAP, SINKS, dtype=dtype, tolerance=5e-2)
 
 
