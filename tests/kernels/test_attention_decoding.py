@@ -158,11 +158,11 @@ def test_dtypes(dtype, device):
 
 
 def test_split_count_fills_the_machine(monkeypatch):
-    """Two programs per SM on an H100's 132, at most one split per key block, at least one split."""
+    """Eight programs per SM on an H200's 132, at most one split per key block, at least one split."""
     monkeypatch.setattr(split_k, "_multiprocessors", lambda device: 132)
     cuda = torch.device("cuda")
-    assert split_k.split_count(65536, 8 * 16, 64, cuda) == 3  # 128 programs x 3 splits >= 264
-    assert split_k.split_count(4096, 1 * 8, 64, cuda) == 33
+    assert split_k.split_count(65536, 8 * 16, 64, cuda) == 9  # 128 programs x 9 splits >= 8 x 132
+    assert split_k.split_count(4096, 1 * 8, 64, cuda) == 64  # one split per key block
     assert split_k.split_count(100, 1, 64, cuda) == 2
     assert split_k.split_count(0, 1, 64, cuda) == 1
     assert split_k.split_count(80, 2, 16, torch.device("cpu")) == split_k.PROGRAMS_PER_SM * split_k.INTERPRETED_SMS // 2

@@ -44,7 +44,7 @@ key/value head, ``S`` splits):
   row); a dense (1 byte) or additive (``s``) mask is read per query row and key;
 * per query row: ``q`` read, ``out`` written, ``(D + Dv) s``; the split kernel writes
   and the combine kernel reads :data:`PARTIAL_STATS` numbers and the two sums
-  ``A``, ``B`` per split, ``S (5 + 2 Dv) 4`` bytes each way (about 2 KiB at ``S = 4``,
+  ``A``, ``B`` per split, ``S (5 + 2 Dv) 4`` bytes each way (about 4.7 KiB at ``S = 9``,
   ``Dv = 64``, against 1 MiB of K and V per key/value head at ``Lk = 4096``).
 
 **Why a combine kernel, not torch ops.**  The partials are
@@ -122,11 +122,19 @@ MAX_STACKED_ROWS = 128
 """Most stacked rows ``(Hq / Hkv) Lq`` one program holds (a 128 x 64 score tile, as a flash kernel's); more
 rows take several row blocks, each reading the split's K and V."""
 
-PROGRAMS_PER_SM = 2
-"""Split-kernel programs aimed at per streaming multiprocessor (two resident programs hide each other's loads)."""
+PROGRAMS_PER_SM = 8
+"""Split-kernel programs aimed at per streaming multiprocessor.
 
-INTERPRETED_SMS = 4
-"""Streaming multiprocessors assumed off CUDA (Triton's interpreter), so small tests still get several splits."""
+Timed on an H200 (``scripts/decoding_probe.py``, CUDA-graph replay, 2026-11-26; bfloat16, batch 8,
+16 heads, head dim 64, one query row, so 128 programs per split): 8 and 16 splits were the fastest
+of 3 (the earlier 2 per SM), 8, 16, 32, 64 and 128 at every KV length, 3 splits taking 0.071 /
+0.252 / 0.976 ms at 4k / 16k / 64k keys and 8 splits 0.065 / 0.199 / 0.740 (SDPA 0.038 / 0.137 /
+0.535).  One program streams its split's K and V tile by tile, so more resident programs put
+more loads in flight."""
+
+INTERPRETED_SMS = 1
+"""Streaming multiprocessors assumed off CUDA (Triton's interpreter), so small tests still get several splits
+(:data:`PROGRAMS_PER_SM` of them for one program per split)."""
 
 SCORE_BLOCKS_PER_PROGRAM = 8
 """Key blocks one program of the scores kernel streams (512 keys at the 64-key block: at batch 8, 16 key/value
@@ -144,8 +152,8 @@ def split_count(lk: int, programs: int, block: int, device: torch.device) -> int
     """Key splits for ``programs`` programs per split (batch x key/value head x row blocks) over ``lk`` keys.
 
     ``ceil(PROGRAMS_PER_SM * SMs / programs)``, at most one split per key block of ``block``
-    keys, at least 1: at batch 8 and 16 key/value heads on an H100 (132 SMs) 3 splits;
-    at batch 1 and 8 key/value heads 33 (at most ``Lk / 64``).
+    keys, at least 1: at batch 8 and 16 key/value heads on an H100 or H200 (132 SMs) 9 splits;
+    at batch 1 and 8 key/value heads 132 (at most ``Lk / 64``).
     """
     sms = _multiprocessors(device) if device.type == "cuda" else INTERPRETED_SMS
     wanted = launch.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1))
