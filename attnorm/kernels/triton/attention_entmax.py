@@ -920,11 +920,16 @@ def entmax_attention_backward(
     # alpha (376 B).  Another tile shape is safe here, not in the Self-Adjusted or top-k backward: a
     # recomputed score may differ from the forward's in its last bit, which moves an entmax weight by about
     # as much but would drop a key from their min/max or top-k set.
+    # dk/dv used to keep half blocks with a softcap or an additive mask (whole blocks spill 120-328 B there).
+    # On an H200 (Triton 3.6, 2026-11-26) that half-block dk/dv with a softcap, in float16 and bfloat16 (4
+    # warps), gave a dk 90 % wrong, while whole blocks without the cap and half blocks with 8 warps (float32)
+    # were right; so every narrow call now steps whole blocks, the configuration seen right on a GPU.  Whether
+    # this alone mends the capped dk is untested on a GPU: attention() still routes capped backward calls
+    # around the kernel on CUDA (routes/fused.py, _untrusted_capped_backward).
     half = max(16, shape.block // 2)
     whole = call.narrow and call.constant_alpha != 0.0
     step = shape.block if whole else half
-    light = not (call.mask_args["SOFTCAP"] or call.mask_args["HAS_ADDITIVE"])
-    key_step = shape.block if whole and light else half
+    key_step = step
     call.launch(_entmax_attention_rows_kernel, shape.query_grid, *common, d_alpha_rows,
                 extra_strides=grad_out.stride(), ALPHA_GRAD=bool(alpha_grad), BLOCK_N=step)
     call.launch(_entmax_attention_dq_kernel, shape.query_grid, *common, dq,
