@@ -207,7 +207,7 @@ def test_ops_pass_opcheck(device):
     sinks, rows = torch.randn(H, 1, device=device), torch.rand(B, H, LQ, device=device)
     torch.library.opcheck(torch.ops.attnorm.entmax_attention_fwd, (*args, 1.0, None, 3.0, sinks, rows),
                           test_utils=("test_schema", "test_faketensor"))
-    out, stats = torch.ops.attnorm.entmax_attention_fwd(*args, 1.0, None, 3.0, sinks, rows)
+    out, stats, _ = torch.ops.attnorm.entmax_attention_fwd(*args, 1.0, None, 3.0, sinks, rows)
     torch.library.opcheck(torch.ops.attnorm.entmax_attention_bwd,
                           (q, k, v, out, torch.ones_like(out), stats, *args[3:], 1.0, None, False, 3.0, sinks, rows),
                           test_utils=("test_schema", "test_faketensor"))

@@ -10,7 +10,8 @@ CUDA or with ``backend="triton"``.
 =================================== ========================================== ==============
 op                                  outputs                                    per-row stats
 =================================== ========================================== ==============
-``entmax_attention_fwd``            out, stats                                 ``(m, tau, N)``
+``entmax_attention_fwd``            out, stats, W (``weighted=True``; else     ``(m, tau, N)``
+                                    empty): ``sum g v / sum g`` per row
 ``entmax_attention_bwd``            dq, dk, dv, d alpha per head ``(Hq,)``,
                                     d sinks and d logit_scale per row
                                     ``(B, Hq, Lq)``
@@ -27,8 +28,9 @@ op takes ``float? softcap`` and ``Tensor? sinks`` (each row's sink score, broadc
 ``(B, Hq, Lq)``), the entmax op also ``Tensor? logit_scale`` (a per-row multiplier of the
 logits after the cap).  A per-row gradient comes back as ``(B, Hq, Lq)`` (empty when not
 computed) and the autograd Functions sum it to the shape the input had.
-The autograd Functions save ``q``, ``k``, ``v``, ``out`` and the per-row stats: nothing
-of size ``Lq x Lk``.  Their backward is not differentiable again.
+The autograd Functions save ``q``, ``k``, ``v``, ``out`` and the per-row stats (entmax, when a
+gradient will be taken and alpha's is not wanted, also ``W``, whose ``delta = dO . W`` spares its
+backward a pass over K and V): nothing of size ``Lq x Lk``.  Their backward is not differentiable again.
 """
 
 from __future__ import annotations
@@ -114,26 +116,34 @@ def _distinct(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 # ---- entmax / sparsemax ---------------------------------------------------------------------------
 
 def _entmax_fwd(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads, softcap=None, sinks=None,
-                logit_scale=None):
-    return _module("attention_entmax").entmax_attention_forward(
-        q, k, v, AttentionMask(start, stop, dense, additive), scale, alpha, alpha_heads, softcap, sinks, logit_scale
+                logit_scale=None, weighted=False):
+    out, stats, w = _module("attention_entmax").entmax_attention_forward(
+        q, k, v, AttentionMask(start, stop, dense, additive), scale, alpha, alpha_heads, softcap, sinks, logit_scale,
+        weighted,
     )
+    return out, stats, stats.new_empty(0) if w is None else w  # an op returns tensors: empty for "not asked"
+
+
+def _fake_entmax_fwd(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads, softcap=None, sinks=None,
+                     logit_scale=None, weighted=False):
+    out, stats = _fake_forward(3)(q, k, v)
+    return out, stats, stats.new_empty(out.shape if weighted else (0,))
 
 
 _define(
     "entmax_attention_fwd",
-    f"({_QKV}, {_MASK}, float scale, float alpha, Tensor? alpha_heads, {_MODIFIERS}, Tensor? logit_scale=None) "
-    "-> (Tensor, Tensor)",
+    f"({_QKV}, {_MASK}, float scale, float alpha, Tensor? alpha_heads, {_MODIFIERS}, Tensor? logit_scale=None, "
+    "bool weighted=False) -> (Tensor, Tensor, Tensor)",
     _entmax_fwd,
-    _fake_forward(3),
+    _fake_entmax_fwd,
 )
 
 
 def _entmax_bwd(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, alpha, alpha_heads, alpha_grad,
-                softcap=None, sinks=None, logit_scale=None):
+                softcap=None, sinks=None, logit_scale=None, weighted=None):
     dq, dk, dv, d_alpha, d_sinks, d_logit_scale = _module("attention_entmax").entmax_attention_backward(
         q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive), scale, alpha, alpha_heads,
-        alpha_grad, softcap, sinks, logit_scale,
+        alpha_grad, softcap, sinks, logit_scale, weighted if weighted is not None and weighted.numel() else None,
     )
     d_alpha = q.new_empty(0, dtype=torch.float32) if d_alpha is None else d_alpha
     # An op returns tensors: an empty one stands for a gradient not asked for.
@@ -142,7 +152,7 @@ def _entmax_bwd(q, k, v, out, grad_out, stats, start, stop, dense, additive, sca
 
 
 def _fake_entmax_bwd(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, alpha, alpha_heads,
-                     alpha_grad, softcap=None, sinks=None, logit_scale=None):
+                     alpha_grad, softcap=None, sinks=None, logit_scale=None, weighted=None):
     d_alpha = q.new_empty(q.shape[1] if alpha_grad else 0, dtype=torch.float32)
     return *_grads_like(q, k, v), d_alpha, _row_grad(q, sinks), _row_grad(q, logit_scale)
 
@@ -150,7 +160,7 @@ def _fake_entmax_bwd(q, k, v, out, grad_out, stats, start, stop, dense, additive
 _define(
     "entmax_attention_bwd",
     f"({_BWD}, {_MASK}, float scale, float alpha, Tensor? alpha_heads, bool alpha_grad, {_MODIFIERS}, "
-    "Tensor? logit_scale=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? logit_scale=None, Tensor? weighted=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _entmax_bwd,
     _fake_entmax_bwd,
 )
@@ -158,29 +168,31 @@ _define(
 
 class _EntmaxAttention(torch.autograd.Function):
     @staticmethod
-    def forward(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads, softcap, sinks, logit_scale):
+    def forward(q, k, v, start, stop, dense, additive, scale, alpha, alpha_heads, softcap, sinks, logit_scale,
+                weighted):
         return ops.call(torch.ops.attnorm.entmax_attention_fwd.default, q, k, v, start, stop, dense, additive, scale,
-                        alpha, alpha_heads, softcap, sinks, logit_scale)
+                        alpha, alpha_heads, softcap, sinks, logit_scale, weighted)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, start, stop, dense, additive, ctx.scale, ctx.alpha, alpha_heads, ctx.softcap, sinks, logit_scale = (
+        q, k, v, start, stop, dense, additive, ctx.scale, ctx.alpha, alpha_heads, ctx.softcap, sinks, logit_scale, _ = (
             inputs
         )
         ctx.save_for_backward(q, k, v, start, stop, dense, additive, alpha_heads, sinks, logit_scale, *output)
-        ctx.mark_non_differentiable(output[1])
+        ctx.mark_non_differentiable(output[1], output[2])
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, _grad_stats):
-        q, k, v, start, stop, dense, additive, alpha_heads, sinks, logit_scale, out, stats = ctx.saved_tensors
+    def backward(ctx, grad_out, _grad_stats, _grad_weighted):
+        q, k, v, start, stop, dense, additive, alpha_heads, sinks, logit_scale, out, stats, w = ctx.saved_tensors
         alpha_grad = alpha_heads is not None and ctx.needs_input_grad[9]
         dq, dk, dv, d_alpha, d_sinks, d_logit_scale = ops.call(
             torch.ops.attnorm.entmax_attention_bwd.default, q, k, v, out, grad_out.contiguous(), stats, start, stop,
             dense, additive, ctx.scale, ctx.alpha, alpha_heads, alpha_grad, ctx.softcap, sinks, logit_scale,
+            w if w.numel() else None,
         )
         return (dq, dk, dv, None, None, None, None, None, None, d_alpha.to(alpha_heads.dtype) if alpha_grad else None,
-                None, _input_grad(ctx, 11, d_sinks, sinks), _input_grad(ctx, 12, d_logit_scale, logit_scale))
+                None, _input_grad(ctx, 11, d_sinks, sinks), _input_grad(ctx, 12, d_logit_scale, logit_scale), None)
 
 
 def entmax_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float,
@@ -193,7 +205,20 @@ def entmax_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale
     ``sinks`` and ``logit_scale`` get gradients.
     """
     q, k, v = _distinct(q, k, v)
-    return _EntmaxAttention.apply(q, k, v, *mask, scale, alpha, alpha_heads, softcap, sinks, logit_scale)[0]
+    return _EntmaxAttention.apply(q, k, v, *mask, scale, alpha, alpha_heads, softcap, sinks, logit_scale,
+                                  _keeps_weighted(q, k, v, alpha_heads, sinks, logit_scale))[0]
+
+
+def _keeps_weighted(q: Tensor, k: Tensor, v: Tensor, alpha_heads: Tensor | None, sinks: Tensor | None,
+                    logit_scale: Tensor | None) -> bool:
+    """Whether the forward should keep ``W`` for the backward's ``delta`` (``entmax_attention_forward(weighted=)``).
+
+    When a gradient will be taken and alpha's is not among them (alpha's needs the row pass over K and V
+    anyway): one ``(B, Hq, Lq, Dv)`` tensor more between forward and backward, one pass over K and V less.
+    """
+    if not torch.is_grad_enabled() or alpha_heads is not None and alpha_heads.requires_grad:
+        return False
+    return any(t is not None and t.requires_grad for t in (q, k, v, sinks, logit_scale))
 
 
 # ---- Self-Adjusted Softmax and top-k: forward (out, stats), backward (dq, dk, dv, d sinks) -------

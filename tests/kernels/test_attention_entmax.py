@@ -50,8 +50,11 @@ def poisoned_outputs(monkeypatch):
 # ---- reference ---------------------------------------------------------------------------
 
 
-def reference(q, k, v, keep, additive, scale, alpha):
-    """Float64 ``entmax_alpha(scale q k^T + additive) v`` over the allowed keys; ``alpha`` a float or ``(Hq,)``."""
+def reference(q, k, v, keep, additive, scale, alpha, weights_only=False):
+    """Float64 ``entmax_alpha(scale q k^T + additive) v`` over the allowed keys; ``alpha`` a float or ``(Hq,)``.
+
+    ``weights_only``: the weights ``(B, Hq, Lq, Lk)`` instead (0 in rows with no allowed key).
+    """
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = scale * q @ k.transpose(-1, -2)
@@ -66,7 +69,8 @@ def reference(q, k, v, keep, additive, scale, alpha):
         weights = torch.softmax(filled, -1)
     else:
         weights = entmax.entmax_bisect(filled, alpha.view(1, -1, 1, 1), dim=-1, n_iter=100)
-    return (weights * allowed.any(-1, keepdim=True)) @ v
+    weights = weights * allowed.any(-1, keepdim=True)
+    return weights if weights_only else weights @ v
 
 
 def inputs(batch, heads, kv_heads, lq, lk, dim, value_dim=None, dtype=torch.float32, seed=0, device="cpu"):
@@ -79,7 +83,7 @@ def inputs(batch, heads, kv_heads, lq, lk, dim, value_dim=None, dtype=torch.floa
 
 
 def run_kernels(q, k, v, grad, mask, alpha=1.5, alpha_heads=None, alpha_grad=True):
-    out, stats = entmax_attention_forward(q, k, v, mask, SCALE, alpha, alpha_heads)
+    out, stats, _ = entmax_attention_forward(q, k, v, mask, SCALE, alpha, alpha_heads)
     dq, dk, dv, d_alpha, _, _ = entmax_attention_backward(q, k, v, out, grad, stats, mask, SCALE, alpha,
                                                           alpha_heads, alpha_grad)
     return out, stats, (dq, dk, dv), d_alpha
@@ -226,6 +230,33 @@ def test_matches_reference_under_every_mask(case, alpha, device):
     check(q, k, v, grad, mask, keep, additive, alpha)
 
 
+@pytest.mark.parametrize("alpha", [2.0, 1.5, 1.0, 1.25])
+@pytest.mark.parametrize("case", ["causal", "combined"])
+def test_weighted_values_stand_in_for_the_row_pass(case, alpha, device):
+    """``forward(weighted=True)``'s ``W`` is ``sum g v / sum g`` with ``g = p^(2 - alpha)`` (float64, from the
+    reference's weights), and the backward given ``W`` (``delta = dO . W``, no row pass) matches the reference."""
+    lq, lk, build = CASES[case]
+    batch = 2 if case == "combined" else 1
+    q, k, v, grad = inputs(batch, 2, 1, lq, lk, 16, device=device, seed=11)  # GQA: two query heads share k, v
+    mask, keep, additive = build(batch, lq, lk, device)
+    out, stats, w = entmax_attention_forward(q, k, v, mask, SCALE, alpha, None, weighted=True)
+    leaves = [t.double().cpu() for t in (q, k, v)]
+    alpha_ref = 1.0 if alpha == 1 else torch.full((2,), alpha, dtype=torch.float64)
+    p = reference(*leaves, None if keep is None else keep.cpu(), None if additive is None else additive.cpu(), SCALE,
+                  alpha_ref, weights_only=True)
+    g = p if alpha == 1 else torch.where(p > 0, p, 0.0) ** (2 - alpha) * (p > 0)
+    total = g.sum(-1, keepdim=True)
+    expected = (g @ leaves[2].repeat_interleave(2, 1)) / torch.where(total > 0, total, 1.0)
+    assert w.shape == out.shape and w.dtype == stats.dtype
+    assert_close(w, expected, q.dtype)
+    dq, dk, dv, d_alpha, _, _ = entmax_attention_backward(q, k, v, out, grad, stats, mask, SCALE, alpha, None, False,
+                                                          weighted=w)
+    assert d_alpha is None
+    _, expected_grads, _ = run_reference(q, k, v, grad, keep, additive, alpha)
+    for actual, wanted in zip((dq, dk, dv), expected_grads, strict=True):
+        assert_close(actual, wanted, q.dtype)
+
+
 @pytest.mark.parametrize("case", ["causal", "sliding-window", "combined"])
 def test_key_blocks_of_32_with_backward_steps_of_16(case, blocks_of_32, launched_kernels, device):
     """Blocks of 32 (CUDA's 64, scaled down): the backward kernels then step 16 keys (rows, dq) or queries (dk/dv)."""
@@ -299,7 +330,7 @@ def test_sparsemax_weights_are_exact(device):
     """With v = I the output is the weights: float64 sparsemax to rounding, exact zeros off the support."""
     q, k, _, grad = inputs(1, 2, 2, 24, 16, 16, dtype=torch.float64, device=device, seed=5)
     v = torch.eye(16, dtype=torch.float64, device=device).expand(1, 2, 16, 16)
-    out, _ = entmax_attention_forward(q, k, v, AttentionMask(), SCALE, 2.0, None)
+    out, _, _ = entmax_attention_forward(q, k, v, AttentionMask(), SCALE, 2.0, None)
     expected = entmax.sparsemax(SCALE * q.cpu() @ k.cpu().transpose(-1, -2), -1)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-14, rtol=0)
     assert torch.equal(out.cpu() == 0, expected == 0)
@@ -351,7 +382,7 @@ def test_nan_scores_give_nan_rows(device):
 def test_backward_is_deterministic(device):
     q, k, v, grad = inputs(1, 4, 2, 40, 40, 16, device=device, seed=8)
     mask, _, _ = causal_case(1, 40, 40, device, 0)
-    out, stats = entmax_attention_forward(q, k, v, mask, SCALE, 1.5, None)
+    out, stats, _ = entmax_attention_forward(q, k, v, mask, SCALE, 1.5, None)
     first = entmax_attention_backward(q, k, v, out, grad, stats, mask, SCALE, 1.5, None, True)
     second = entmax_attention_backward(q, k, v, out, grad, stats, mask, SCALE, 1.5, None, True)
     for a, b in zip(first[:4], second[:4], strict=True):

@@ -328,7 +328,7 @@ for dtype in (torch.float32, torch.float16, torch.float64):
     for mask in (AttentionMask(start, stop), AttentionMask(dense=dense, additive=torch.zeros(L, L))):
         for softcap, sinks, rows in ((None, None, None), (5.0, None, None), (None, torch.randn(H, 1), None),
                                      (5.0, torch.randn(H, 1), torch.rand(B, H, L))):
-            out, stats = attention_entmax.entmax_attention_forward(q, k, v, mask, 0.3, 1.5, None, softcap, sinks,
+            out, stats, _ = attention_entmax.entmax_attention_forward(q, k, v, mask, 0.3, 1.5, None, softcap, sinks,
                                                                    rows)
             attention_entmax.entmax_attention_backward(q, k, v, out, out, stats, mask, 0.3, 1.5, None, True,
                                                        softcap, sinks, rows)

@@ -50,16 +50,21 @@ Backward, with ``g_ij = p_ij^(2 - alpha)`` on the support and ``dP = dO v^T``
 alpha gradients are summed per head in torch.  Three kernels, none with atomics,
 so the gradients are deterministic (bitwise equal from run to run):
 
-* a row pass per query block (one pass over K and V) computing ``delta`` and the
-  row's alpha gradient: 4 bytes per row each (8 for float64), kept O(L);
+* ``delta``: when alpha's gradient is not wanted, from ``W = sum_j g_j v_j / sum_j g_j``,
+  which the forward's output pass accumulates beside ``p v`` (``weighted=True``; one more
+  product per tile with support, none at alpha = 1 where ``W`` is the output) and keeps,
+  ``Dv`` floats per row: ``delta = dO . W``, a per-row dot product with no pass over K
+  and V, as FlashAttention-2 takes its ``delta`` from ``out``.  With alpha's gradient, a row
+  pass per query block (one pass over K and V) computes ``delta`` and the row's alpha
+  gradient: 4 bytes per row each (8 for float64), kept O(L);
 * ``dq``: one program per query block, one more pass over K and V;
 * ``dk, dv``: one program per key block and key/value head, looping over the
   query blocks (and the group's query heads, GQA) whose key range reaches it: one
   pass over Q and dO per key block.
 
-So the backward makes two passes over K and V per query block and one over Q and
-dO per key block (FlashAttention-2 makes one of each: its ``delta`` is ``rowsum(dO o)``,
-entmax's weighs ``dP`` by ``g``, not ``p``).  Tiles with no positive weight skip the V
+So the backward makes one pass over K and V per query block (two with alpha's gradient)
+and one over Q and dO per key block, as FlashAttention-2 (whose ``delta`` is
+``rowsum(dO o)``: entmax's weighs ``dP`` by ``g``, not ``p``, hence ``W``).  Tiles with no positive weight skip the V
 (or dO) load and every product after the scores in all three.  Key blocks outside a query block's key range
 (:func:`~attnorm.kernels.triton.attention_blocks.key_block_bounds`: causal, sliding
 window, key padding, documents) are never visited.
@@ -120,7 +125,7 @@ from attnorm.kernels.triton.attention_blocks import (
     row_values,
     sink_scores,
 )
-from attnorm.kernels.triton.attention_launch import dot_operands, launch_options, narrow_cuda, problem
+from attnorm.kernels.triton.attention_launch import dot_operands, launch_options, narrow_cuda, problem, row_dot
 from attnorm.kernels.triton.entmax import _power
 
 __all__ = ["entmax_attention_backward", "entmax_attention_forward"]
@@ -375,8 +380,30 @@ def _newton_sums(q_tile, keys, offs_m, span, rows, masks, row_max, tau, multipli
 
 
 @triton.jit
+def _output_add(scores, offs_n, sums, stats, values, WEIGHTED: tl.constexpr, ALPHA: tl.constexpr,
+                ACC: tl.constexpr):
+    """The output pass's sums one tile on: ``p v``, and under ``WEIGHTED`` ``g v`` and ``g`` (``g = p^(2 - alpha)``).
+
+    ``stats`` = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale); ``values`` =
+    (v_base, offs_dv, value_dim, lk, sv_n, sv_d).  A tile where no row has a positive weight loads no V.
+    """
+    acc, weighted, gppr_sum = sums
+    row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale = stats
+    v_base, offs_dv, value_dim, lk, sv_n, sv_d = values
+    u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
+    if _live(p, nan_rows):
+        v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
+        acc += mma(p.to(v_tile.dtype), v_tile, ACC)
+        if WEIGHTED and ALPHA != 1.0:
+            gppr = _gppr(u, mass, p, gppr_scale, softmax, ALPHA)  # 0 off the support (NaN rows: set after)
+            gppr_sum += tl.sum(gppr, 1)
+            weighted += mma(gppr.to(v_tile.dtype), v_tile, ACC)
+    return acc, weighted, gppr_sum
+
+
+@triton.jit
 def _entmax_attention_forward_kernel(
-    Q, K, V, OUT, STATS_PTR, scale_ptr, alpha_ptr, alpha_stride,
+    Q, K, V, OUT, STATS_PTR, WEIGHTED_PTR, scale_ptr, alpha_ptr, alpha_stride,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     heads, group, lq, lk, head_dim, value_dim, max_steps,
     key_start, key_stop, range_stride,
@@ -385,11 +412,15 @@ def _entmax_attention_forward_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, ALPHA: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block of one (batch, head): threshold search, then ``out = p v`` (module docstring).
 
     ``ALPHA`` 2 (sparsemax): the threshold passes take :func:`_pass_sums`' two-sum form.
+    ``WEIGHTED``: the output pass also writes ``W = sum_j g_j v_j / sum_j g_j`` per row
+    (``g = p^(2 - alpha)``, the sink's ``g`` in the denominator), so the backward's
+    ``delta = dO . W`` needs no pass over K and V.
     """
     bh = tl.program_id(1).to(tl.int64)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
@@ -472,28 +503,42 @@ def _entmax_attention_forward_kernel(
         norm = tl.where(settled, 1.0, norm)  # sum [z - tau]_+^2 = 1 at the closed-form root, to its rounding
     norm = tl.where(nan_rows, float("nan"), norm)
 
-    # Last pass: out = p v, skipping V for tiles without support (the sink's value is 0).
+    # Last pass: out = p v, skipping V for tiles without support (the sink's value is 0); under WEIGHTED
+    # also sum g v and sum g for the backward's delta.
+    gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
     acc = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
+    weighted = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
+    gppr_sum = tl.zeros((BLOCK_M,), ACC)
+    if WEIGHTED and HAS_SINK:
+        sink_u, sink_mass, sink_p = _weights(sink_logit[:, None], row_max, tau, norm, multiplier, power, softmax)
+        gppr_sum += tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, softmax, ALPHA), 1)
+    sums = (acc, weighted, gppr_sum)
+    stats = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale)
+    values = (v_base, offs_dv, value_dim, lk, sv_n, sv_d)
     for i in range(0, masked):
         start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                       HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        _, _, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
-        if _live(p, nan_rows):
-            v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            acc += mma(p.to(v_tile.dtype), v_tile, ACC)
+        sums = _output_add(scores, offs_n, sums, stats, values, WEIGHTED, ALPHA, ACC)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                       HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
-        _, _, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
-        if _live(p, nan_rows):
-            v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-            acc += mma(p.to(v_tile.dtype), v_tile, ACC)
+        sums = _output_add(scores, offs_n, sums, stats, values, WEIGHTED, ALPHA, ACC)
+    acc, weighted, gppr_sum = sums
     acc = tl.where(nan_rows[:, None], float("nan"), acc)
     row_base = bh * lq
     inside = offs_m < lq
+    tile = inside[:, None] & (offs_dv < value_dim)[None, :]
     out_ptrs = OUT + (row_base + offs_m)[:, None] * value_dim + offs_dv[None, :]
-    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=inside[:, None] & (offs_dv < value_dim)[None, :])
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=tile)
+    if WEIGHTED:
+        if ALPHA == 1.0:
+            weighted = acc  # softmax: g = p, whose sum with the sink's is 1
+        else:
+            weighted = weighted / tl.where(gppr_sum > 0, gppr_sum, 1.0)[:, None]
+            weighted = tl.where(nan_rows[:, None], float("nan"), weighted)
+        w_ptrs = WEIGHTED_PTR + (row_base + offs_m)[:, None] * value_dim + offs_dv[None, :]
+        tl.store(w_ptrs, weighted.to(WEIGHTED_PTR.dtype.element_ty), mask=tile)
     stats_ptrs = STATS_PTR + (row_base + offs_m) * 3
     tl.store(stats_ptrs, row_max, mask=inside)
     tl.store(stats_ptrs + 1, tau, mask=inside)
@@ -832,7 +877,8 @@ class _Launch:
 def entmax_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float, alpha_heads: Tensor | None,
     softcap: float | None = None, sinks: Tensor | None = None, logit_scale: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    weighted: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Fused alpha-entmax attention ``out = entmax_alpha(c (cap(scale q k^T) + additive) | sink) v``.
 
     Over the allowed keys and, with ``sinks``, each row's sink (a key of value 0 whose
@@ -855,12 +901,21 @@ def entmax_attention_forward(
             (``(Hq, 1)``: one per head); already multiplied by ``c``, not capped, not masked.
         logit_scale: None, or the logit multiplier ``c`` of each row (temperature,
             Scalable-Softmax), broadcastable to ``(B, Hq, Lq)``, applied after the cap.
+        weighted: also return ``W``, the rows' ``sum_j g_j v_j / sum_j g_j`` (``g = p^(2 - alpha)``,
+            the sink's ``g`` in the denominator): :func:`entmax_attention_backward` then gets
+            ``delta = dO . W`` without its row pass over K and V.  One more product per tile
+            with support in the output pass (none for alpha = 1: ``W`` is ``out``), and
+            ``(B, Hq, Lq, Dv)`` more in memory in the accumulation dtype: ``W`` rounded to
+            bfloat16 (FlashAttention-2 takes its ``delta`` from the bfloat16 ``out``) moved a
+            learnable Scalable-Softmax multiplier's gradient, summed over rows, by 0.1 in a test
+            where the row pass's float32 ``delta`` was within 0.05.
 
     Returns:
-        ``(out, stats)``: ``out`` ``(B, Hq, Lq, Dv)`` in ``q``'s dtype; ``stats``
+        ``(out, stats, W)``: ``out`` ``(B, Hq, Lq, Dv)`` in ``q``'s dtype; ``stats``
         ``(B, Hq, Lq, 3)`` in the accumulation dtype, per row ``(m, tau, N)``: the row's
         largest allowed logit (the sink's included), its threshold on ``(alpha - 1)(s - m)``
-        and the weights' normaliser (NaN in NaN rows).
+        and the weights' normaliser (NaN in NaN rows); ``W`` ``(B, Hq, Lq, Dv)`` in the
+        accumulation dtype (NaN in NaN rows), or None without ``weighted``.
 
     Raises:
         ValueError: shapes that do not fit, or a python ``alpha`` outside ``[1, 2]``.
@@ -869,15 +924,17 @@ def entmax_attention_forward(
     shape = call.shape
     out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
     stats = shape.row_tensor(STATS, like=q)
+    w = launch.empty(tuple(out.shape), call.acc_dtype, q.device) if weighted else None
     call.launch(_entmax_attention_forward_kernel, shape.query_grid, call.q, call.k, call.v, out, stats,
-                max_steps=2 * MAX_STEPS if q.dtype == torch.float64 else MAX_STEPS)
-    return out, stats
+                out if w is None else w, max_steps=2 * MAX_STEPS if q.dtype == torch.float64 else MAX_STEPS,
+                WEIGHTED=bool(weighted))
+    return out, stats, w
 
 
 def entmax_attention_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
     scale: float, alpha: float, alpha_heads: Tensor | None, alpha_grad: bool, softcap: float | None = None,
-    sinks: Tensor | None = None, logit_scale: Tensor | None = None,
+    sinks: Tensor | None = None, logit_scale: Tensor | None = None, weighted: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of :func:`entmax_attention_forward` by the closed-form entmax Jacobian (module docstring).
 
@@ -888,7 +945,9 @@ def entmax_attention_backward(
         out: the forward's output (unused: entmax's ``delta`` needs its own pass).
         grad_out: gradient of ``out``, ``(B, Hq, Lq, Dv)``.
         stats: the forward's per-row statistics.
-        alpha_grad: also return alpha's gradient per query head.
+        alpha_grad: also return alpha's gradient per query head (it takes the row pass over K and V).
+        weighted: the forward's ``W`` (``weighted=True``), or None: without ``alpha_grad``,
+            ``delta = rowsum(dO W)`` replaces the row pass over K and V.
 
     Returns:
         ``(dq, dk, dv, d_alpha, d_sinks, d_logit_scale)``: shapes and dtypes of ``q``, ``k``,
@@ -930,8 +989,12 @@ def entmax_attention_backward(
     whole = call.narrow and call.constant_alpha != 0.0
     step = shape.block if whole else half
     key_step = step
-    call.launch(_entmax_attention_rows_kernel, shape.query_grid, *common, d_alpha_rows,
-                extra_strides=grad_out.stride(), ALPHA_GRAD=bool(alpha_grad), BLOCK_N=step)
+    if weighted is not None and not alpha_grad:
+        delta = row_dot(shape, weighted, grad_out)  # no pass over K and V
+        common = (call.q, call.k, call.v, grad_out, stats, delta)
+    else:
+        call.launch(_entmax_attention_rows_kernel, shape.query_grid, *common, d_alpha_rows,
+                    extra_strides=grad_out.stride(), ALPHA_GRAD=bool(alpha_grad), BLOCK_N=step)
     call.launch(_entmax_attention_dq_kernel, shape.query_grid, *common, dq,
                 delta if d_sinks is None else d_sinks, delta if d_logit_scale is None else d_logit_scale,
                 extra_strides=grad_out.stride(), BLOCK_N=step)
