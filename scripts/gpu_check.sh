@@ -5,7 +5,8 @@
 #
 #   bash scripts/gpu_check.sh                  # all steps
 #   STEPS="tests overhead" bash scripts/gpu_check.sh
-#   STEPS=tune TUNE_SETTINGS=64x4x3 bash scripts/gpu_check.sh   # the fused kernels' times, per kernel (~40 s)
+#   STEPS=tune TUNE_SETTINGS=64x4x3 bash scripts/gpu_check.sh   # the fused kernels' times, per kernel (~30 s)
+#   STEPS="xpass probe" bash scripts/gpu_check.sh                 # the capped entmax dk; decoding host vs GPU
 #
 # Keep each call short: on 2026-11-26 a machine was taken back mid-call and the call returned nothing
 # (342 s of a 900 s lease gone), so run the steps whose results matter most first, in calls of their own.
@@ -40,6 +41,9 @@ for s in $STEPS; do
         step env 60 bash -c 'nvidia-smi -L; python3 -c "import torch, triton, numpy, transformers as t; \
 print(torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__, t.__version__, \
 torch.cuda.get_device_name())"; gcc --version | head -1' ;;
+    xpass)  # first: the capped entmax dk (strict xfail on CUDA; an XPASS, reported as a failure, clears the route rule)
+        step xpass 120 python3 -m pytest -v -p no:cacheprovider -n "${PYTEST_WORKERS:-15}" --timeout 100 -rfEX \
+            tests/kernels/test_attention_modifiers.py -k half_precision ;;
     tests)  # the Triton kernels and every fused route on CUDA tensors (conftest: no interpreter with CUDA)
         step tests "$TEST_SECONDS" python3 -m pytest -v -p no:cacheprovider -p pytest_failures -n "${PYTEST_WORKERS:-15}" \
             --dist worksteal --timeout 120 -rfE \
@@ -53,6 +57,8 @@ torch.cuda.get_device_name())"; gcc --version | head -1' ;;
             $results ;;
     decoding)
         step decoding 90 python3 benchmarks/bench_decoding.py --lengths ${DECODING_LENGTHS:-4096 65536} --copies $results ;;
+    probe)  # decoding: eager against CUDA-graph replay, and the split-K split counts (scripts/decoding_probe.py)
+        step probe 90 bash -c "python3 scripts/decoding_probe.py | tee $OUT/results/decoding_probe.md" ;;
     tune)  # launch settings of the fused kernels, timed (scripts/tune_attention.py)
         step tune "${TUNE_SECONDS:-240}" python3 scripts/tune_attention.py --profile --out "$OUT/results" \
             ${TUNE_SETTINGS:+--settings $TUNE_SETTINGS} ${TUNE_SPECS:+--specs $TUNE_SPECS} ;;
