@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -85,3 +86,13 @@ def test_launch_overhead_times_both_launch_paths_without_a_gpu():
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| Sparsemax |")]
     assert len(rows) == 2 and all(float(cell) > 0 for row in rows for cell in row.split("|")[3:5])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without CUDA gets")
+def test_decoding_probe_refuses_to_run_without_cuda(capsys):
+    """scripts/decoding_probe.py times the GPU against the host: without CUDA it stops with a usage error, at once."""
+    import decoding_probe
+
+    with pytest.raises(SystemExit) as stop:
+        decoding_probe.main(["--lengths", "64"])
+    assert stop.value.code == 2 and "needs CUDA" in capsys.readouterr().err
