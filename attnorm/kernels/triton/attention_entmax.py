@@ -927,7 +927,7 @@ def entmax_attention_forward(
     w = launch.empty(tuple(out.shape), call.acc_dtype, q.device) if weighted else None
     call.launch(_entmax_attention_forward_kernel, shape.query_grid, call.q, call.k, call.v, out, stats,
                 out if w is None else w, max_steps=2 * MAX_STEPS if q.dtype == torch.float64 else MAX_STEPS,
-                WEIGHTED=bool(weighted))
+                WEIGHTED=w is not None)
     return out, stats, w
 
 
