@@ -971,24 +971,25 @@ def entmax_attention_backward(
     # along the axis they loop over (keys for the rows and dq kernels, queries for dk/dv), as
     # FlashAttention-2's backward does: the BLOCK_M x BLOCK_N intermediates hold most of the registers.  On
     # sm_90 at head dim 128 (bfloat16) this cut the spills of dk/dv from 816 B a thread to 24 B, of dq from
-    # 568 to 16 B, of rows from 256 to 8 B.  With 4 warps (narrow_cuda: 2-byte inputs up to head dim 64) and
-    # alpha a compile-time constant they step the forward's whole block: in the sm_90 SASS
-    # (scripts/sass_loops.py, causal sparsemax) the dk/dv loop then takes 38 instructions per score against
-    # 52, rows 33 against 39, dq 34 against 35, with no spill inside the loops; not timed.  dk/dv keeps half
-    # blocks with a softcap or an additive mask (whole blocks spilled 120-328 B there) and with a runtime
-    # alpha (376 B).  Another tile shape is safe here, not in the Self-Adjusted or top-k backward: a
-    # recomputed score may differ from the forward's in its last bit, which moves an entmax weight by about
-    # as much but would drop a key from their min/max or top-k set.
-    # dk/dv used to keep half blocks with a softcap or an additive mask (whole blocks spill 120-328 B there).
-    # On an H200 (Triton 3.6, 2026-11-26) that half-block dk/dv with a softcap, in float16 and bfloat16 (4
-    # warps), gave a dk 90 % wrong, while whole blocks without the cap and half blocks with 8 warps (float32)
-    # were right; so every narrow call now steps whole blocks, the configuration seen right on a GPU.  Whether
-    # this alone mends the capped dk is untested on a GPU: attention() still routes capped backward calls
-    # around the kernel on CUDA (routes/fused.py, _untrusted_capped_backward).
+    # 568 to 16 B, of rows from 256 to 8 B.  With 4 warps (narrow_cuda: 2-byte inputs up to head dim 64) the
+    # rows and dq kernels step the forward's whole block when alpha is a compile-time constant (half a block
+    # for a runtime alpha), and dk/dv always does: in the sm_90 SASS (scripts/sass_loops.py, causal
+    # sparsemax) the dk/dv loop then takes 38 instructions per score against 52, rows 33 against 39, dq 34
+    # against 35, with no spill inside the loops.  Whole dk/dv blocks spill 80-200 B with a softcap or an
+    # additive mask and 376 B with a runtime alpha; they used to keep half blocks there, until an H200
+    # (Triton 3.6, 2026-11-26) gave a dk 90 % wrong from the half-block dk/dv with a softcap in float16 and
+    # bfloat16 (4 warps), while whole blocks without the cap and half blocks with 8 warps (float32) were
+    # right.  The suspect, not a finding: with 4 warps a 32-row product cannot be one Hopper warpgroup MMA
+    # (64 rows), so such tiles mix two MMA layouts.  The runtime-alpha half-block dk/dv in half precision
+    # never ran on a GPU.  Whether whole blocks mend the capped dk is untested on a GPU, so attention() still
+    # routes capped backward calls around the kernel on CUDA (routes/fused.py, _untrusted_capped_backward).
+    # Another tile shape is safe here, not in the Self-Adjusted or top-k backward: a recomputed score may
+    # differ from the forward's in its last bit, which moves an entmax weight by about as much but would drop
+    # a key from their min/max or top-k set.
     half = max(16, shape.block // 2)
     whole = call.narrow and call.constant_alpha != 0.0
     step = shape.block if whole else half
-    key_step = step
+    key_step = shape.block if call.narrow else half
     if weighted is not None and not alpha_grad:
         delta = row_dot(shape, weighted, grad_out)  # no pass over K and V
         common = (call.q, call.k, call.v, grad_out, stats, delta)
