@@ -976,7 +976,7 @@ def entmax_attention_backward(
     # for a runtime alpha), and dk/dv always does: in the sm_90 SASS (scripts/sass_loops.py, causal
     # sparsemax) the dk/dv loop then takes 38 instructions per score against 52, rows 33 against 39, dq 34
     # against 35, with no spill inside the loops.  Whole dk/dv blocks spill 80-200 B with a softcap or an
-    # additive mask and 376 B with a runtime alpha; they used to keep half blocks there, until an H200
+    # additive mask and 264-520 B with a runtime alpha; they used to keep half blocks there, until an H200
     # (Triton 3.6, 2026-11-26) gave a dk 90 % wrong from the half-block dk/dv with a softcap in float16 and
     # bfloat16 (4 warps), while whole blocks without the cap and half blocks with 8 warps (float32) were
     # right.  The suspect, not a finding: with 4 warps a 32-row product cannot be one Hopper warpgroup MMA
