@@ -298,3 +298,21 @@ def test_logit_scalings_under_structured_masks_take_the_fused_softmax(mask, devi
     logits = (2 * (q @ kr.transpose(-2, -1)) / math.sqrt(D)).masked_fill(~allowed.to(device), -1e300)
     softmax = torch.softmax(logits, -1)
     torch.testing.assert_close(plain, softmax * allowed.any(-1, keepdim=True).to(device) @ vr, rtol=1e-9, atol=1e-10)
+
+
+def test_the_entmax_forward_keeps_w_only_for_a_backward_without_alpha_gradient():
+    """``attention_ops._keeps_weighted``: W (the backward's delta without a row pass) is kept when a gradient will be
+    taken and alpha's is not wanted; inference and a learnable alpha (its gradient needs the row pass) keep none."""
+    from attnorm.kernels import attention_ops
+
+    q, k, v = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4)
+    wanted = q.clone().requires_grad_()
+    alpha = torch.full((2,), 1.5, requires_grad=True)
+    sinks = torch.zeros(2, 1, requires_grad=True)
+    assert attention_ops._keeps_weighted(wanted, k, v, None, None, None)
+    assert attention_ops._keeps_weighted(q, k, v, None, sinks, None)  # a sink's gradient goes through delta too
+    assert not attention_ops._keeps_weighted(q, k, v, None, None, None)  # nothing to differentiate
+    assert not attention_ops._keeps_weighted(wanted, k, v, alpha, None, None)
+    assert attention_ops._keeps_weighted(wanted, k, v, alpha.detach(), None, None)  # fixed per-head alphas
+    with torch.no_grad():
+        assert not attention_ops._keeps_weighted(wanted, k, v, None, None, None)
