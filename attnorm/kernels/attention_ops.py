@@ -216,9 +216,9 @@ def _keeps_weighted(q: Tensor, k: Tensor, v: Tensor, alpha_heads: Tensor | None,
     When a gradient will be taken and alpha's is not among them (alpha's needs the row pass over K and V
     anyway): one ``(B, Hq, Lq, Dv)`` tensor more between forward and backward, one pass over K and V less.
     """
-    if not torch.is_grad_enabled() or alpha_heads is not None and alpha_heads.requires_grad:
+    if alpha_heads is not None and alpha_heads.requires_grad:
         return False
-    return any(t is not None and t.requires_grad for t in (q, k, v, sinks, logit_scale))
+    return ops.records_grad(q, k, v, sinks, logit_scale)
 
 
 # ---- Self-Adjusted Softmax and top-k: forward (out, stats), backward (dq, dk, dv, d sinks) -------

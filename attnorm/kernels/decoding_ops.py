@@ -98,7 +98,7 @@ def self_adjusted_decoding(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
     an input needs a gradient: the dispatcher then runs the autograd rule, which raises.
     """
     op = torch.ops.attnorm.self_adjusted_decoding_fwd.default
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if ops.records_grad(q, k, v):
         return op(q, k, v, *mask, scale, normalized, splits)
     return ops.call(op, q, k, v, *mask, scale, normalized, splits)
 
@@ -109,6 +109,6 @@ def decoding_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     The rows route's first step for half-precision decoding (no float32 copy of K); forward only.
     """
     op = torch.ops.attnorm.decoding_scores_fwd.default
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+    if ops.records_grad(q, k):
         return op(q, k, scale)
     return ops.call(op, q, k, scale)

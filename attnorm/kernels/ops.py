@@ -74,6 +74,7 @@ __all__ = [
     "plain",
     "plain_tensor",
     "register_eager",
+    "records_grad",
     "scalable_softmax_fwd",
     "self_adjusted_softmax_bwd",
     "self_adjusted_softmax_fwd",
@@ -227,6 +228,16 @@ def plain(*args: Any) -> bool:
 def plain_tensor(tensor: Tensor) -> bool:
     """A ``Tensor`` or ``Parameter`` (no other subclass) not batched by the legacy vmap (see :func:`call`)."""
     return type(tensor) in _PLAIN and not _is_legacy_batched(tensor)
+
+
+def records_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd records a call on ``tensors``: grad mode on and one of them (None skipped) requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # a loop, not any(generator): routes ask on every call
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def forward_mode() -> bool:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from attnorm.kernels.decoding_ops import self_adjusted_decoding
-from attnorm.kernels.ops import forward_mode
+from attnorm.kernels.ops import forward_mode, records_grad
 from attnorm.routes.common import kernel_mask
 from attnorm.routes.fused import _runs_triton
 
@@ -132,8 +132,7 @@ def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor
         return False
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return False
-    inputs = (q, k, v) if additive is None else (q, k, v, additive)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+    if records_grad(q, k, v, additive):
         return False
     return _runs_triton(normalizer, q)
 
@@ -157,6 +156,6 @@ def scores_kernel_applies(normalizer, q: Tensor, k: Tensor) -> bool:
         return False
     if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad) or forward_mode():
+    if records_grad(q, k) or forward_mode():
         return False
     return bool(getattr(normalizer, "kernel", "")) and _runs_triton(normalizer, q)

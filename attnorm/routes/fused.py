@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from attnorm.kernels import attention_ops, backends
+from attnorm.kernels.ops import records_grad
 from attnorm.masks import StructuredMask
 from attnorm.routes.common import kernel_mask
 from attnorm.routes.sdpa import Multiplier, sdpa_mask_kind
@@ -92,12 +93,7 @@ def _untrusted_capped_backward(normalizer, q: Tensor, k: Tensor, v: Tensor, soft
     yet, so until a GPU run clears it, such calls run on the blocked route (exact, and Lq x Lk
     never in memory at once); inference (no gradient wanted) keeps the fused forward.
     """
-    if softcap is None or q.device.type != "cuda":
-        return False
-    if not torch.is_grad_enabled():
-        return False
-    wanted = [q, k, v, *normalizer.parameters()] + ([] if sinks is None else [sinks])
-    return any(t.requires_grad for t in wanted)
+    return softcap is not None and q.device.type == "cuda" and records_grad(q, k, v, sinks, *normalizer.parameters())
 
 
 @functools.cache

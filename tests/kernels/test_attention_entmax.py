@@ -250,7 +250,7 @@ def test_weighted_values_stand_in_for_the_row_pass(case, alpha, device):
     alpha_ref = 1.0 if alpha == 1 else torch.full((2,), alpha, dtype=torch.float64)
     p = reference(*leaves, None if keep is None else keep.cpu(), None if additive is None else additive.cpu(), SCALE,
                   alpha_ref, weights_only=True)
-    g = p if alpha == 1 else torch.where(p > 0, p, 0.0) ** (2 - alpha) * (p > 0)
+    g = p if alpha == 1 else p ** (2 - alpha) * (p > 0)  # (p > 0): 0 ** 0 is 1 for sparsemax
     total = g.sum(-1, keepdim=True)
     expected = (g @ leaves[2].repeat_interleave(2, 1)) / torch.where(total > 0, total, 1.0)
     assert w.shape == out.shape and w.dtype == stats.dtype
