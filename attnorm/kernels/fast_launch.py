@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 from collections.abc import Callable
 from operator import itemgetter
 from typing import Any, NamedTuple
@@ -52,7 +53,7 @@ import torch
 
 from attnorm.validation import check_bool
 
-__all__ = ["MAX_KEPT", "enabled", "kept", "launcher", "set_enabled"]
+__all__ = ["MAX_KEPT", "Recording", "direct_call", "enabled", "kept", "launcher", "recording", "set_enabled"]
 
 MAX_KEPT = 4096
 """Most compiled kernels kept (one per key), and most call shapes planned; past it, launches take Triton's path."""
@@ -65,6 +66,7 @@ _SCALARS = frozenset((bool, int, float, str, type(None)))
 _KNOBS: Any = None
 _JIT_FUNCTION: Any = None
 _check_switch = check_bool("value")
+_STATE = threading.local()
 
 
 class _Plan(NamedTuple):
@@ -195,7 +197,10 @@ def launcher(kernel: Any) -> Any:
         from triton.runtime.jit import JITFunction
 
         _JIT_FUNCTION = JITFunction
-    return _Direct(kernel) if type(kernel) is _JIT_FUNCTION else kernel
+    if type(kernel) is _JIT_FUNCTION:
+        return _Direct(kernel)
+    _spoil()  # launched where no recording sees it
+    return kernel
 
 
 class _Direct:
@@ -226,6 +231,7 @@ def _hooked() -> bool:
 def launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """One launch of ``kernel`` over ``grid``: direct when its key is kept, else Triton's (keeping what it compiles)."""
     if callable(grid) or _hooked():
+        _spoil()
         kernel[grid](*args, **kwargs)
         return
     device, stream = _device_and_stream()
@@ -236,9 +242,72 @@ def launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: di
         compiled = kernel[grid](*args, **kwargs)
         if launch_key is not None and compiled is not None and len(_KEPT) < MAX_KEPT:
             _KEPT[launch_key] = compiled
+        if plan is None:
+            _spoil()
+        else:
+            _note_launch(compiled, grid, plan.order((*values, *plan.defaults)))
         return
-    run = compiled.run  # the launcher (a property: loads the module on first use)
+    bound = plan.order((*values, *plan.defaults))
+    _note_launch(compiled, grid, bound)
+    direct_call(compiled, grid, stream, bound)
+
+
+def direct_call(compiled: Any, grid: tuple[int, ...], stream: int, bound: tuple[Any, ...] | list[Any]) -> None:
+    """Launch the compiled kernel ``compiled`` over ``grid`` on ``stream`` with every parameter's value ``bound``."""
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
-    run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None, None,
-        *plan.order((*values, *plan.defaults)))
+    # The launcher (a property: loads the module on first use); no launch metadata and no hooks.
+    compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *bound)
+
+
+# ---- recording the launches of one call (attnorm.kernels.triton.replay) ----------------------
+
+
+class Recording:
+    """What one call did, as :mod:`attnorm.kernels.triton.replay` reads it.
+
+    Attributes:
+        outputs: the fresh outputs the call allocated (noted by ``launch.empty``).
+        launches: ``(compiled kernel, grid, bound values)`` of each launch, in order.
+        usable: False once the call launched a kernel this module could not record.
+    """
+
+    __slots__ = ("launches", "outputs", "usable")
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+        self.launches: list[tuple[Any, tuple[int, ...], tuple[Any, ...]]] = []
+        self.usable = True
+
+
+def recording() -> Recording | None:
+    """The recording under way in this thread, or None."""
+    return getattr(_STATE, "recording", None)
+
+
+def set_recording(value: Recording | None) -> None:
+    """Start (a :class:`Recording`) or stop (None) recording this thread's launches."""
+    _STATE.recording = value
+
+
+def note_output(tensor: torch.Tensor) -> None:
+    """A fresh output of the call being recorded, if one is."""
+    current = getattr(_STATE, "recording", None)
+    if current is not None:
+        current.outputs.append(tensor)
+
+
+def _note_launch(compiled: Any, grid: tuple[int, ...], bound: tuple[Any, ...]) -> None:
+    current = getattr(_STATE, "recording", None)
+    if current is not None:
+        if compiled is None:
+            current.usable = False
+        else:
+            current.launches.append((compiled, grid, bound))
+
+
+def _spoil() -> None:
+    current = getattr(_STATE, "recording", None)
+    if current is not None:
+        current.usable = False

@@ -593,7 +593,7 @@ def topk_attention_forward(
     stats = shape.row_tensor(STATS, like=q)
     if stats.numel() == 0:
         return out, stats
-    k_param = torch.full((1,), float(k_keep), dtype=torch.float64, device=q.device)
+    k_param = launch.constant(float(k_keep), torch.float64, q.device)  # kept: no fill kernel per call
     q, k, v = dot_operands(q, k, v)
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     launch.launchable(_topk_forward_kernel)[shape.query_grid](

@@ -46,7 +46,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnorm.kernels import rules
-from attnorm.kernels.triton import launch
+from attnorm.kernels.triton import launch, replay
 from attnorm.kernels.triton.blocks import (
     at_sink,
     keep_posinf,
@@ -491,6 +491,7 @@ def _max_iterations(x: Tensor) -> int:
     return 120 if x.dtype == torch.float64 else 60
 
 
+@replay.replayable
 def entmax_forward(
     x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None, softcap: float | None = None,
     weights_only: bool = False,
@@ -532,6 +533,7 @@ def entmax_forward(
     return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
 
 
+@replay.replayable
 def entmax_backward(
     y: Tensor, grad: Tensor, gate: Tensor, alpha: float | Tensor, alpha_grad: bool,
     sink_weight: Tensor | None = None, x: Tensor | None = None, softcap: float | None = None,

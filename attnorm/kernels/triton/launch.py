@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import _C, Tensor
 
 from attnorm import validation
-from attnorm.kernels import rules
+from attnorm.kernels import fast_launch, rules
 from attnorm.kernels.inductor import launchable
 
 __all__ = [
@@ -152,9 +152,11 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> T
     """Allocate a kernel output (tests patch this to fill outputs with NaN).
 
     Sizes go unpacked: ``torch.empty`` parses separate ints faster than a tuple (1.5 against
-    2.3 us a call on a slow CPU).
+    2.3 us a call on a slow CPU).  A call being recorded (:mod:`.replay`) notes each output.
     """
-    return torch.empty(*shape, dtype=dtype, device=device) if shape else torch.empty((), dtype=dtype, device=device)
+    out = torch.empty(*shape, dtype=dtype, device=device) if shape else torch.empty((), dtype=dtype, device=device)
+    fast_launch.note_output(out)
+    return out
 
 
 def compute_dtype(x: Tensor) -> tl.dtype:
@@ -214,6 +216,11 @@ def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
         if len(_CONSTANTS) < CONSTANTS_KEPT:
             _CONSTANTS[key] = kept
     return kept
+
+
+def kept_constants() -> set[int]:
+    """The ids of the constants :func:`constant` keeps (never dropped, so a recorded launch may hold them)."""
+    return {id(kept) for kept in _CONSTANTS.values()}
 
 
 def row_param(value: float | Tensor, x: Tensor) -> tuple[Tensor, int]:

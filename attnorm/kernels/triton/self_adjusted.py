@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnorm.kernels import rules
-from attnorm.kernels.triton import launch
+from attnorm.kernels.triton import launch, replay
 from attnorm.kernels.triton.blocks import (
     at_sink,
     keep_posinf,
@@ -291,6 +291,7 @@ def _self_adjusted_backward_kernel(
         store_sink(DSINK, row, dsink, nan > 0)
 
 
+@replay.replayable
 def self_adjusted_forward(
     x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None, softcap: float | None = None,
     weights_only: bool = False,
@@ -333,6 +334,7 @@ def self_adjusted_forward(
     return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
 
 
+@replay.replayable
 def self_adjusted_backward(
     x: Tensor, mask: rules.RowMask, grad: Tensor, stats: Tensor, normalized: bool, sink: Tensor | None = None,
     softcap: float | None = None,

@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnorm.kernels import rules
-from attnorm.kernels.triton import launch
+from attnorm.kernels.triton import launch, replay
 from attnorm.kernels.triton.blocks import (
     at_sink,
     keep_posinf,
@@ -265,6 +265,7 @@ def _softmax_backward_kernel(
         tl.store(DSINK + row, dsink)
 
 
+@replay.replayable
 def softmax_forward(
     x: Tensor, mask: rules.RowMask, variant: int, first: float | Tensor, second: float | Tensor,
     sink: Tensor | None = None, softcap: float | None = None, weights_only: bool = False,
@@ -314,6 +315,7 @@ def softmax_forward(
     return outputs if sink_weight is None else (*outputs, sink_weight.reshape(per_row))
 
 
+@replay.replayable
 def softmax_backward(
     y: Tensor, grad: Tensor, multiplier: float | Tensor, x: Tensor | None, param_grad: int,
     sink_weight: Tensor | None = None, sink: Tensor | None = None, softcap: float | None = None,

@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnorm.kernels import rules
-from attnorm.kernels.triton import launch
+from attnorm.kernels.triton import launch, replay
 from attnorm.kernels.triton.blocks import (
     at_sink,
     keep_posinf,
@@ -246,6 +246,7 @@ def _topk_forward_kernel(
         store_sink(SINK_WEIGHT, row, sink_weight, nan_row)
 
 
+@replay.replayable
 def topk_forward(
     x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor,
     sink: Tensor | None = None, softcap: float | None = None, weights_only: bool = False,
@@ -279,7 +280,7 @@ def topk_forward(
     sink_weight = run.row_stats() if sink is not None else None
     masking = launch.mask_args(mask, x)
     wide = x.dtype == torch.float64
-    k_value = torch.full((1,), float(k), dtype=torch.float64, device=x.device)
+    k_value = launch.constant(float(k), torch.float64, x.device)  # kept: no fill kernel per call
     launch.run(
         _topk_forward_kernel, run,
         run.rows, run.out, multiplier, k_value, *launch.row_param(temperature, x), *masking.args,

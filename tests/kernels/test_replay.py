@@ -1,0 +1,283 @@
+"""Host replay of Triton backend functions (attnorm.kernels.triton.replay) against the same calls run as written.
+
+No GPU is needed: the row kernels become real ``JITFunction`` objects whose Triton path
+and compiled launcher are stand-ins that run the interpreted kernel with the values they
+are given.  So a replayed call computes for real, from nothing but its plan's recorded
+arguments with the new call's tensors swapped in, and is compared with the interpreter
+running the function as written (fast launch off), outputs poisoned with NaN first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from triton.runtime import jit  # noqa: E402
+
+from attnorm.kernels import fast_launch  # noqa: E402
+from attnorm.kernels.rules import NO_MASK, RowMask  # noqa: E402
+
+if not hasattr(triton.runtime, "interpreter") or not hasattr(triton.runtime.interpreter, "InterpretedFunction"):
+    pytest.skip("needs Triton's interpreter", allow_module_level=True)
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from attnorm.kernels.triton import entmax, launch, replay, self_adjusted, softmax, topk  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in runs the interpreter on CPU tensors")
+
+FAMILIES = (softmax, entmax, topk, self_adjusted)
+
+
+class Compiled:
+    """A compiled kernel whose launcher runs the interpreted kernel with the bound values it is given."""
+
+    function, packed_metadata = "function handle", ("packed",)
+
+    def __init__(self, interpreted, launches):
+        self.interpreted, self.launches = interpreted, launches
+
+    @property
+    def run(self):
+        def launcher(grid_0, grid_1, grid_2, stream, function, metadata, hook_args, enter, leave, *bound):
+            assert (stream, function, metadata, hook_args, enter, leave) == (
+                77, "function handle", ("packed",), None, None, None)
+            self.launches.append(bound)
+            self.interpreted[(grid_0, grid_1, grid_2)](*bound)
+
+        return launcher
+
+
+def jitted(interpreted, launches, triton_runs):
+    """A ``JITFunction`` of ``interpreted``'s body whose Triton path runs the interpreter and returns a stand-in."""
+    kernel = jit.JITFunction(interpreted.fn)
+    compiled = Compiled(interpreted, launches)
+
+    def run(*args, grid, warmup, **kwargs):
+        triton_runs.append(kernel)
+        interpreted[grid](*args, **kwargs)
+        return compiled
+
+    kernel.run = run
+    return kernel
+
+
+@pytest.fixture
+def replaying(monkeypatch):
+    """Fast launch on with JIT row kernels; yields ``(direct launches, replays)``."""
+    launches, triton_runs = [], []
+    for module in FAMILIES:
+        for name, value in list(vars(module).items()):
+            if isinstance(value, InterpretedFunction) and name.endswith("_kernel"):
+                monkeypatch.setattr(module, name, jitted(value, launches, triton_runs))
+    monkeypatch.setattr(fast_launch, "_KEPT", {})
+    monkeypatch.setattr(replay, "_PLANS", {})
+    monkeypatch.setattr(fast_launch, "_device_and_stream", lambda: (0, 77))
+    def poisoned(shape, dtype, device):  # made filled (an in-place fill would count as a torch write)
+        out = torch.full(shape, math.nan if dtype.is_floating_point else -7, dtype=dtype, device=device)
+        fast_launch.note_output(out)
+        return out
+
+    monkeypatch.setattr(launch, "empty", poisoned)
+    replays = []
+    real_replay = replay._replay
+    monkeypatch.setattr(replay, "_replay", lambda *args: replays.append(1) or real_replay(*args))
+    yield launches, replays
+
+
+def written(function, *args, **kwargs):
+    """``function`` run as written: the switch off (outputs poisoned all the same)."""
+    fast_launch.set_enabled(False)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        fast_launch.set_enabled(True)
+
+
+def assert_same(got, want):
+    if isinstance(want, tuple):
+        assert isinstance(got, tuple) and len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert_same(a, b)
+    elif isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    else:
+        assert got == want
+
+
+def scores(shape, seed, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator).to(dtype)
+    x[..., 0] = -math.inf if shape[-1] > 2 else x[..., 0]
+    return x
+
+
+# (function, extra arguments, expected to replay): every call of the row functions' shapes
+FORWARDS = [
+    pytest.param(lambda x: softmax.softmax_forward(x, NO_MASK, 0, 0.5, 0.0, weights_only=True), True,
+                 id="softmax-temperature"),
+    pytest.param(lambda x: softmax.softmax_forward(x, NO_MASK, 1, 0.4, 0.1), True, id="ssmax-stats"),
+    pytest.param(lambda x: softmax.softmax_forward(x, RowMask(None, 0, None), 1, 0.4, 0.1, softcap=3.0), True,
+                 id="ssmax-causal-softcap"),
+    pytest.param(lambda x: entmax.entmax_forward(x, NO_MASK, 2.0), True, id="sparsemax"),
+    pytest.param(lambda x: entmax.entmax_forward(x, RowMask(None, -1, None), 1.5), True, id="entmax15-causal"),
+    pytest.param(lambda x: topk.topk_forward(x, NO_MASK, 3.0, False, 1.0), True, id="topk"),
+    pytest.param(lambda x: topk.topk_forward(x, NO_MASK, 0.25, True, 2.0), True, id="topk-fraction"),
+    pytest.param(lambda x: self_adjusted.self_adjusted_forward(x, NO_MASK, True), True, id="sa-normalized"),
+    pytest.param(lambda x: softmax.softmax_forward(x, RowMask(x > 0, None, None), 0, 1.0, 0.0), True,
+                 id="softmax-bool-mask"),
+    # a mask broadcast over each row's keys: viewed as (rows, L) with stride 0 along L
+    pytest.param(lambda x: softmax.softmax_forward(x, RowMask(x[..., :1] > 0, None, None), 0, 1.0, 0.0), True,
+                 id="softmax-bool-mask-broadcast"),
+    # a float64 temperature per row for float32 scores: cast by a torch operation, never replayed
+    pytest.param(lambda x: softmax.softmax_forward(x, NO_MASK, 0, torch.full((*x.shape[:-1], 1), 0.5,
+                                                                              dtype=torch.float64), 0.0),
+                 False, id="softmax-cast-temperature"),
+]
+
+
+@pytest.mark.parametrize("call, replayable", FORWARDS)
+def test_forwards_replay_what_they_compute_as_written(replaying, call, replayable):
+    _, replays = replaying
+    shape = (2, 3, 37)
+    for seed in range(3):
+        x = scores(shape, seed)
+        want = written(call, x)
+        before = len(replays)
+        got = call(x)
+        assert_same(got, want)
+        replayed = len(replays) > before
+        assert replayed == (replayable and seed > 0), (seed, replayed)  # the first call records
+    assert replay.planned() == ((1, 0) if replayable else (0, 1))
+
+
+def test_backwards_replay(replaying):
+    _, replays = replaying
+    x = scores((4, 50), 0)
+    y, multiplier, log_count = written(softmax.softmax_forward, x, NO_MASK, 1, 0.4, 0.1)
+    sparse, gate = written(entmax.entmax_forward, x, NO_MASK, 1.5)
+    for seed in range(3):
+        g = scores((4, 50), seed + 10).nan_to_num(neginf=0.0)
+        for call in (lambda g=g: softmax.softmax_backward(y, g, multiplier, x, 2),
+                     lambda g=g: softmax.softmax_backward(y, g, multiplier, x, 0, softcap=2.0),
+                     lambda g=g: entmax.entmax_backward(sparse, g, gate, 1.5, True)):
+            want = written(call)
+            assert_same(call(), want)
+    assert replay.planned() == (3, 0) and len(replays) == 6
+
+
+def test_modules_replay_forward_and_backward(replaying):
+    import attnorm
+
+    _, replays = replaying
+    modules = [attnorm.Sparsemax(backend="triton"), attnorm.Entmax(1.5, backend="triton"),
+               attnorm.ScalableSoftmax(backend="triton"), attnorm.TopKSoftmax(4, backend="triton"),
+               attnorm.SelfAdjustedSoftmax(backend="triton")]
+    for module in modules:
+        for seed in range(3):
+            x = scores((3, 20), seed).requires_grad_()
+            g = scores((3, 20), seed + 5).nan_to_num(neginf=0.0)
+            want = written(module, x)
+            (want_grad,) = torch.autograd.grad(want, x, g)
+            count = len(replays)
+            got = module(x)
+            (got_grad,) = torch.autograd.grad(got, x, g)
+            assert_same((got, got_grad), (want, want_grad))
+            if seed:
+                assert len(replays) == count + 2, type(module).__name__  # forward and backward replayed
+            with torch.no_grad():
+                assert_same(module(x), want.detach())
+
+
+def test_each_key_part_gets_its_own_plan(replaying):
+    x = scores((2, 37), 0)
+    calls = [
+        lambda: softmax.softmax_forward(x, NO_MASK, 0, 0.5, 0.0),
+        lambda: softmax.softmax_forward(x, NO_MASK, 0, 0.25, 0.0),  # another temperature
+        lambda: softmax.softmax_forward(x, NO_MASK, 1, 1.0, -0.0),  # -0.0 is not 0.0
+        lambda: softmax.softmax_forward(x, NO_MASK, 1, 1.0, 0.0),
+        lambda: softmax.softmax_forward(x[:, :20], NO_MASK, 0, 0.5, 0.0),  # another shape and row stride
+        lambda: softmax.softmax_forward(x.T.contiguous().T, NO_MASK, 0, 0.5, 0.0),  # other strides: copied
+        lambda: softmax.softmax_forward(x.double(), NO_MASK, 0, 0.5, 0.0),  # another dtype
+        lambda: softmax.softmax_forward(x[:, 1:], NO_MASK, 0, 0.5, 0.0),  # unaligned data pointer
+    ]
+    for call in calls:
+        want = written(call)
+        for _ in range(2):
+            assert_same(call(), want)
+    replayable, refused = replay.planned()
+    assert replayable + refused == len(calls)
+    assert refused == 1  # the non-contiguous rows, copied by a torch operation
+
+
+def test_what_a_recording_refuses(replaying):
+    x = scores((2, 16), 0)
+
+    @replay.replayable
+    def filled(x):
+        y, multiplier = softmax.softmax_forward.__wrapped__(x, NO_MASK, 0, 1.0, 0.0)[:2]
+        multiplier.fill_(1.0)  # a torch write into an output: not repeated by a replay
+        return y, multiplier
+
+    @replay.replayable
+    def computed(x):
+        y = softmax.softmax_forward.__wrapped__(x, NO_MASK, 0, 1.0, 0.0)[0]
+        return y * 2  # a result made by torch
+
+    @replay.replayable
+    def unlaunched(x):
+        return x  # no launch at all
+
+    for function in (filled, computed, unlaunched):
+        for _ in range(2):
+            function(x)
+    assert replay.planned() == (0, 3)
+
+
+def test_aliased_inputs_record_again(replaying):
+    x = scores((3, 16), 0).nan_to_num(neginf=0.0)
+    y, multiplier, _ = written(softmax.softmax_forward, x, NO_MASK, 0, 1.0, 0.0)
+    written(softmax.softmax_backward, y, y, multiplier, None, 0)
+    softmax.softmax_backward(y, y, multiplier, None, 0)  # y as its own gradient: which one a launch read is moot
+    assert replay.planned() == (0, 0)
+    g = torch.ones_like(y)
+    want = written(softmax.softmax_backward, y, g, multiplier, None, 0)
+    for _ in range(2):
+        assert_same(softmax.softmax_backward(y, g, multiplier, None, 0), want)
+    assert replay.planned() == (1, 0)
+    assert_same(softmax.softmax_backward(y, y, multiplier, None, 0),
+                written(softmax.softmax_backward, y, y, multiplier, None, 0))
+
+
+def test_not_replayed_with_a_hook_or_switched_off(replaying, monkeypatch):
+    from triton import knobs
+
+    _, replays = replaying
+    x = scores((2, 16), 0)
+    for _ in range(2):
+        softmax.softmax_forward(x, NO_MASK, 0, 1.0, 0.0)
+    assert replay.planned() == (1, 0) and len(replays) == 1
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *args: None)
+    softmax.softmax_forward(x, NO_MASK, 0, 1.0, 0.0)
+    assert len(replays) == 1  # Triton's path: the hook sees the launch
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    written(softmax.softmax_forward, x, NO_MASK, 0, 1.0, 0.0)
+    assert len(replays) == 1
+    softmax.softmax_forward(x, NO_MASK, 0, 1.0, 0.0)
+    assert len(replays) == 2
+    replay.clear()
+    assert replay.planned() == (0, 0)
+
+
+def test_tensor_subclasses_and_lists_are_not_keyed(replaying):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    x = scores((2, 16), 0)
+    assert replay._key(softmax.softmax_forward, (x, [1]), {}) is None
+    assert replay._key(softmax.softmax_forward, (TwoTensor(x, x),), {}) is None
+    assert replay._key(softmax.softmax_forward, (1.0,), {}) is None  # no tensor
