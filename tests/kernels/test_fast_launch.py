@@ -163,23 +163,42 @@ def test_nothing_is_kept_past_the_limit(switched_on, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_results_equal_triton_launch(monkeypatch):
-    """Row kernels and a fused attention: the direct launch gives Triton's launch's results, call after call."""
+    """Row kernels (forward, backward), decoding and a fused attention: the direct launch and its replays
+    (:mod:`attnorm.kernels.triton.replay`) give Triton's launch's results, call after call, and a CUDA
+    graph captured with them replays them too."""
     import attnorm
+    from attnorm.kernels.triton import replay
 
     monkeypatch.setattr(fast_launch, "_KEPT", {})
-    x = torch.randn(6, 300, device="cuda")
+    monkeypatch.setattr(replay, "_PLANS", {})
+    x = torch.randn(6, 300, device="cuda", requires_grad=True)
+    g = torch.randn(6, 300, device="cuda")
     q, k, v = (torch.randn(2, 4, 130, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     modules = [attnorm.Sparsemax(backend="triton"), attnorm.Entmax(1.5, backend="triton"),
-               attnorm.TopKSoftmax(7, backend="triton"), attnorm.SelfAdjustedSoftmax(backend="triton")]
+               attnorm.TopKSoftmax(7, backend="triton"), attnorm.SelfAdjustedSoftmax(backend="triton"),
+               attnorm.ScalableSoftmax(backend="triton"), attnorm.Softmax(0.5, backend="triton")]
 
     def outputs():
         rows = [module(x) for module in modules]
-        fused = [attnorm.attention(q, k, v, module, is_causal=True) for module in modules]
-        return rows + fused
+        grads = [torch.autograd.grad(y, x, g)[0] for y in rows]
+        with torch.no_grad():
+            plain = [module(x) for module in modules]
+            fused = [attnorm.attention(q, k, v, module, is_causal=True) for module in modules]
+            decoding = [attnorm.attention(q[:, :, -1:], k, v, module) for module in modules]
+        return [y.detach() for y in rows] + grads + plain + fused + decoding
 
     expected = outputs()
     monkeypatch.setattr(fast_launch, "_ENABLED", True)
-    for _ in range(3):  # the first call keeps the kernels, the next launch them directly
+    for _ in range(3):  # the first call keeps the kernels and records, the next launch them directly
         for got, want in zip(outputs(), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert fast_launch.kept() > 0
+    assert fast_launch.kept() > 0 and replay.planned()[0] > 0
+    module, scores = modules[0], torch.randn(6, 300, device="cuda")
+    with torch.no_grad():
+        module(scores)
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = module(scores)
+    scores.copy_(x.detach())
+    graph.replay()
+    torch.testing.assert_close(captured, expected[12], rtol=0, atol=0)

@@ -114,9 +114,10 @@ def mask_arguments(mask: AttentionMask, shape: tuple[int, int, int, int], device
 
     Returns keyword arguments: the interval pointers and their batch stride, the dense
     and additive pointers with four strides each, and the three ``HAS_*`` constants.
-    Absent parts pass a dummy pointer (never read: their ``HAS_*`` constant is False).
+    Absent parts pass a dummy pointer (never read: their ``HAS_*`` constant is False), a
+    kept one-element tensor (:func:`.launch.constant`: no allocation per call).
     """
-    dummy = torch.empty(1, dtype=torch.int32, device=device)
+    dummy = launch.constant(0.0, torch.int32, device)
     has_range = mask.key_start is not None
     start = mask.key_start if has_range else dummy
     stop = mask.key_stop if has_range else dummy

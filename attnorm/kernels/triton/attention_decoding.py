@@ -92,7 +92,7 @@ from torch import Tensor
 
 from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
-from attnorm.kernels.triton import launch
+from attnorm.kernels.triton import launch, replay
 from attnorm.kernels.triton.attention_blocks import (
     as_acc,
     key_block_bounds,
@@ -353,6 +353,7 @@ def _scores_kernel(
 # ---- host functions --------------------------------------------------------------------------
 
 
+@replay.replayable
 def self_adjusted_decoding_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool, splits: int = 0
 ) -> Tensor:
@@ -409,6 +410,7 @@ def self_adjusted_decoding_forward(
     return out
 
 
+@replay.replayable
 def decoding_scores_forward(q: Tensor, k: Tensor, scale: float) -> Tensor:
     """Scores ``scale q k^T`` ``(B, Hq, Lq, Lk)`` in the accumulation dtype, K read once in its own dtype.
 
