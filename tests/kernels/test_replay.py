@@ -274,6 +274,18 @@ def test_not_replayed_with_a_hook_or_switched_off(replaying, monkeypatch):
     assert replay.planned() == (0, 0)
 
 
+def test_plans_keep_no_tensor_of_the_recorded_call(replaying):
+    import gc
+    import weakref
+
+    x = scores((4, 300), 0)
+    result = softmax.softmax_forward(x, NO_MASK, 1, 0.5, 0.0)
+    watched = [weakref.ref(t) for t in (x, *result[:2])]
+    del x, result
+    gc.collect()
+    assert replay.planned() == (1, 0) and all(ref() is None for ref in watched)
+
+
 def test_tensor_subclasses_and_lists_are_not_keyed(replaying):
     from torch.testing._internal.two_tensor import TwoTensor
 

@@ -184,20 +184,20 @@ def _make_plan(record: fast_launch.Recording, inputs: list[Tensor], result: Any)
     constants = launch.kept_constants()
     launches = []
     for compiled, grid, values in record.launches:
-        slots = []
+        slots, template = [], list(values)
         for position, value in enumerate(values):
             if not isinstance(value, Tensor):
                 continue
             i = _find(value, outputs)
+            kind = _OUTPUT
+            if i < 0:
+                i, kind = _find(value, inputs), _INPUT
             if i >= 0:
-                slots.append((position, _OUTPUT, i))
-                continue
-            i = _find(value, inputs)
-            if i >= 0:
-                slots.append((position, _INPUT, i))
+                slots.append((position, kind, i))
+                template[position] = None  # the plan keeps no tensor of this call alive
             elif id(value) not in constants:
                 return None  # made by some torch operation of the call
-        launches.append(_Launch(compiled, tuple(grid), tuple(values), tuple(slots)))
+        launches.append(_Launch(compiled, tuple(grid), tuple(template), tuple(slots)))
     try:
         result_builder = _builder(result, outputs, inputs)
     except LookupError:
