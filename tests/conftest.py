@@ -6,6 +6,7 @@ which must be switched on before ``triton`` is imported.  :data:`DEVICE` (and th
 kernels: CUDA when there is a GPU, else the CPU.
 """
 
+import math
 import os
 
 import pytest
@@ -105,3 +106,35 @@ def launched_kernels(monkeypatch) -> dict:
 
     monkeypatch.setattr(launch, "launchable", Recorded)
     return seen
+
+
+def poisoned_empty(shape, dtype, device) -> torch.Tensor:
+    """``launch.empty`` for tests: outputs made NaN, so an element a kernel leaves unwritten shows.
+
+    Made filled rather than filled in place (the version counter stays 0) and noted as an
+    output of the call being recorded (:mod:`attnorm.kernels.triton.replay`), so replays run
+    poisoned too.
+    """
+    from attnorm.kernels import fast_launch
+
+    out = torch.full(shape, math.nan, dtype=dtype, device=device)
+    fast_launch.note_output(out)
+    return out
+
+
+REPLAY_CHECK = os.environ.get("ATTNORM_TEST_REPLAY", "0") == "1"
+"""Run the suite's Triton calls through the direct launch and its replays (CPU only; ``tests/kernels/standin.py``)."""
+
+
+@pytest.fixture(autouse=True, scope="session")
+def direct_launch_stand_in():
+    """With ``ATTNORM_TEST_REPLAY=1`` and no CUDA: every launched kernel a JIT function whose compiled launcher
+    runs the interpreter, and the direct launch on, so each Triton call is recorded and then replayed."""
+    if not REPLAY_CHECK or torch.cuda.is_available():
+        yield
+        return
+    from tests.kernels import standin
+
+    with pytest.MonkeyPatch.context() as patch:
+        standin.install(patch)
+        yield

@@ -32,12 +32,21 @@ function, for an argument of another kind (a ``TensorDescriptor``, a tuple), and
 :data:`MAX_KEPT` kernels are kept.  The kept kernels are never dropped: each is a
 compiled variant Triton keeps anyway.
 
-**Status.**  Off by default: written in a session without a GPU, so the direct launch
-has run only against a stand-in launcher (``tests/kernels/test_fast_launch.py`` checks
-the key and the bound arguments against ``inspect.Signature`` and what Triton's own
-path passes).  ``tests/kernels/test_fast_launch.py::test_cuda_results_equal_triton_launch``
-compares it with Triton's launch on CUDA, and ``benchmarks/bench_overhead.py
---fast-launch`` times both; turn it on by default once those have run on a GPU.
+**Replay.**  With the switch on, the Triton backend functions go one step further
+(:mod:`attnorm.kernels.triton.replay`): a call is recorded once per metadata key (its
+outputs from ``launch.empty``, its launches here: :class:`Recording`), and later calls with
+the key allocate the outputs and call :func:`direct_call` with the recorded arguments,
+skipping the launcher Python too.  A kernel launched past this module (Triton's path for a
+hook or a grid function, a kernel that is not a ``JITFunction``) spoils the recording.
+
+**Status.**  Off by default.  The direct launch passed its CUDA test on an H200
+(2026-11-26, 208813d) and took 8-10 us off a module call there; the replay was written
+after that, without a GPU: ``tests/kernels/test_replay.py`` runs every replayed call's
+recorded arguments through the interpreted kernels against the functions run as written,
+and ``tests/kernels/test_fast_launch.py::test_cuda_results_equal_triton_launch`` compares
+both with Triton's launch on CUDA.  ``scripts/gpu_check.sh`` step ``replay`` runs that test
+and the row, decoding and attention suites with the switch on; turn it on by default once
+they pass on a GPU.
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ kernels, which also get the sink as one more score column.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -64,7 +66,7 @@ BLOCKS_PER_INPUTS = 8
 def block_rows(q: Tensor, k: Tensor, v: Tensor) -> int:
     """Query rows per block (all of them when the whole score matrix fits the budget)."""
     budget = max(MIN_BLOCK_BYTES, (q.nbytes + k.nbytes + v.nbytes) // BLOCKS_PER_INPUTS)
-    row_bytes = 4 * q[..., 0, 0].numel() * max(k.shape[-2], 1)
+    row_bytes = 4 * math.prod(q.shape[:-2]) * max(k.shape[-2], 1)  # no indexing op: this runs every step
     return max(1, min(q.shape[-2], budget // row_bytes))
 
 

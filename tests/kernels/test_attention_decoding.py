@@ -33,7 +33,7 @@ from attnorm.kernels import decoding_ops  # noqa: E402
 from attnorm.kernels.triton import attention_decoding as split_k  # noqa: E402
 from attnorm.kernels.triton import launch  # noqa: E402
 from attnorm.routes import blocked, decoding  # noqa: E402
-from tests.conftest import slow_under_interpreter  # noqa: E402
+from tests.conftest import poisoned_empty, slow_under_interpreter  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked-off lanes
 
@@ -381,8 +381,7 @@ def test_rows_route_takes_the_scores_kernel_for_half_inference(name, monkeypatch
     monkeypatch.setattr(decoding, "scores_kernel_applies", lambda *args: False)
     torch.testing.assert_close(out, attnorm.attention(q, k, v, normalizer, attn_mask=mask), atol=1e-2, rtol=1e-2)
     monkeypatch.undo()
-    monkeypatch.setattr(launch, "empty", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype,
-                                                                                   device=device))
+    monkeypatch.setattr(launch, "empty", poisoned_empty)
     taken.clear()
     monkeypatch.setattr(blocked, "decoding_scores", lambda *args: taken.append(1) or original(*args))
     attnorm.attention(q.requires_grad_(), k, v, normalizer, attn_mask=mask).float().sum().backward()

@@ -28,7 +28,7 @@ from attnorm.kernels.triton.attention_entmax import (  # noqa: E402
     entmax_attention_backward,
     entmax_attention_forward,
 )
-from tests.conftest import slow_under_interpreter  # noqa: E402
+from tests.conftest import poisoned_empty, slow_under_interpreter  # noqa: E402
 
 SCALE = 0.5
 TOLERANCES = {  # (atol, rtol) for outputs and gradients
@@ -41,10 +41,7 @@ TOLERANCES = {  # (atol, rtol) for outputs and gradients
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    def empty(shape, dtype, device):
-        return torch.full(shape, math.nan, dtype=dtype, device=device)
-
-    monkeypatch.setattr(launch, "empty", empty)
+    monkeypatch.setattr(launch, "empty", poisoned_empty)
 
 
 # ---- reference ---------------------------------------------------------------------------

@@ -33,7 +33,7 @@ entmax = pytest.importorskip("entmax")
 from attnorm.kernels.triton import launch  # noqa: E402
 from attnorm.routes import fused as fused_route  # noqa: E402
 from attnorm.routes.fused import _triton_handles_normalized_additive_self_adjusted  # noqa: E402
-from tests.conftest import DEVICE, slow_under_interpreter  # noqa: E402
+from tests.conftest import DEVICE, poisoned_empty, slow_under_interpreter  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked lanes
 
@@ -47,13 +47,10 @@ attention_module = importlib.import_module("attnorm.attention")
 @pytest.fixture(autouse=True)
 def fused_only(monkeypatch):
     """Poisoned kernel buffers; tiny shapes are not decoding; the blocked and materialised routes raise."""
-    def empty(shape, dtype, device):
-        return torch.full(shape, math.nan, dtype=dtype, device=device)
-
     def elsewhere(*args, **kwargs):
         raise AssertionError("the call left the fused route")
 
-    monkeypatch.setattr(launch, "empty", empty)
+    monkeypatch.setattr(launch, "empty", poisoned_empty)
     monkeypatch.setattr(fused_route, "_untrusted_capped_backward", lambda *args: False)  # the kernels themselves
     monkeypatch.setattr(attention_module, "DECODING_ROWS", 0)
     monkeypatch.setattr(attention_module, "blocked_attention", elsewhere)

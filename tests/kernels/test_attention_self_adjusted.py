@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from attnorm.kernels.triton import attention_self_adjusted as fused  # noqa: E402
 from attnorm.kernels.triton import launch  # noqa: E402
 from attnorm.routes.fused import _triton_handles_normalized_additive_self_adjusted  # noqa: E402
-from tests.conftest import DEVICE  # noqa: E402
+from tests.conftest import DEVICE, poisoned_empty  # noqa: E402
 
 BROKEN_ON_OLD_TRITON = ("Triton < 3.9 breaks the normalized backward with an additive mask on CUDA (float64: no "
                         "compile; float32: wrong dk); attention() takes the blocked route there (routes/fused.py)")
@@ -45,10 +45,7 @@ TOLERANCES = {
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    def empty(shape, dtype, device):
-        return torch.full(shape, math.nan, dtype=dtype, device=device)
-
-    monkeypatch.setattr(launch, "empty", empty)
+    monkeypatch.setattr(launch, "empty", poisoned_empty)
 
 
 # ---- masks and inputs ------------------------------------------------------------------------

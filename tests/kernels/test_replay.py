@@ -1,8 +1,8 @@
 """Host replay of Triton backend functions (attnorm.kernels.triton.replay) against the same calls run as written.
 
-No GPU is needed: the row kernels become real ``JITFunction`` objects whose Triton path
-and compiled launcher are stand-ins that run the interpreted kernel with the values they
-are given.  So a replayed call computes for real, from nothing but its plan's recorded
+No GPU is needed: the kernels become real ``JITFunction`` objects whose Triton path and
+compiled launcher are stand-ins that run the interpreted kernel with the values they are
+given (:mod:`tests.kernels.standin`).  So a replayed call computes for real, from nothing but its plan's recorded
 arguments with the new call's tensors swapped in, and is compared with the interpreter
 running the function as written (fast launch off), outputs poisoned with NaN first.
 """
@@ -17,67 +17,22 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from triton.runtime import jit  # noqa: E402
-
 from attnorm.kernels import fast_launch  # noqa: E402
 from attnorm.kernels.rules import NO_MASK, RowMask  # noqa: E402
-
-if not hasattr(triton.runtime, "interpreter") or not hasattr(triton.runtime.interpreter, "InterpretedFunction"):
-    pytest.skip("needs Triton's interpreter", allow_module_level=True)
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
 from attnorm.kernels.triton import entmax, launch, replay, self_adjusted, softmax, topk  # noqa: E402
+from tests.kernels import standin  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in runs the interpreter on CPU tensors")
-
-FAMILIES = (softmax, entmax, topk, self_adjusted)
-
-
-class Compiled:
-    """A compiled kernel whose launcher runs the interpreted kernel with the bound values it is given."""
-
-    function, packed_metadata = "function handle", ("packed",)
-
-    def __init__(self, interpreted, launches):
-        self.interpreted, self.launches = interpreted, launches
-
-    @property
-    def run(self):
-        def launcher(grid_0, grid_1, grid_2, stream, function, metadata, hook_args, enter, leave, *bound):
-            assert (stream, function, metadata, hook_args, enter, leave) == (
-                77, "function handle", ("packed",), None, None, None)
-            self.launches.append(bound)
-            self.interpreted[(grid_0, grid_1, grid_2)](*bound)
-
-        return launcher
-
-
-def jitted(interpreted, launches, triton_runs):
-    """A ``JITFunction`` of ``interpreted``'s body whose Triton path runs the interpreter and returns a stand-in."""
-    kernel = jit.JITFunction(interpreted.fn)
-    compiled = Compiled(interpreted, launches)
-
-    def run(*args, grid, warmup, **kwargs):
-        triton_runs.append(kernel)
-        interpreted[grid](*args, **kwargs)
-        return compiled
-
-    kernel.run = run
-    return kernel
 
 
 @pytest.fixture
 def replaying(monkeypatch):
-    """Fast launch on with JIT row kernels; yields ``(direct launches, replays)``."""
-    launches, triton_runs = [], []
-    for module in FAMILIES:
-        for name, value in list(vars(module).items()):
-            if isinstance(value, InterpretedFunction) and name.endswith("_kernel"):
-                monkeypatch.setattr(module, name, jitted(value, launches, triton_runs))
+    """Fast launch on with JIT kernels (:mod:`tests.kernels.standin`); yields ``(direct launches, replays)``."""
+    launches = []
+    standin.install(monkeypatch, launches)
     monkeypatch.setattr(fast_launch, "_KEPT", {})
     monkeypatch.setattr(replay, "_PLANS", {})
-    monkeypatch.setattr(fast_launch, "_device_and_stream", lambda: (0, 77))
+
     def poisoned(shape, dtype, device):  # made filled (an in-place fill would count as a torch write)
         out = torch.full(shape, math.nan if dtype.is_floating_point else -7, dtype=dtype, device=device)
         fast_launch.note_output(out)

@@ -117,7 +117,7 @@ def mask_arguments(mask: AttentionMask, shape: tuple[int, int, int, int], device
     Absent parts pass a dummy pointer (never read: their ``HAS_*`` constant is False), a
     kept one-element tensor (:func:`.launch.constant`: no allocation per call).
     """
-    dummy = launch.constant(0.0, torch.int32, device)
+    dummy = launch.constant(0.0, torch.int32, torch.device(device))
     has_range = mask.key_start is not None
     start = mask.key_start if has_range else dummy
     stop = mask.key_stop if has_range else dummy
