@@ -72,6 +72,7 @@ def install(monkeypatch: Any, launches: list | None = None, triton_runs: list | 
     from triton.runtime.interpreter import InterpretedFunction
 
     from attnorm.kernels import fast_launch
+    from attnorm.kernels.triton import replay
 
     swapped = 0
     for module in kernel_modules():
@@ -81,4 +82,5 @@ def install(monkeypatch: Any, launches: list | None = None, triton_runs: list | 
                 swapped += 1
     monkeypatch.setattr(fast_launch, "_ENABLED", True)
     monkeypatch.setattr(fast_launch, "_device_and_stream", lambda: (0, STREAM))
+    monkeypatch.setattr(replay, "DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     return swapped

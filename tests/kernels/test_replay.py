@@ -47,11 +47,12 @@ def replaying(monkeypatch):
 
 def written(function, *args, **kwargs):
     """``function`` run as written: the switch off (outputs poisoned all the same)."""
+    previous = fast_launch.enabled()
     fast_launch.set_enabled(False)
     try:
         return function(*args, **kwargs)
     finally:
-        fast_launch.set_enabled(True)
+        fast_launch.set_enabled(previous)
 
 
 def assert_same(got, want):
@@ -239,6 +240,15 @@ def test_plans_keep_no_tensor_of_the_recorded_call(replaying):
     del x, result
     gc.collect()
     assert replay.planned() == (1, 0) and all(ref() is None for ref in watched)
+
+
+def test_cpu_calls_are_not_replayed_with_the_switch_on(monkeypatch):
+    """ATTNORM_FAST_LAUNCH=1 on a machine without CUDA: interpreted kernels, no key, no CUDA query."""
+    monkeypatch.setattr(fast_launch, "_ENABLED", True)
+    monkeypatch.setattr(fast_launch, "_device_and_stream", lambda: pytest.fail("a CUDA query"))
+    x = scores((2, 16), 0)
+    assert replay._key(softmax.softmax_forward, (x,), {}) is None
+    torch.testing.assert_close(softmax.softmax_forward(x, NO_MASK, 0, 1.0, 0.0)[0], torch.softmax(x, -1))
 
 
 def test_tensor_subclasses_and_lists_are_not_keyed(replaying):

@@ -61,6 +61,8 @@ _PLANS: dict[tuple, Any] = {}
 _REFUSED = object()
 """The plan of a key whose recording was refused: the call runs as written."""
 _INPUT, _OUTPUT = 0, 1
+DEVICE_TYPES = frozenset({"cuda"})
+"""Devices whose calls are replayed (the tests' direct-launch stand-in adds ``"cpu"``)."""
 Builder = Callable[[list[Tensor], list[Tensor]], Any]
 """``(outputs, inputs) -> part of the result`` of a replay."""
 
@@ -125,7 +127,9 @@ def _key(function: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple
             parts.append(name)
             if not _walk(value, parts, inputs):
                 return None
-    if not inputs or inputs[0].is_cuda and torch.cuda.is_current_stream_capturing():
+    if not inputs or inputs[0].device.type not in DEVICE_TYPES:
+        return None  # the interpreter's kernels take no direct launch
+    if inputs[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     knobs = fast_launch._knobs()
     device, stream = fast_launch._device_and_stream()
