@@ -189,7 +189,7 @@ def row_arguments(name: str, values: Tensor | None, shape: tuple[int, int, int],
     constant ``HAS_{NAME}``.
     """
     if values is None:
-        pointer, strides = torch.empty(1, dtype=dtype, device=device), (0, 0, 0)
+        pointer, strides = launch.constant(0.0, dtype, torch.device(device)), (0, 0, 0)  # kept, never read
     else:
         values = values.detach().to(device=device, dtype=dtype)
         while values.ndim < 3:

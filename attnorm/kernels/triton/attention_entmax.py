@@ -109,7 +109,7 @@ from torch import Tensor
 
 from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
-from attnorm.kernels.triton import launch
+from attnorm.kernels.triton import launch, replay
 from attnorm.kernels.triton.attention_blocks import (
     inner_key_blocks,
     key_block_bounds,
@@ -874,6 +874,7 @@ class _Launch:
                                         **self.mask_args, ALPHA=self.constant_alpha, **constants, **self.options)
 
 
+@replay.replayable
 def entmax_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, alpha: float, alpha_heads: Tensor | None,
     softcap: float | None = None, sinks: Tensor | None = None, logit_scale: Tensor | None = None,
@@ -931,6 +932,7 @@ def entmax_attention_forward(
     return out, stats, w
 
 
+@replay.replayable
 def entmax_attention_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
     scale: float, alpha: float, alpha_heads: Tensor | None, alpha_grad: bool, softcap: float | None = None,

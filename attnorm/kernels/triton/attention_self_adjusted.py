@@ -67,7 +67,7 @@ from torch import Tensor
 
 from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
-from attnorm.kernels.triton import launch
+from attnorm.kernels.triton import launch, replay
 from attnorm.kernels.triton.attention_blocks import (
     as_acc,
     inner_key_blocks,
@@ -568,6 +568,7 @@ def _common(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask
     return strides, sizes, keywords
 
 
+@replay.replayable
 def self_adjusted_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,
     softcap: float | None = None, sinks: Tensor | None = None,
@@ -606,6 +607,7 @@ def self_adjusted_attention_forward(
     return out, stats
 
 
+@replay.replayable
 def self_adjusted_attention_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
     scale: float, normalized: bool, softcap: float | None = None, sinks: Tensor | None = None,

@@ -68,7 +68,7 @@ from torch import Tensor
 
 from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
-from attnorm.kernels.triton import launch
+from attnorm.kernels.triton import launch, replay
 from attnorm.kernels.triton.attention_blocks import (
     as_acc,
     inner_key_blocks,
@@ -556,6 +556,7 @@ def _arguments(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionM
     return strides, sizes, constants
 
 
+@replay.replayable
 def topk_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, k_keep: float, is_fraction: bool,
     temperature: float, softcap: float | None = None, sinks: Tensor | None = None,
@@ -603,6 +604,7 @@ def topk_attention_forward(
     return out, stats
 
 
+@replay.replayable
 def topk_attention_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
     scale: float, k_keep: float, is_fraction: bool, temperature: float, softcap: float | None = None,
