@@ -7,8 +7,8 @@ first two are Python and can be timed on any machine: this script installs a sta
 Triton driver (device 0, stream 0, sm_90 as the target, a launcher that launches
 nothing), so Triton compiles each kernel for sm_90 offline and then runs its whole
 launch path except the driver call, on CPU tensors.  Each call is timed with
-:mod:`attnorm.kernels.fast_launch` off (Triton's path) and on (the direct launch),
-interleaved, best of several rounds.
+:mod:`attnorm.kernels.fast_launch` off (Triton's path) and on (the direct launch, and
+the replay of :mod:`attnorm.kernels.triton.replay`), interleaved, best of several rounds.
 
 What it leaves out: the driver's launch (a few microseconds on a GPU machine), CUDA's
 own allocator and stream queries (CPU tensors here), and the CPU's speed (the ratio
@@ -103,6 +103,9 @@ def install() -> None:
     driver.set_active(StandInDriver())
     backends._triton_interpreted = lambda: True  # backend="triton" takes CPU tensors (no kernel runs)
     fast_launch._device_and_stream = lambda: (0, 0)
+    from attnorm.kernels.triton import replay
+
+    replay.DEVICE_TYPES = frozenset({"cuda", "cpu"})  # CPU tensors stand for CUDA ones here
     MODULES.update({
         "Softmax": lambda: attnorm.Softmax(backend="triton"),
         "Sparsemax": lambda: attnorm.Sparsemax(backend="triton"),
@@ -159,7 +162,8 @@ def measure(calls: int, rounds: int, names: list[str] | None = None,
 
 
 def report(rows: list[tuple[str, str, float, float]]) -> str:
-    lines = ["| call | input | Triton's launch (us) | direct launch (us) | saved (us) |", "|---|---|---|---|---|"]
+    lines = ["| call | input | Triton's launch (us) | direct launch + replay (us) | saved (us) |",
+             "|---|---|---|---|---|"]
     for name, kind, slow, fast in rows:
         lines.append(f"| {name} | {kind} | {slow:.1f} | {fast:.1f} | {slow - fast:.1f} |")
     stamp = f"triton {triton.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, CPU tensors"
