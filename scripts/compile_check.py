@@ -169,7 +169,12 @@ def install_recorder(launches: list, state: dict) -> None:
 
 
 def cuda_branch(function):
-    """``function`` recompiled from its source with each ``x.device.type ==/!= "cuda"`` test set to a CUDA device."""
+    """``function`` recompiled from its source with each ``x.device.type ==/!= "cuda"`` test set to a CUDA device.
+
+    A decorated function (``@replay.replayable``) is recompiled from its own source, decorator included, in its
+    own module's globals.
+    """
+    function = inspect.unwrap(function)
     source = textwrap.dedent(inspect.getsource(function))
     source, count = CUDA_TEST.subn(lambda match: str(match[1] == "=="), source)
     if not count:

@@ -230,10 +230,16 @@ def _cut(prefix, at, keep, KEY: tl.constexpr, KEY_BITS: tl.constexpr, ACC: tl.co
 
 
 @triton.jit
-def _kept(x, allowed, threshold_key, offs_n, last_tie, KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr):
-    keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
-    ties = (keys == threshold_key[:, None]) & (offs_n[None, :] <= last_tie[:, None])
-    return allowed & ((keys > threshold_key[:, None]) | ties)
+def _kept(x, allowed, threshold, offs_n, last_tie):
+    """The kept keys of a tile: above the row's threshold, or at it up to key index ``last_tie``.
+
+    Compared as floats, not as sortable keys: the threshold is a score's value (or a cut
+    candidate's, never NaN), the order of the keys is the floats' (``-0.0`` ties with
+    ``0.0`` in both), and a kept row holds no NaN (state 0).  Three comparisons a score
+    instead of the key transform's ten integer operations.
+    """
+    ties = (x == threshold[:, None]) & (offs_n[None, :] <= last_tie[:, None])
+    return allowed & ((x > threshold[:, None]) | ties)
 
 
 @triton.jit
@@ -312,6 +318,9 @@ def _topk_forward_kernel(
     # at their candidate; after the last digit the ties kept are the k - (keys above the k-th) first ones.
     threshold_key = tl.where(every, tl.zeros_like(prefix), prefix)
     tie_slots = tl.where(every, 0, tl.where(cut, 1 << 30, keep - above))
+    # The threshold as a score (-inf: every allowed key kept); the output pass compares floats (see _kept).
+    signed = threshold_key.to(KEY, bitcast=True) ^ (-(1 << (KEY_BITS - 1)))
+    threshold = tl.where(every, float("-inf"), _key_value(signed, ACC, KEY_BITS))
 
     state = tl.where(nan_count > 0, 0, tl.where(keep > 0, tl.where(posinf_row, 2, 1), 0))
     top = tl.full((BLOCK_M,), float("-inf"), ACC)
@@ -324,9 +333,8 @@ def _topk_forward_kernel(
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                        softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
         allowed = x != float("-inf")
-        keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
-        ties = allowed & (keys == threshold_key[:, None])
-        kept = allowed & (keys > threshold_key[:, None])
+        ties = allowed & (x == threshold[:, None])
+        kept = allowed & (x > threshold[:, None])
         if tl.max(tl.max(ties.to(tl.int32), 1), 0) > 0:  # a tile holding some row's k-th score: few per row
             tie_count = ties.to(tl.int32)
             kept_ties = ties & (ties_before[:, None] + tl.cumsum(tie_count, 1) <= tie_slots[:, None])
@@ -364,8 +372,6 @@ def _topk_forward_kernel(
     rows = bh * lq + offs_m
     tl.store(OUT + rows[:, None] * value_dim + offs_dv[None, :], out.to(OUT.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_dv < value_dim)[None, :])
-    signed = threshold_key.to(KEY, bitcast=True) ^ (-(1 << (KEY_BITS - 1)))
-    threshold = tl.where(every, float("-inf"), _key_value(signed, ACC, KEY_BITS))
     ptrs = STATS_PTR + rows * _STATS_WIDTH
     live_rows = offs_m < lq
     tl.store(ptrs, tl.where(live, top, 0.0), mask=live_rows)
@@ -376,9 +382,8 @@ def _topk_forward_kernel(
 
 
 @triton.jit
-def _load_stats(STATS_PTR, rows, offs_m, lq, ACC: tl.constexpr, KEY: tl.constexpr, UKEY: tl.constexpr,
-                KEY_BITS: tl.constexpr):
-    """``(shift, threshold key, last kept tie, state)`` per row; the shift is ``max + log_sum``."""
+def _load_stats(STATS_PTR, rows, offs_m, lq, ACC: tl.constexpr):
+    """``(max, log_sum, threshold, last kept tie, state)`` per row (a NaN threshold read as -inf: every key kept)."""
     ptrs = STATS_PTR + rows * _STATS_WIDTH
     live = offs_m < lq
     top = tl.load(ptrs, mask=live, other=0.0).to(ACC)
@@ -386,27 +391,25 @@ def _load_stats(STATS_PTR, rows, offs_m, lq, ACC: tl.constexpr, KEY: tl.constexp
     threshold = tl.load(ptrs + 2, mask=live, other=0.0).to(ACC)
     last_tie = tl.load(ptrs + 3, mask=live, other=-1.0).to(tl.int32)
     state = tl.load(ptrs + 4, mask=live, other=0.0).to(tl.int32)
-    threshold_key = _sortable(threshold, threshold == threshold, KEY, UKEY, KEY_BITS)
-    return top, log_sum, threshold_key, last_tie, state
+    threshold = tl.where(threshold == threshold, threshold, float("-inf"))
+    return top, log_sum, threshold, last_tie, state
 
 
 @triton.jit
-def _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
-                   KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr):
+def _probabilities(x, offs_n, top, log_sum, threshold, last_tie, state, inv_temperature):
     """The forward's weights ``p`` on a tile, from the row stats (0 off the kept keys and in state-0 rows)."""
     allowed = x != float("-inf")
-    kept = _kept(x, allowed, threshold_key, offs_n, last_tie, KEY, UKEY, KEY_BITS) & (state > 0)[:, None]
+    kept = _kept(x, allowed, threshold, offs_n, last_tie) & (state > 0)[:, None]
     z = _logits(x, state, inv_temperature)
     return tl.where(kept, tl.exp((z - top[:, None]) - log_sum[:, None]), 0.0)
 
 
 @triton.jit
-def _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP: tl.constexpr, ACC: tl.constexpr, KEY: tl.constexpr,
-            UKEY: tl.constexpr, KEY_BITS: tl.constexpr):
+def _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
     """``dq`` with one score tile's ``ds k`` added; a tile keeping no key reads neither V nor K again."""
-    top, log_sum, threshold_key, last_tie, state, inv_temperature, delta = stats
+    top, log_sum, threshold, last_tie, state, inv_temperature, delta = stats
     v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile, k_base, offs_d, head_dim, sk_n, sk_d = operands
-    p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature, KEY, UKEY, KEY_BITS)
+    p = _probabilities(x, offs_n, top, log_sum, threshold, last_tie, state, inv_temperature)
     if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         g = mma(do_tile, tl.trans(v_tile), ACC)
@@ -429,7 +432,6 @@ def _topk_dq_kernel(
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
-    KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks; the sinks' ``ds`` per row (``D_SINK``)."""
     scale = as_acc(scale, ACC)
@@ -442,33 +444,33 @@ def _topk_dq_kernel(
     k_base = K + batch * sk_b + kv_head * sk_h
     v_base = V + batch * sv_b + kv_head * sv_h
     rows = bh * lq + offs_m
-    top, log_sum, threshold_key, last_tie, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC, KEY, UKEY, KEY_BITS)
+    top, log_sum, threshold, last_tie, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
     delta = tl.load(DELTA + rows, mask=offs_m < lq, other=0.0)
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     lo = lo // BLOCK_N * BLOCK_N
     softcap = tl.load(softcap_ptr)
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
-    stats = (top, log_sum, threshold_key, last_tie, state, inv_temperature, delta)
+    stats = (top, log_sum, threshold, last_tie, state, inv_temperature, delta)
     operands = (v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile, k_base, offs_d, head_dim, sk_n, sk_d)
     inner_lo, inner_hi, masked = inner_key_blocks(row_start, row_stop, offs_m, lq, lk, lo, hi, BLOCK_N)
     for i in range(0, masked):  # the masked key blocks, then the inner ones (a sum: any order)
         offs_n = masked_block_start(i, lo, inner_lo, inner_hi, BLOCK_N) + tl.arange(0, BLOCK_N)
         x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
                                     lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, ACC, KEY, UKEY, KEY_BITS)
+        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, ACC)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
                                     lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC,
                                     False)
-        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, ACC, KEY, UKEY, KEY_BITS)
+        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, ACC)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
     if HAS_SINK:
         # The sink is key lk (its value is zero: dP = 0): ds = -p delta / temperature.
         sink_score = sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SINK, BLOCK_M, ACC)
-        sink_p = _probabilities(sink_score[:, None], tl.full((1,), lk, tl.int32), top, log_sum, threshold_key,
-                                last_tie, state, inv_temperature, KEY, UKEY, KEY_BITS)
+        sink_p = _probabilities(sink_score[:, None], tl.full((1,), lk, tl.int32), top, log_sum, threshold,
+                                last_tie, state, inv_temperature)
         sink_ds = tl.where((state == 1)[:, None], -sink_p * delta[:, None] * inv_temperature, 0.0)
         tl.store(D_SINK + rows, tl.sum(sink_ds, 1), mask=offs_m < lq)
 
@@ -484,7 +486,6 @@ def _topk_dkdv_kernel(
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
-    KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """One key block of one key/value head: ``dv = sum p^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
     scale = as_acc(scale, ACC)
@@ -506,14 +507,11 @@ def _topk_dkdv_kernel(
             if (start < hi) & (start + BLOCK_N > lo):
                 q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
                 rows = (batch * heads + head) * lq + offs_m
-                top, log_sum, threshold_key, last_tie, state = _load_stats(
-                    STATS_PTR, rows, offs_m, lq, ACC, KEY, UKEY, KEY_BITS
-                )
+                top, log_sum, threshold, last_tie, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
                 x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start,
                                             row_stop, lk, scale, softcap, batch, head, masking, HAS_DENSE,
                                             HAS_ADDITIVE, SOFTCAP, ACC)
-                p = _probabilities(x, offs_n, top, log_sum, threshold_key, last_tie, state, inv_temperature,
-                                   KEY, UKEY, KEY_BITS)
+                p = _probabilities(x, offs_n, top, log_sum, threshold, last_tie, state, inv_temperature)
                 if tl.max(tl.sum((p > 0).to(tl.int32), 1), 0) > 0:
                     do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
                     delta = tl.load(DELTA + rows, mask=offs_m < lq, other=0.0)
@@ -634,6 +632,8 @@ def topk_attention_backward(
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     arguments = (*strides, *grad_out.stride(), *sizes)
     constants.update(launch_options(shape, q))
+    for name in ("KEY", "UKEY", "KEY_BITS"):  # the backward compares scores as floats (_kept)
+        del constants[name]
     if dq.numel():
         launch.launchable(_topk_dq_kernel)[shape.query_grid](
             q, k, v, grad_out, delta, stats, dq, delta if d_sinks is None else d_sinks, *arguments, **constants,
