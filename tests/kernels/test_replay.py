@@ -261,3 +261,4 @@ def test_tensor_subclasses_and_lists_are_not_keyed(replaying):
     assert replay._key(softmax.softmax_forward, (x, [1]), {}) is None
     assert replay._key(softmax.softmax_forward, (TwoTensor(x, x),), {}) is None
     assert replay._key(softmax.softmax_forward, (1.0,), {}) is None  # no tensor
+    assert replay._key(softmax.softmax_forward, (torch.nn.Parameter(x),), {}) is not None  # a parameter is plain

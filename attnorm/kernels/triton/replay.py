@@ -49,6 +49,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
+from torch.nn import Parameter
 
 from attnorm.kernels import fast_launch
 from attnorm.kernels.rules import NO_MASK
@@ -96,7 +97,7 @@ def planned() -> tuple[int, int]:
 def _walk(value: Any, parts: list, inputs: list[Tensor]) -> bool:
     """Append ``value``'s key parts (and its tensors to ``inputs``); False when it cannot be keyed."""
     kind = type(value)
-    if kind is Tensor:
+    if kind is Tensor or kind is Parameter:  # a learnable module's parameter, under no_grad
         parts.append((value.dtype, value.shape, value.stride(), value.device, value.data_ptr() % 16 == 0))
         inputs.append(value)
     elif kind is float:
