@@ -14,8 +14,9 @@ kernels' launchers with the recorded arguments, its tensors swapped in.
 such as a ``RowMask``) its dtype, shape, strides, device and whether its data pointer is
 16-byte aligned; every other argument's type and value (floats by their bits); the CUDA
 device and stream; Triton's ``debug`` and instrumentation knobs.  A call whose arguments
-hold anything else (a tensor subclass such as a fake or functorch tensor, a list, an
-object) is not keyed and runs as written.
+hold anything else (a tensor subclass such as a fake or functorch tensor, though a
+``Parameter`` counts as a tensor; a list, an object) is not keyed and runs as written, and
+so is a call off the devices of :data:`DEVICE_TYPES` (CUDA).
 
 **What a plan may hold**, checked when it is recorded; any other call is marked not
 replayable and runs as written every time:
