@@ -60,6 +60,7 @@ the backward's dq kernel writes each row's sink score gradient ``-p_sink delta /
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -542,16 +543,19 @@ def _check(k_keep: float, is_fraction: bool, temperature: float) -> None:
 
 def _arguments(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float,
                temperature: float, softcap: float | None, sinks: Tensor | None) -> tuple[tuple, dict]:
-    """Strides of q, k, v; sizes, scale and ``1 / temperature``; mask and modifier keywords, the key constants."""
-    wide = q.dtype == torch.float64
+    """Strides of q, k, v; sizes, scale and ``1 / temperature``; mask and modifier keywords."""
     strides = (*q.stride(), *k.stride(), *v.stride())
     sizes = (*shape.sizes, float(scale), 1.0 / float(temperature))
     acc = rules.accumulation_dtype(q.dtype)
     constants = dict(**mask_arguments(mask, shape.score_shape, q.device),
-                     **modifier_arguments(softcap, sinks, shape.score_shape, acc, q.device), **shape.constants,
-                     KEY=tl.int64 if wide else tl.int32, UKEY=tl.uint64 if wide else tl.uint32,
-                     KEY_BITS=64 if wide else 32)
+                     **modifier_arguments(softcap, sinks, shape.score_shape, acc, q.device), **shape.constants)
     return strides, sizes, constants
+
+
+def _key_constants(q: Tensor) -> dict[str, Any]:
+    """The forward's sortable-key types (the backward compares scores as floats: :func:`_kept`)."""
+    wide = q.dtype == torch.float64
+    return dict(KEY=tl.int64 if wide else tl.int32, UKEY=tl.uint64 if wide else tl.uint32, KEY_BITS=64 if wide else 32)
 
 
 @replay.replayable
@@ -597,7 +601,7 @@ def topk_attention_forward(
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     launch.launchable(_topk_forward_kernel)[shape.query_grid](
         q, k, v, out, stats, k_param, *strides, *sizes, IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, **constants,
-        **launch_options(shape, q),
+        **_key_constants(q), **launch_options(shape, q),
     )
     return out, stats
 
@@ -632,8 +636,6 @@ def topk_attention_backward(
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     arguments = (*strides, *grad_out.stride(), *sizes)
     constants.update(launch_options(shape, q))
-    for name in ("KEY", "UKEY", "KEY_BITS"):  # the backward compares scores as floats (_kept)
-        del constants[name]
     if dq.numel():
         launch.launchable(_topk_dq_kernel)[shape.query_grid](
             q, k, v, grad_out, delta, stats, dq, delta if d_sinks is None else d_sinks, *arguments, **constants,

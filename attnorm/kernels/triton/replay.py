@@ -218,7 +218,7 @@ def _replay(plan: _Plan, inputs: list[Tensor], stream: int) -> Any:
     for recorded in plan.launches:
         values = list(recorded.template)
         for position, kind, index in recorded.slots:
-            values[position] = outputs[index] if kind else inputs[index]
+            values[position] = outputs[index] if kind == _OUTPUT else inputs[index]
         fast_launch.direct_call(recorded.compiled, recorded.grid, stream, values)
     return plan.result(outputs, inputs)
 
