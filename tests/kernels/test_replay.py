@@ -20,7 +20,7 @@ tl = pytest.importorskip("triton.language")
 from attnorm.kernels import fast_launch  # noqa: E402
 from attnorm.kernels.rules import NO_MASK, RowMask  # noqa: E402
 from attnorm.kernels.triton import entmax, launch, replay, self_adjusted, softmax, topk  # noqa: E402
-from tests.conftest import REPLAY_CHECK  # noqa: E402
+from tests.conftest import REPLAY_CHECK, poisoned_empty  # noqa: E402
 from tests.kernels import standin  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in runs the interpreter on CPU tensors")
@@ -34,12 +34,7 @@ def replaying(monkeypatch):
     monkeypatch.setattr(fast_launch, "_KEPT", {})
     monkeypatch.setattr(replay, "_PLANS", {})
 
-    def poisoned(shape, dtype, device):  # made filled (an in-place fill would count as a torch write)
-        out = torch.full(shape, math.nan if dtype.is_floating_point else -7, dtype=dtype, device=device)
-        fast_launch.note_output(out)
-        return out
-
-    monkeypatch.setattr(launch, "empty", poisoned)
+    monkeypatch.setattr(launch, "empty", poisoned_empty)
     replays = []
     real_replay = replay._replay
     monkeypatch.setattr(replay, "_replay", lambda *args: replays.append(1) or real_replay(*args))
