@@ -10,15 +10,15 @@ No ``(Lq, Lk)`` matrix is stored: score tiles are recomputed by
 every kernel, so every pass sees bit-identical scores.
 
 **Selection: a radix select on the scores' bits, per query block.**  Each score maps to
-an unsigned integer ordered like it (the float's bits, magnitude bits flipped for
-negatives, sign bit flipped; NaN largest, masked keys 0).  The k-th largest key ``t``
+an unsigned integer ordered like it (its signed magnitude plus the bits of +inf, so
+masked keys, at -inf, are 0, both zeros are equal and NaN is largest: :func:`_sortable`).  The k-th largest key ``t``
 is built :data:`RADIX_BITS` bits at a time, most significant first: a pass over the
 query block's key blocks counts, for each row and each of the ``2^RADIX_BITS``
 candidates ``prefix | d << shift``, the keys ``>= candidate`` (suffix sums of a per-row
 histogram of the pass's digit, counted 8 bits to a field, four fields to a word:
 :func:`_digit_histogram`), and keeps the largest ``d`` still reaching ``k``.  4 bits per
-pass: 8 passes for float32 scores (16 for float64), each costing ~20 integer operations
-and 4 row reductions per score tile on top of the scores (8 bits per pass would need 64
+pass: 8 passes for float32 scores (16 for float64), each costing ~25 integer operations
+a score and 4 row reductions per score tile on top of the scores (8 bits per pass would need 64
 words; 1 bit per pass, a bisection, needs 32 passes).  The first
 pass also counts each row's allowed, +inf and NaN keys; when every row of the query
 block keeps all its keys the other passes are skipped.  The last pass leaves ``c``,
@@ -52,7 +52,10 @@ the key blocks in any order, the inner ones without the interval test.  The weig
 the +inf-row and temperature cases folded into them, not tested per score.  sm_90 SASS of
 the innermost loops (bf16, head dim 64, ``scripts/sass_loops.py``, counts, not times):
 forward output pass 85.7 -> 15.6 instructions per score (60.0 in a block with cut ties),
-dq 41.9 -> 15.4 (20.9), dk/dv 50.3 -> 38.6 (both variants in one loop).
+dq 41.9 -> 15.4 (20.9), dk/dv 50.3 -> 38.6 (both variants in one loop); the selection
+passes 42.1 -> 33.3 (the first, which also counts allowed, +inf and NaN keys) and
+35.4 -> 27.4 (the others), from the three-operation key of :func:`_sortable` and the
+digit read off ``key - prefix`` (:func:`_digit_histogram`).
 
 Bytes per query row beyond q, k, v, out and their gradients: :data:`STATS` stats of
 4 bytes (8 for float64) written by the forward, read by the backward with one per-row
@@ -98,7 +101,7 @@ from attnorm.kernels.triton.attention_blocks import (
     sink_scores,
 )
 from attnorm.kernels.triton.attention_launch import Problem, dot_operands, launch_options, problem, row_dot
-from attnorm.kernels.triton.topk import _keep_count, _key_value, _order_keys
+from attnorm.kernels.triton.topk import _keep_count
 
 __all__ = ["RADIX_BITS", "STATS", "topk_attention_backward", "topk_attention_forward"]
 
@@ -119,10 +122,34 @@ _STATS_WIDTH = tl.constexpr(STATS)
 
 
 @triton.jit
-def _sortable(x, allowed, KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr):
-    """Unsigned keys ordered like ``x`` (NaN largest); 0 where not allowed."""
-    key_min: tl.constexpr = -(1 << (KEY_BITS - 1))
-    return (_order_keys(x, allowed, KEY, KEY_BITS) ^ key_min).to(UKEY, bitcast=True)
+def _sortable(x, KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr):
+    """Unsigned keys ordered like ``x``: -inf (a masked key) 0, ``-0.0`` equal to ``0.0``, every NaN above +inf.
+
+    The signed magnitude (a negative score's magnitude negated, so both zeros meet at 0)
+    plus the bits of +inf: three integer operations a score.
+    """
+    bits = x.to(KEY, bitcast=True)
+    sign = bits >> (KEY_BITS - 1)  # 0 or -1
+    signed = ((bits & ((1 << (KEY_BITS - 1)) - 1)) ^ sign) - sign
+    return signed.to(UKEY, bitcast=True) + _inf_bits(UKEY, KEY_BITS)
+
+
+@triton.jit
+def _inf_bits(UKEY: tl.constexpr, KEY_BITS: tl.constexpr):
+    """The bits of +inf: the offset of :func:`_sortable`."""
+    if KEY_BITS == 64:
+        return tl.full((), 0x7FF0000000000000, UKEY)
+    else:
+        return tl.full((), 0x7F800000, UKEY)
+
+
+@triton.jit
+def _sortable_value(keys, ACC: tl.constexpr, KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr):
+    """The score whose :func:`_sortable` key is ``keys`` (-inf for key 0; ``+0.0`` for both zeros)."""
+    signed = (keys - _inf_bits(UKEY, KEY_BITS)).to(KEY, bitcast=True)
+    sign = signed >> (KEY_BITS - 1)
+    bits = ((signed ^ sign) - sign) | (sign << (KEY_BITS - 1))
+    return bits.to(ACC, bitcast=True)
 
 
 @triton.jit
@@ -141,12 +168,9 @@ def _digit_histogram(keys, prefix, shift, BLOCK_M: tl.constexpr, UKEY: tl.conste
     """
     top: tl.constexpr = (1 << RADIX) - 1
     words: tl.constexpr = (1 << RADIX) // 4
-    step = shift.to(UKEY)
-    shifted = keys >> step
-    upper = shifted >> RADIX
-    prefix_upper = ((prefix >> step) >> RADIX)[:, None]
-    digit = tl.where(upper > prefix_upper, top, shifted & top).to(tl.int32)
-    one = tl.where(upper >= prefix_upper, (1 << ((digit & 3) * 8)).to(tl.uint32), 0)
+    # prefix has no bit below the digit: keys - prefix is the digit and the lower bits (and more above the prefix)
+    digit = tl.minimum((keys - prefix[:, None]) >> shift.to(UKEY), top).to(tl.int32)
+    one = tl.where(keys >= prefix[:, None], (1 << ((digit & 3) * 8)).to(tl.uint32), 0)
     word = digit >> 2
     digits = tl.arange(0, 1 << RADIX)
     histogram = tl.zeros((BLOCK_M, 1 << RADIX), tl.int32)
@@ -162,11 +186,10 @@ def _tally(x, tallies, prefix, shift, FIRST: tl.constexpr, BLOCK_M: tl.constexpr
            UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr):
     """One score tile added to a selection pass's histogram (and, ``FIRST``, to the allowed, +inf and NaN counts)."""
     histogram, allowed_count, posinf_count, nan_count = tallies
-    allowed = x != float("-inf")
-    keys = _sortable(x, allowed, KEY, UKEY, KEY_BITS)
+    keys = _sortable(x, KEY, UKEY, KEY_BITS)
     histogram += _digit_histogram(keys, prefix, shift, BLOCK_M, UKEY, RADIX)
     if FIRST:
-        allowed_count += tl.sum(allowed.to(tl.int32), 1)
+        allowed_count += tl.sum((x != float("-inf")).to(tl.int32), 1)
         posinf_count += tl.sum((x == float("inf")).to(tl.int32), 1)
         nan_count += tl.sum((x != x).to(tl.int32), 1)
     return histogram, allowed_count, posinf_count, nan_count
@@ -232,14 +255,14 @@ def _settle_digit(counts, prefix, above, keep, shift, UKEY: tl.constexpr, RADIX:
 
 
 @triton.jit
-def _cut(prefix, at, keep, KEY: tl.constexpr, KEY_BITS: tl.constexpr, ACC: tl.constexpr):
+def _cut(prefix, at, keep, KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr, ACC: tl.constexpr):
     """Rows whose settled candidate ``prefix`` (unsettled digits 0) already has exactly ``keep`` keys at or above it.
 
     Such a row keeps the keys ``>= prefix``: the threshold is ``prefix`` with every tie kept, and its lower
     digits need no pass.  Only where ``prefix`` is the key of a score (not NaN, above -inf), so that the
     threshold survives the stats' round trip through a float.
     """
-    value = _key_value(prefix.to(KEY, bitcast=True) ^ (-(1 << (KEY_BITS - 1))), ACC, KEY_BITS)
+    value = _sortable_value(prefix, ACC, KEY, UKEY, KEY_BITS)
     return (at == keep) & (value > float("-inf"))
 
 
@@ -342,7 +365,7 @@ def _topk_forward_kernel(
     softcap = tl.load(softcap_ptr)
     sink_score = sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SINK, BLOCK_M, ACC)
     sink_allowed = sink_score != float("-inf")
-    sink_key = _sortable(sink_score, sink_allowed, KEY, UKEY, KEY_BITS)
+    sink_key = _sortable(sink_score, KEY, UKEY, KEY_BITS)
     sinks_here = sink_allowed.to(tl.int32)
 
     # Selection, most significant digit first; the first pass also counts the allowed keys.
@@ -366,7 +389,7 @@ def _topk_forward_kernel(
     prefix, above, at = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
     every = keep >= allowed_count + sinks_here
     # The block stops once each row keeps every key or has a candidate with exactly k keys at or above it.
-    cut = _cut(prefix, at, keep, KEY, KEY_BITS, ACC)
+    cut = _cut(prefix, at, keep, KEY, UKEY, KEY_BITS, ACC)
     level = 1
     while (level < KEY_BITS // RADIX) & (tl.min((every | cut).to(tl.int32), 0) == 0):
         shift = KEY_BITS - RADIX * (level + 1)
@@ -376,15 +399,14 @@ def _topk_forward_kernel(
             BLOCK_M, BLOCK_N, ACC, KEY, UKEY, KEY_BITS, RADIX,
         )
         prefix, above, at = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
-        cut = _cut(prefix, at, keep, KEY, KEY_BITS, ACC)
+        cut = _cut(prefix, at, keep, KEY, UKEY, KEY_BITS, ACC)
         level += 1
     # Rows keeping every allowed key: threshold below all of them (key 0), no ties.  Cut rows keep every tie
     # at their candidate; after the last digit the ties kept are the k - (keys above the k-th) first ones.
     threshold_key = tl.where(every, tl.zeros_like(prefix), prefix)
     tie_slots = tl.where(every | cut, 1 << 30, keep - above)
     # The threshold as a score (-inf: every allowed key kept); the output pass compares floats (see _kept).
-    signed = threshold_key.to(KEY, bitcast=True) ^ (-(1 << (KEY_BITS - 1)))
-    threshold = tl.where(every, float("-inf"), _key_value(signed, ACC, KEY_BITS))
+    threshold = tl.where(every, float("-inf"), _sortable_value(threshold_key, ACC, KEY, UKEY, KEY_BITS))
 
     state = tl.where(nan_count > 0, 0, tl.where(keep > 0, tl.where(posinf_row, 2, 1), 0))
     kept_from, slope = _row_terms(state, every, threshold, inv_temperature, ACC)
