@@ -462,6 +462,23 @@ def test_topk_ties_at_the_kth_value_keep_the_lowest_index(path, dtype, monkeypat
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_topk_negative_inverse_temperature_shifts_by_the_least_kept_score(path, monkeypatch, device):
+    """The kernel's rule for ``1 / T < 0`` (eager checks reject such T; the kernel still defines it).
+
+    A streamed row's search may stop at a threshold far below its k-th score (here +0.0,
+    settled by the first 4-bit pass): shifted by it, ``exp((x - shift) / T)`` underflows to 0.
+    """
+    length = row_length(path, monkeypatch)
+    x = -1.0 - torch.arange(length, dtype=F64).repeat(2, 1) / length
+    x[:, :3] = torch.tensor([100.0, 101.0, 102.0], dtype=F64)
+    temperature = torch.tensor([[-0.01], [0.5]], dtype=F64)
+    y = kernels.topk_forward(x.to(device), RowMask(), 3, False, temperature.to(device))[0].cpu()
+    expected = torch.zeros_like(x)
+    expected[:, :3] = torch.softmax(x[:, :3] / temperature, -1)
+    assert_close(y, expected, torch.float64)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("alpha", [3.0, 10.0])
 def test_entmax_large_alpha_matches_mpmath(alpha, dtype, path, monkeypatch, device):

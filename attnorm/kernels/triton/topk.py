@@ -191,6 +191,23 @@ def _kth_key_streamed(X, row, length, x_row_stride, masking, sink, softcap, posi
 
 
 @triton.jit
+def _least_at_or_above(X, row, length, x_row_stride, masking, sink, softcap, posinf_row, threshold, BLOCK,
+                       BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE, KEY, KEY_BITS):
+    """The least allowed score of a streamed row whose key is ``>= threshold`` (+inf if none): one more pass."""
+    least = tl.full((), float("inf"), COMPUTE)
+    for start in range(0, row_extent(length, HAS_SINK), BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x, allowed = load_block(
+            X, row, cols, length, x_row_stride, masking, sink, softcap,
+            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
+        )
+        x, allowed = keep_posinf(x, allowed, posinf_row)
+        kept = allowed & (_order_keys(x, allowed, KEY, KEY_BITS) >= threshold)
+        least = tl.minimum(least, tl.min(tl.where(kept, x, float("inf")), 0))
+    return least
+
+
+@triton.jit
 def _topk_forward_kernel(
     X, OUT, MULTIPLIER, k_param, temperature_values, temperature_stride,
     mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
@@ -205,8 +222,9 @@ def _topk_forward_kernel(
     Passes over the row and bytes moved: a single-block row reads x once and writes
     y once, ``L * (in + out)``, plus a per-row scalar; the radix search runs on the
     keys in registers.  A multi-pass row reads x at most ``KEY_BITS / 4 + 3`` times
-    (statistics, one pass per 4-bit digit, sums, write): ``L * ((KEY_BITS / 4 + 3) in +
-    out)``, 11 reads for float32 (35 with one bit per pass); the search stops early once
+    (statistics, one pass per 4-bit digit, sums, write; one more with a negative
+    ``1 / temperature``, for the least kept score): ``L * ((KEY_BITS / 4 + 3) in + out)``,
+    11 reads for float32 (35 with one bit per pass); the search stops early once
     a candidate has exactly k keys at or above it (a float32 model, N(0, 1) rows of 16k
     and 64k keys, k = 64 or 6 %: after 4.7-5.9 of its 8 passes on average).  A bool
     mask adds one byte per element and pass.  ``HAS_SINK``: the sink is position
@@ -264,6 +282,10 @@ def _topk_forward_kernel(
         threshold = _kth_key_streamed(X, row, length, x_row_stride, masking, sink, softcap, posinf_row, keep, BLOCK,
                                       BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE, KEY, KEY_BITS, DIGIT_BITS)
         kth = tl.where(keep > 0, _key_value(threshold, COMPUTE, KEY_BITS), 0.0)
+        if scale < 0:  # the shift is the least kept score, and a threshold the search cut at may lie below it
+            least = _least_at_or_above(X, row, length, x_row_stride, masking, sink, softcap, posinf_row, threshold,
+                                       BLOCK, BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE, KEY, KEY_BITS)
+            kth = tl.where(keep > 0, least, 0.0)
         top = tl.where(max_x == float("-inf"), 0.0, max_x)
         shift = tl.where(scale >= 0, top, kth)
         above_sum = tl.zeros((), COMPUTE)
