@@ -122,6 +122,17 @@ def _kth_key(keep, keys, KEY: tl.constexpr, KEY_BITS: tl.constexpr):
     return threshold
 
 
+@triton.jit
+def _load_kept_block(X, row, cols, length, x_row_stride, masking, sink, softcap, posinf_row,
+                     BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE):
+    """A streamed block's scores and allowed positions, the +inf rule applied (:func:`.blocks.keep_posinf`)."""
+    x, allowed = load_block(
+        X, row, cols, length, x_row_stride, masking, sink, softcap,
+        BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
+    )
+    return keep_posinf(x, allowed, posinf_row)
+
+
 STREAMED_DIGIT_BITS = 4
 """Bits of the k-th key settled per pass over a streamed row (a divisor of 32)."""
 
@@ -144,11 +155,8 @@ def _digit_counts(X, row, length, x_row_stride, masking, sink, softcap, posinf_r
     histogram = tl.zeros((1 << DIGIT_BITS,), tl.int32)
     for start in range(0, row_extent(length, HAS_SINK), BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x, allowed = load_block(
-            X, row, cols, length, x_row_stride, masking, sink, softcap,
-            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
-        )
-        x, allowed = keep_posinf(x, allowed, posinf_row)
+        x, allowed = _load_kept_block(X, row, cols, length, x_row_stride, masking, sink, softcap, posinf_row,
+                                       BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE)
         keys = (_order_keys(x, allowed, KEY, KEY_BITS) ^ key_min).to(UKEY, bitcast=True)
         digit = tl.minimum((keys - prefix) >> shift.to(UKEY), top).to(tl.int32)
         one = tl.where(keys >= prefix, (1 << ((digit & 1) * 16)).to(tl.uint32), 0)
@@ -197,11 +205,8 @@ def _least_at_or_above(X, row, length, x_row_stride, masking, sink, softcap, pos
     least = tl.full((), float("inf"), COMPUTE)
     for start in range(0, row_extent(length, HAS_SINK), BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x, allowed = load_block(
-            X, row, cols, length, x_row_stride, masking, sink, softcap,
-            BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
-        )
-        x, allowed = keep_posinf(x, allowed, posinf_row)
+        x, allowed = _load_kept_block(X, row, cols, length, x_row_stride, masking, sink, softcap, posinf_row,
+                                       BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE)
         kept = allowed & (_order_keys(x, allowed, KEY, KEY_BITS) >= threshold)
         least = tl.minimum(least, tl.min(tl.where(kept, x, float("inf")), 0))
     return least
@@ -292,11 +297,8 @@ def _topk_forward_kernel(
         above = tl.zeros((), tl.int32)
         for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(
-                X, row, cols, length, x_row_stride, masking, sink, softcap,
-                BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
-            )
-            x, allowed = keep_posinf(x, allowed, posinf_row)
+            x, allowed = _load_kept_block(X, row, cols, length, x_row_stride, masking, sink, softcap, posinf_row,
+                                           BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE)
             greater = _order_keys(x, allowed, KEY, KEY_BITS) > threshold
             above += tl.sum(greater.to(tl.int32), 0)
             above_sum += tl.sum(tl.where(greater, tl.exp(scaled(x - shift, scale)), 0.0), 0)
@@ -306,11 +308,8 @@ def _topk_forward_kernel(
         ties_before = tl.zeros((), tl.int32)
         for start in range(0, row_extent(length, HAS_SINK), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x, allowed = load_block(
-                X, row, cols, length, x_row_stride, masking, sink, softcap,
-                BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE
-            )
-            x, allowed = keep_posinf(x, allowed, posinf_row)
+            x, allowed = _load_kept_block(X, row, cols, length, x_row_stride, masking, sink, softcap, posinf_row,
+                                           BOOL_MASK, CAUSAL, LENGTHS, HAS_SINK, SOFTCAP, COMPUTE)
             keys = _order_keys(x, allowed, KEY, KEY_BITS)
             ties = allowed & (keys == threshold)
             rank = ties_before + tl.cumsum(ties.to(tl.int32), 0)
