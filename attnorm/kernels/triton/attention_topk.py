@@ -500,6 +500,12 @@ def _load_stats(STATS_PTR, rows, offs_m, lq, inv_temperature, ACC: tl.constexpr)
 
 
 @triton.jit
+def _delta_factor(delta, factor):
+    """``delta factor`` per row, 0 where ``factor`` is (a NaN row's delta stays out of dq, dk and the sink's ds)."""
+    return tl.where(factor != 0, delta * factor, 0.0)
+
+
+@triton.jit
 def _probabilities(x, offs_n, kept_from, tie_until, slope, offset, TIES: tl.constexpr, ACC: tl.constexpr):
     """The forward's weights ``p`` on a tile, from the row terms of :func:`_load_stats` (0 off the kept keys)."""
     logits = _log2_logits(x, slope, ACC) - offset[:, None]
@@ -572,7 +578,7 @@ def _topk_dq_kernel(
     lo = lo // BLOCK_N * BLOCK_N
     softcap = tl.load(softcap_ptr)
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
-    stats = (kept_from, tie_until, row_slope, offset, factor, tl.where(factor != 0, delta * factor, 0.0))
+    stats = (kept_from, tie_until, row_slope, offset, factor, _delta_factor(delta, factor))
     operands = (v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile, k_base, offs_d, head_dim, sk_n, sk_d)
     inner_lo, inner_hi, masked = inner_key_blocks(row_start, row_stop, offs_m, lq, lk, lo, hi, BLOCK_N)
     span = (lo, inner_lo, inner_hi, masked)
@@ -640,7 +646,7 @@ def _topk_dkdv_kernel(
                     delta = tl.load(DELTA + rows, mask=offs_m < lq, other=0.0)
                     dv += mma(tl.trans(p.to(do_tile.dtype)), do_tile, ACC)
                     g = mma(do_tile, tl.trans(v_tile), ACC)
-                    ds = p * (g * factor[:, None] - tl.where(factor != 0, delta * factor, 0.0)[:, None])
+                    ds = p * (g * factor[:, None] - _delta_factor(delta, factor)[:, None])
                     if SOFTCAP:
                         ds = ds * slope
                     dk += mma(tl.trans(ds.to(q_tile.dtype)), q_tile, ACC)
