@@ -244,6 +244,47 @@ def test_posinf_rows_follow_the_limit(device):
     torch.testing.assert_close(plain[0, 0, 1], infinite @ v[0, 0], equal_nan=True)  # +inf weights: inf, -inf or NaN
 
 
+@pytest.mark.skipif(DEVICE == "cuda" and not _triton_handles_normalized_additive_self_adjusted(),
+                    reason=BROKEN_ON_OLD_TRITON)
+@pytest.mark.parametrize("normalized", [True, False], ids=["normalized", "plain"])
+def test_special_scores_are_classified_per_row_in_every_key_block(normalized, device, blocks_of_16):
+    """+inf, NaN and -inf scores in masked and inner key blocks (three blocks of 16 keys): a NaN row is NaN
+    (also beside +inf, in either order), a +inf row follows the limit, the finite rows match the reference."""
+    q, k, v = make_qkv(1, 1, 1, 8, 48, 16, 16, torch.float32, device, seed=9)
+    additive = torch.zeros(8, 48, dtype=torch.float32)
+    additive[1, [5, 30]] = math.inf
+    additive[2, 33] = math.nan
+    additive[3, 3], additive[3, 40] = math.inf, math.nan
+    additive[4, 2], additive[4, 44] = math.nan, math.inf
+    additive[5, :20] = additive[5, 21:] = -math.inf  # one key
+    additive[6] = -math.inf  # no key
+    additive[7, :16] = -math.inf
+    mask = AttentionMask(additive=additive.to(device))
+    grad_out = torch.randn(1, 1, 8, 16, generator=torch.Generator().manual_seed(2)).to(device)
+    grad_out[:, :, 1:5] = 0  # the special rows add nothing to dk and dv
+    out, stats, (dq, dk, dv) = run_fused(q, k, v, mask, SCALE, normalized, grad_out)
+    assert out[0, 0, 2:5].isnan().all() and not out[0, 0, [0, 5, 6, 7]].isnan().any()
+    states = stats[0, 0, :, 6].tolist()
+    assert states == [1, 2, 0, 0, 0, 1, 0, 1], states
+    assert stats[0, 0, 1, 1].item() == pytest.approx(math.log(2))  # uniform over its two +inf keys
+    if normalized:
+        torch.testing.assert_close(out[0, 0, 1], v[0, 0, [5, 30]].mean(0))
+    else:  # +inf weights: inf, -inf or NaN
+        infinite = torch.where(additive[1] == math.inf, math.inf, 0.0).to(v)
+        torch.testing.assert_close(out[0, 0, 1], infinite @ v[0, 0], equal_nan=True)
+    assert (out[0, 0, 6] == 0).all()
+    rows = [0, 5, 6, 7]
+    leaves = [t.detach().double().requires_grad_() for t in (q[:, :, rows], k, v)]
+    expected = reference(*leaves, AttentionMask(additive=additive[rows].double().to(device)), SCALE, normalized)
+    expected.backward(grad_out[:, :, rows].double())
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(out[:, :, rows].double(), expected.detach(), **tol)
+    torch.testing.assert_close(dq[:, :, rows].double(), leaves[0].grad, **tol)
+    torch.testing.assert_close(dk.double(), leaves[1].grad, **tol)
+    if normalized:  # plain: the +inf row's infinite weights times its zero dO make dv NaN, as autograd has it
+        torch.testing.assert_close(dv.double(), leaves[2].grad, **tol)
+
+
 @pytest.mark.parametrize("normalized", [True, False], ids=["normalized", "plain"])
 def test_decoding_equals_last_row_of_full_causal(normalized, device):
     """One query against a long key cache equals the last row of the full causal run."""

@@ -61,6 +61,7 @@ mask arguments, key-block bounds and tiles: :mod:`.attention_blocks`.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -252,42 +253,67 @@ def _load_stats(STATS_PTR, rows, offs_m, lq, ACC: tl.constexpr):
     return c0, c1, low, high, low_count, high_count, state
 
 
+@triton.jit
+def _load_total(TOTAL, rows, offs_m, lq, state):
+    """``P`` per row, 0 off state 1: plain's pre-pass ``rowsum(dO * out)`` is NaN in a NaN or +inf row even
+    where ``dO`` is 0, and those rows get no score gradient (``w = 0`` must not meet a NaN ``P``)."""
+    return tl.where(state == 1, tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0), 0.0)
+
+
 # ---- kernels ---------------------------------------------------------------------------------
 
 
 @triton.jit
-def _forward_add(x, offs_n, sums, values, NORMALIZED: tl.constexpr, ACC: tl.constexpr):
+def _lowest(ACC: tl.constexpr):
+    """The accumulation dtype's lowest finite value (a masked score, -inf, clamped to it keeps ``0 x = 0``)."""
+    if ACC == tl.float64:
+        return -1.7976931348623157e308
+    return -3.4028234663852886e38
+
+
+@triton.jit
+def _forward_add(x, offs_n, sums, values, NORMALIZED: tl.constexpr, ONE_SUM: tl.constexpr, ACC: tl.constexpr):
     """The forward's online sums with one score tile ``x`` of keys ``offs_n`` added (V read once).
 
-    ``sums`` = (top, bottom, top_count, bottom_count, total, posinf_count, nan_count, A, B);
-    ``values`` = (v_base, offs_dv, lk, value_dim, sv_n, sv_d).
+    ``sums`` = (top, bottom, top_count, bottom_count, total, A, B); ``values`` = (v_base,
+    offs_dv, lk, value_dim, sv_n, sv_d).  ``ONE_SUM`` (plain, V not float16): ``A`` is
+    ``sum e x v`` and ``B`` unused.
+
+    No per-score test of special values: ``top`` is the raw running max (a max ignores NaN
+    on the GPU and in the interpreter alike), so a row holding +inf ends with ``top = +inf``
+    (its sums are left unread: the kernel's +inf pass replaces them); a masked key (-inf)
+    gets ``e = exp(-inf) = 0`` and enters ``e x`` clamped to the lowest finite value; a NaN
+    score gives ``e = NaN``, so a finite row holding one ends with ``total = NaN``.  Only
+    the row max and min (normalized) of the finite scores and their tie counts look at
+    each score.
     """
-    top, bottom, top_count, bottom_count, total, posinf_count, nan_count, shifted_sum, plain_sum = sums
+    top, bottom, top_count, bottom_count, total, shifted_sum, plain_sum = sums
     v_base, offs_dv, lk, value_dim, sv_n, sv_d = values
-    finite = (x > float("-inf")) & (x < float("inf"))
-    posinf_count += tl.sum((x == float("inf")).to(ACC), 1)
-    nan_count += tl.sum((x != x).to(ACC), 1)
-    block_top = tl.max(tl.where(finite, x, float("-inf")), 1)
+    block_top = tl.max(x, 1)
     if NORMALIZED:  # the min and the keys attaining min and max: only the normalized backward reads them
-        block_bottom = tl.min(tl.where(finite, x, float("inf")), 1)
-        at_top = tl.sum((finite & (x == block_top[:, None])).to(ACC), 1)
-        at_bottom = tl.sum((finite & (x == block_bottom[:, None])).to(ACC), 1)
+        block_bottom = tl.min(tl.where(x > float("-inf"), x, float("inf")), 1)
+        at_top = tl.where(block_top > float("-inf"), tl.sum((x == block_top[:, None]).to(ACC), 1), 0.0)
+        at_bottom = tl.where(block_bottom < float("inf"), tl.sum((x == block_bottom[:, None]).to(ACC), 1), 0.0)
         top_count = tl.where(block_top > top, at_top, tl.where(block_top == top, top_count + at_top, top_count))
         bottom_count = tl.where(block_bottom < bottom, at_bottom,
                                 tl.where(block_bottom == bottom, bottom_count + at_bottom, bottom_count))
         bottom = tl.minimum(bottom, block_bottom)
     new_top = tl.maximum(top, block_top)
-    ref = tl.where(new_top > float("-inf"), new_top, 0.0)
+    ref = tl.where((new_top > float("-inf")) & (new_top < float("inf")), new_top, 0.0)
     rescale = tl.where(top > float("-inf"), tl.exp(top - ref), 0.0)
-    moved = tl.where(top > float("-inf"), top - ref, 0.0)
-    xs = tl.where(finite, x - ref[:, None], 0.0)
-    e = tl.where(finite, tl.exp(xs), 0.0)
+    shifted = x - ref[:, None]
+    e = tl.exp(shifted)
     total = total * rescale + tl.sum(e, 1)
     v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-    shifted_sum = rescale[:, None] * (shifted_sum + moved[:, None] * plain_sum)
-    shifted_sum += mma((e * xs).to(v_tile.dtype), v_tile, ACC)
-    plain_sum = rescale[:, None] * plain_sum + mma(e.to(v_tile.dtype), v_tile, ACC)
-    return new_top, bottom, top_count, bottom_count, total, posinf_count, nan_count, shifted_sum, plain_sum
+    if ONE_SUM:
+        shifted_sum = rescale[:, None] * shifted_sum + mma((e * tl.maximum(x, _lowest(ACC))).to(v_tile.dtype),
+                                                           v_tile, ACC)
+    else:
+        moved = tl.where(top > float("-inf"), top - ref, 0.0)
+        shifted_sum = rescale[:, None] * (shifted_sum + moved[:, None] * plain_sum)
+        shifted_sum += mma((e * tl.maximum(shifted, _lowest(ACC))).to(v_tile.dtype), v_tile, ACC)
+        plain_sum = rescale[:, None] * plain_sum + mma(e.to(v_tile.dtype), v_tile, ACC)
+    return new_top, bottom, top_count, bottom_count, total, shifted_sum, plain_sum
 
 
 @triton.jit
@@ -299,7 +325,7 @@ def _self_adjusted_forward_kernel(
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, ONE_SUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block: online max/sum/min/tie counts and the sums ``A``, ``B`` in one pass (module docstring)."""
@@ -317,44 +343,54 @@ def _self_adjusted_forward_kernel(
     # The sink, an allowed key of value zero, starts the row's max, min, counts and sum.
     sink_logit = sink_scores(sink, sink_sb, sink_sh, sink_sm, batch, head, offs_m, lq, HAS_SINK, BLOCK_M, ACC)
     sink_finite = (sink_logit > float("-inf")) & (sink_logit < float("inf"))
-    top = tl.where(sink_finite, sink_logit, float("-inf"))
+    top = tl.where(sink_logit == sink_logit, sink_logit, float("-inf"))  # +inf too: the row's top
     bottom = tl.where(sink_finite, sink_logit, float("inf"))
     top_count = sink_finite.to(ACC)
     bottom_count = sink_finite.to(ACC)
     total = sink_finite.to(ACC)
-    posinf_count = (sink_logit == float("inf")).to(ACC)
-    nan_count = (sink_logit != sink_logit).to(ACC)
-    shifted_sum = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # A = sum e (x - top) v
+    shifted_sum = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # A = sum e (x - top) v, or sum e x v (ONE_SUM)
     plain_sum = tl.zeros((BLOCK_M, BLOCK_DV), ACC)  # B = sum e v
-    sums = (top, bottom, top_count, bottom_count, total, posinf_count, nan_count, shifted_sum, plain_sum)
+    sums = (top, bottom, top_count, bottom_count, total, shifted_sum, plain_sum)
     values = (v_base, offs_dv, lk, value_dim, sv_n, sv_d)
     inner_lo, inner_hi, masked = inner_key_blocks(row_start, row_stop, offs_m, lq, lk, lo, hi, BLOCK_N)
     for i in range(0, masked):  # the masked key blocks, then the inner ones (sums that do not care about order)
         offs_n = masked_block_start(i, lo, inner_lo, inner_hi, BLOCK_N) + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                        softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-        sums = _forward_add(x, offs_n, sums, values, NORMALIZED, ACC)
+        sums = _forward_add(x, offs_n, sums, values, NORMALIZED, ONE_SUM, ACC)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                        softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC, False)
-        sums = _forward_add(x, offs_n, sums, values, NORMALIZED, ACC)
-    top, bottom, top_count, bottom_count, total, posinf_count, nan_count, shifted_sum, plain_sum = sums
+        sums = _forward_add(x, offs_n, sums, values, NORMALIZED, ONE_SUM, ACC)
+    top, bottom, top_count, bottom_count, total, shifted_sum, plain_sum = sums
 
+    # Special values, per row: a +inf score leaves top = +inf; a NaN one (in a row without +inf) total = NaN.
+    posinf_row = top == float("inf")
+    nan_row = ~posinf_row & (total != total)
+    total = tl.where(posinf_row | nan_row, 0.0, total)
+    top = tl.where(posinf_row | nan_row, float("-inf"), top)
+    if ONE_SUM:
+        plain_sum = 0.0  # A is already sum e x v: out = A / l
     out, top, low, high, divisor = finish(top, total, bottom, shifted_sum, plain_sum, NORMALIZED)
     live = total > 0
-    posinf_row = posinf_count > 0
-    if tl.max(posinf_count, 0) > 0:
-        # The limit of the finite case: the softmax mass sits uniformly on the +inf keys.
+    posinf_count = (sink_logit == float("inf")).to(ACC)
+    if tl.max(posinf_row.to(tl.int32), 0) > 0:
+        # The limit of the finite case: the softmax mass sits uniformly on the +inf keys (a NaN key still wins).
         limit = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
+        nan_count = (sink_logit != sink_logit).to(ACC)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
                            scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
+            posinf_count += tl.sum((x == float("inf")).to(ACC), 1)
+            nan_count += tl.sum((x != x).to(ACC), 1)
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
             limit += mma(posinf_mass(x, NORMALIZED).to(v_tile.dtype), v_tile, ACC)
         out = tl.where(posinf_row[:, None], limit / tl.maximum(posinf_count, 1.0)[:, None], out)
-    nan_row = nan_count > 0
+        nan_row = nan_row | (posinf_row & (nan_count > 0))
+        posinf_row = posinf_row & (nan_count == 0)
+    nan_row = nan_row | (sink_logit != sink_logit)
     out = tl.where(nan_row[:, None], float("nan"), out)
     rows = bh * lq + offs_m
     tl.store(OUT + rows[:, None] * value_dim + offs_dv[None, :], out.to(OUT.dtype.element_ty),
@@ -459,7 +495,7 @@ def _self_adjusted_dq_kernel(
         tl.store(WEIGHTED + rows, weighted, mask=offs_m < lq)
         low_term, high_term = _span_terms(total, weighted, low, high, low_count, high_count, state)
     else:
-        total = tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0)
+        total = _load_total(TOTAL, rows, offs_m, lq, state)
         low_term = tl.zeros((BLOCK_M,), ACC)
         high_term = low_term
     through_scale = _through_scale(low, high, state)
@@ -520,7 +556,7 @@ def _self_adjusted_dkdv_kernel(
                 do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
                 rows = (batch * heads + head) * lq + offs_m
                 c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
-                total = tl.load(TOTAL + rows, mask=offs_m < lq, other=0.0)
+                total = _load_total(TOTAL, rows, offs_m, lq, state)
                 x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start,
                                             row_stop, lk, scale, softcap, batch, head, masking, HAS_DENSE,
                                             HAS_ADDITIVE, SOFTCAP, ACC)
@@ -601,8 +637,8 @@ def self_adjusted_attention_forward(
     q, k, v = dot_operands(q, k, v)
     strides, sizes, keywords = _common(shape, q, k, v, mask, scale, softcap, sinks)
     launch.launchable(_self_adjusted_forward_kernel)[shape.query_grid](
-        q, k, v, out, stats, *strides, *sizes, **keywords, NORMALIZED=bool(normalized), **shape.constants,
-        **launch_options(shape, q),
+        q, k, v, out, stats, *strides, *sizes, **keywords, NORMALIZED=bool(normalized),
+        ONE_SUM=not normalized and v.dtype != torch.float16, **shape.constants, **launch_options(shape, q),
     )
     return out, stats
 
