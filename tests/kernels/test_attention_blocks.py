@@ -21,6 +21,7 @@ import triton.language as tl  # noqa: E402
 from attnorm.kernels.triton.attention_blocks import (  # noqa: E402
     key_block_bounds,
     mask_arguments,
+    query_block_range,
     score_tile,
     score_tile_slope,
     stable_tanh,
@@ -108,6 +109,48 @@ def test_score_tiles_equal_masked_torch_scores(kind, device):
                     assert lo[b, h] <= keys.min() and keys.max() < hi[b, h]
                 else:
                     assert hi[b, h] <= lo[b, h] or kind in ("dense", "additive", "none")
+
+
+@triton.jit
+def _query_ranges(out, key_start, key_stop, range_stride, lq, lk, HAS_RANGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SCAN: tl.constexpr):
+    key_block, batch = tl.program_id(0), tl.program_id(1)
+    first, last = query_block_range(key_start, key_stop, range_stride, batch, key_block * BLOCK_N, lq, lk, HAS_RANGE,
+                                    BLOCK_M, BLOCK_N, SCAN)
+    tl.store(out + (batch * tl.num_programs(0) + key_block) * 2, first)
+    tl.store(out + (batch * tl.num_programs(0) + key_block) * 2 + 1, last)
+
+
+@pytest.mark.parametrize("monotone", [True, False], ids=["causal", "scattered"])
+def test_query_block_range_spans_exactly_the_blocks_of_the_rows_reaching_a_key_block(monotone, device):
+    """The dk/dv kernels' loop bounds: from the first to the last query block holding a row whose interval meets
+    the key block, read in several scans (SCAN 32 < lq); none for a key block no row reaches."""
+    batch, lq, lk, block_m, block_n = 2, 100, 90, 16, 16
+    gen = torch.Generator().manual_seed(3)
+    if monotone:  # causal, bottom-right aligned, and key padding of 60 in the second sequence
+        start = torch.zeros(batch, lq, dtype=torch.int32)
+        stop = (torch.arange(lq) - lq + lk + 1).clamp(0, lk).to(torch.int32).expand(batch, lq).clone()
+        stop[1] = stop[1].clamp(max=60)
+    else:  # arbitrary intervals, some empty
+        start = torch.randint(0, lk, (batch, lq), generator=gen, dtype=torch.int32)
+        stop = (start + torch.randint(-5, 12, (batch, lq), generator=gen, dtype=torch.int32)).clamp(0, lk)
+    key_blocks = triton.cdiv(lk, block_n)
+    out = torch.full((batch, key_blocks, 2), -7, dtype=torch.int32, device=device)
+    start_d, stop_d = start.contiguous().to(device), stop.contiguous().to(device)
+    _query_ranges[(key_blocks, batch)](out, start_d, stop_d, lq, lq, lk, HAS_RANGE=True, BLOCK_M=block_m,
+                                       BLOCK_N=block_n, SCAN=32)
+    for b in range(batch):
+        for kb in range(key_blocks):
+            reach = (start[b] < stop[b]) & (start[b] < (kb + 1) * block_n) & (stop[b] > kb * block_n)
+            rows = reach.nonzero().flatten()
+            first, last = out[b, kb].tolist()
+            if len(rows):
+                assert (first, last) == (rows.min().item() // block_m, rows.max().item() // block_m + 1), (b, kb)
+            else:
+                assert last <= first, (b, kb)
+    _query_ranges[(key_blocks, batch)](out, start_d, stop_d, lq, lq, lk, HAS_RANGE=False, BLOCK_M=block_m,
+                                       BLOCK_N=block_n, SCAN=32)
+    assert (out[..., 0] == 0).all() and (out[..., 1] == triton.cdiv(lq, block_m)).all()
 
 
 @triton.jit

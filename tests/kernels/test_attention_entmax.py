@@ -23,7 +23,7 @@ import entmax  # noqa: E402
 
 import attnorm  # noqa: E402
 from attnorm.kernels.rules import AttentionMask  # noqa: E402
-from attnorm.kernels.triton import attention_entmax, launch  # noqa: E402
+from attnorm.kernels.triton import attention_entmax, attention_launch, launch  # noqa: E402
 from attnorm.kernels.triton.attention_entmax import (  # noqa: E402
     entmax_attention_backward,
     entmax_attention_forward,
@@ -372,6 +372,22 @@ def test_key_blocks_outside_every_interval_are_never_read(blocks_of_16, device):
     assert torch.equal(dv[1, :, 16:], torch.zeros_like(dv[1, :, 16:]))
     expected_out, _, _ = run_reference(q, k.nan_to_num(), v.nan_to_num(), grad, keep, None, 1.5)
     assert_close(out, expected_out, q.dtype)
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.5])
+@pytest.mark.parametrize("case", ["causal", "documents-causal"])
+def test_skipping_tiles_without_support_changes_no_bit(case, alpha, blocks_of_16, monkeypatch, device):
+    """``attention_launch.SKIP_EMPTY_TILES`` (off by default) skips the products of tiles where no row has
+    support; what it skips adds only zeros, so both give the same bits, and the reference's values."""
+    lq, lk, build = CASES[case]
+    q, k, v, grad = inputs(1, 2, 1, lq, lk, 16, device=device, seed=21)
+    mask, keep, additive = build(1, lq, lk, device)
+    plain = run_kernels(q, k, v, grad, mask, alpha)
+    monkeypatch.setattr(attention_launch, "SKIP_EMPTY_TILES", True)
+    skipped = run_kernels(q, k, v, grad, mask, alpha)
+    for a, b in zip([plain[0], *plain[2], plain[3]], [skipped[0], *skipped[2], skipped[3]], strict=True):
+        assert torch.equal(a, b)
+    check(q, k, v, grad, mask, keep, additive, alpha)
 
 
 def test_nan_scores_give_nan_rows(device):

@@ -30,6 +30,7 @@ from tests.kernels.test_attention_self_adjusted import (  # noqa: F401 (poisoned
 
 pytest.importorskip("triton")
 
+from attnorm.kernels.triton import attention_launch  # noqa: E402
 from attnorm.kernels.triton import attention_topk as fused  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -81,6 +82,21 @@ def test_every_mask_kind_matches_reference(kind, device):
     lq = 18 if kind in SQUARE else 13
     q, k, v = make_qkv(2, 2, 1, lq, 18, 16, 16, torch.float32, device)
     check(q, k, v, MASKS[kind](2, lq, 18, device), 3)
+
+
+@pytest.mark.parametrize("kind", ["causal", "documents"])
+def test_skipping_tiles_without_kept_keys_changes_no_bit(kind, blocks_of_16, monkeypatch, device):
+    """``attention_launch.SKIP_EMPTY_TILES`` (off by default) skips the products of tiles keeping no key; what it
+    skips adds only zeros (and rescales by 1), so both give the same bits, and the reference's values."""
+    q, k, v = make_qkv(1, 2, 1, 40, 40, 16, 16, torch.float32, device, seed=4)
+    mask = MASKS[kind](1, 40, 40, device)
+    grad_out = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(5)).to(device)
+    plain = run_fused(q, k, v, mask, SCALE, 3, False, 1.0, grad_out)
+    monkeypatch.setattr(attention_launch, "SKIP_EMPTY_TILES", True)
+    skipped = run_fused(q, k, v, mask, SCALE, 3, False, 1.0, grad_out)
+    for a, b in zip([plain[0], *plain[2]], [skipped[0], *skipped[2]], strict=True):
+        assert torch.equal(a, b)
+    check(q, k, v, mask, 3)
 
 
 @pytest.mark.parametrize("kind", ["causal", "padding", "dense"])

@@ -332,6 +332,39 @@ def key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row
     return scores
 
 
+RANGE_SCAN = 1024
+"""Rows read at a time by :func:`query_block_range` (a kernel constexpr: ``SCAN``)."""
+
+
+@triton.jit
+def query_block_range(key_start, key_stop, range_stride, batch, start, lq, lk, HAS_RANGE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr):
+    """The query blocks ``[first, last)`` that hold every row attending a key of ``[start, start + BLOCK_N)``.
+
+    A key-block program (dk/dv) loops over exactly these, with no test per query block: a
+    loop whose body holds no branch around its loads is one Triton's pipeliner prefetches
+    (``cp.async`` over ``num_stages``), where a per-block ``if`` left every q and dO tile a
+    synchronous load.  Blocks inside the range whose rows reach no key of the block (a
+    document mask's gaps) give score tiles all -inf, whose weights and gradients are 0.
+    With ``HAS_RANGE`` the rows' intervals are read ``SCAN`` at a time (``lq / SCAN`` loads
+    of 2 x ``SCAN`` int32, once per program).
+    """
+    if HAS_RANGE:
+        first = lq
+        last = -1
+        for chunk in range(0, lq, SCAN):
+            offs = chunk + tl.arange(0, SCAN)
+            rows = offs < lq
+            row_start = tl.load(key_start + batch * range_stride + offs, mask=rows, other=lk)
+            row_stop = tl.load(key_stop + batch * range_stride + offs, mask=rows, other=0)
+            reach = (row_start < row_stop) & (row_start < start + BLOCK_N) & (row_stop > start)
+            first = tl.minimum(first, tl.min(tl.where(reach, offs, lq), 0))
+            last = tl.maximum(last, tl.max(tl.where(reach, offs, -1), 0))
+        return first // BLOCK_M, (last + BLOCK_M) // BLOCK_M
+    else:
+        return 0, tl.where(lk > 0, tl.cdiv(lq, BLOCK_M), 0)
+
+
 @triton.jit
 def inner_key_blocks(row_start, row_stop, offs_m, lq, lk, first, hi, BLOCK_N: tl.constexpr):
     """Split a query block's key blocks ``[first, hi)`` into masked and inner ones (FlashAttention-2's causal split).

@@ -109,8 +109,9 @@ from torch import Tensor
 
 from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
-from attnorm.kernels.triton import launch, replay
+from attnorm.kernels.triton import attention_launch, launch, replay
 from attnorm.kernels.triton.attention_blocks import (
+    RANGE_SCAN,
     inner_key_blocks,
     key_block_bounds,
     key_program,
@@ -120,6 +121,7 @@ from attnorm.kernels.triton.attention_blocks import (
     masked_block_start,
     mma,
     modifier_arguments,
+    query_block_range,
     query_program,
     row_arguments,
     row_values,
@@ -381,7 +383,7 @@ def _newton_sums(q_tile, keys, offs_m, span, rows, masks, row_max, tau, multipli
 
 @triton.jit
 def _output_add(scores, offs_n, sums, stats, values, WEIGHTED: tl.constexpr, ALPHA: tl.constexpr,
-                ACC: tl.constexpr):
+                SKIP: tl.constexpr, ACC: tl.constexpr):
     """The output pass's sums one tile on: ``p v``, and under ``WEIGHTED`` ``g v`` and ``g`` (``g = p^(2 - alpha)``).
 
     ``stats`` = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale); ``values`` =
@@ -391,7 +393,10 @@ def _output_add(scores, offs_n, sums, stats, values, WEIGHTED: tl.constexpr, ALP
     row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale = stats
     v_base, offs_dv, value_dim, lk, sv_n, sv_d = values
     u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
-    if _live(p, nan_rows):
+    live = True
+    if SKIP:  # attention_launch.SKIP_EMPTY_TILES: a tile without support loads nothing more
+        live = _live(p, nan_rows)
+    if live:
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         acc += mma(p.to(v_tile.dtype), v_tile, ACC)
         if WEIGHTED and ALPHA != 1.0:
@@ -412,7 +417,7 @@ def _entmax_attention_forward_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, ALPHA: tl.constexpr,
-    WEIGHTED: tl.constexpr,
+    WEIGHTED: tl.constexpr, SKIP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block of one (batch, head): threshold search, then ``out = p v`` (module docstring).
@@ -519,11 +524,11 @@ def _entmax_attention_forward_kernel(
         start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                       HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        sums = _output_add(scores, offs_n, sums, stats, values, WEIGHTED, ALPHA, ACC)
+        sums = _output_add(scores, offs_n, sums, stats, values, WEIGHTED, ALPHA, SKIP, ACC)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                       HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
-        sums = _output_add(scores, offs_n, sums, stats, values, WEIGHTED, ALPHA, ACC)
+        sums = _output_add(scores, offs_n, sums, stats, values, WEIGHTED, ALPHA, SKIP, ACC)
     acc, weighted, gppr_sum = sums
     acc = tl.where(nan_rows[:, None], float("nan"), acc)
     row_base = bh * lq
@@ -550,7 +555,7 @@ def _entmax_attention_forward_kernel(
 
 @triton.jit
 def _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD: tl.constexpr, ALPHA: tl.constexpr,
-               ACC: tl.constexpr):
+               SKIP: tl.constexpr, ACC: tl.constexpr):
     """The rows kernel's four sums (``g``, ``g dP``, and under ``ALPHA_GRAD`` the entropy terms), one tile on.
 
     ``stats`` = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, beta);
@@ -561,7 +566,10 @@ def _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD: tl.constexpr, AL
     row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, beta = stats
     do_tile, v_base, offs_dv, value_dim, lk, sv_d, sv_n = values
     u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
-    if _live(p, nan_rows):
+    live = True
+    if SKIP:  # attention_launch.SKIP_EMPTY_TILES: a tile without support loads nothing more
+        live = _live(p, nan_rows)
+    if live:
         v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
         dp = mma(do_tile, v_t, ACC)
         gppr = _gppr(u, mass, p, gppr_scale, softmax, ALPHA)
@@ -578,7 +586,7 @@ def _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD: tl.constexpr, AL
 
 @triton.jit
 def _dq_add(logits, scores, slope, offs_n, grads, stats, operands, SOFTCAP: tl.constexpr,
-            HAS_LOGIT_SCALE: tl.constexpr, ALPHA: tl.constexpr, ACC: tl.constexpr):
+            HAS_LOGIT_SCALE: tl.constexpr, ALPHA: tl.constexpr, SKIP: tl.constexpr, ACC: tl.constexpr):
     """``(dq, d_row_scale)`` with one tile's terms added; a tile without support reads neither V nor K again.
 
     ``stats`` = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, delta,
@@ -589,7 +597,10 @@ def _dq_add(logits, scores, slope, offs_n, grads, stats, operands, SOFTCAP: tl.c
     row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, delta, row_scale = stats
     do_tile, v_base, offs_dv, value_dim, lk, sv_d, sv_n, k_base, offs_d, head_dim, sk_n, sk_d = operands
     u, mass, p = _weights(logits, row_max, tau, norm, multiplier, power, softmax)
-    if _live(p, nan_rows):
+    live = True
+    if SKIP:  # attention_launch.SKIP_EMPTY_TILES: a tile without support loads nothing more
+        live = _live(p, nan_rows)
+    if live:
         v_t = load_tile(v_base, offs_dv, offs_n, value_dim, lk, sv_d, sv_n)
         dp = mma(do_tile, v_t, ACC)
         ds = _gppr(u, mass, p, gppr_scale, softmax, ALPHA) * (dp - delta[:, None])
@@ -614,7 +625,7 @@ def _entmax_attention_rows_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, ALPHA_GRAD: tl.constexpr,
-    ALPHA: tl.constexpr,
+    ALPHA: tl.constexpr, SKIP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """Per row: ``delta = sum(g dP) / sum(g)`` and (ALPHA_GRAD) the row's alpha gradient, in one pass over K and V.
@@ -660,11 +671,11 @@ def _entmax_attention_rows_kernel(
         start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                       HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        sums = _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD, ALPHA, ACC)
+        sums = _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD, ALPHA, SKIP, ACC)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                       HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
-        sums = _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD, ALPHA, ACC)
+        sums = _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD, ALPHA, SKIP, ACC)
     gppr_sum, gppr_dp, entropy_sum, entropy_dp = sums
     safe_sum = tl.where(gppr_sum > 0, gppr_sum, 1.0)
     delta = tl.where(nan_rows, float("nan"), gppr_dp / safe_sum)
@@ -686,7 +697,7 @@ def _entmax_attention_dq_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
-    ALPHA: tl.constexpr,
+    ALPHA: tl.constexpr, SKIP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dq = scale dS k`` for one query block, one pass over K and V.
@@ -726,11 +737,13 @@ def _entmax_attention_dq_kernel(
         start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         logits, scores, slope, offs_n = _score_parts(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE,
                                                      HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        grads = _dq_add(logits, scores, slope, offs_n, grads, stats, operands, SOFTCAP, HAS_LOGIT_SCALE, ALPHA, ACC)
+        grads = _dq_add(logits, scores, slope, offs_n, grads, stats, operands, SOFTCAP, HAS_LOGIT_SCALE, ALPHA, SKIP,
+                        ACC)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         logits, scores, slope, offs_n = _score_parts(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE,
                                                      HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
-        grads = _dq_add(logits, scores, slope, offs_n, grads, stats, operands, SOFTCAP, HAS_LOGIT_SCALE, ALPHA, ACC)
+        grads = _dq_add(logits, scores, slope, offs_n, grads, stats, operands, SOFTCAP, HAS_LOGIT_SCALE, ALPHA, SKIP,
+                        ACC)
     dq, d_row_scale = grads
     dq = tl.where(nan_rows[:, None], float("nan"), dq * scale)
     tl.store(DQ + (row_base + offs_m)[:, None] * head_dim + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -754,7 +767,7 @@ def _entmax_attention_dkdv_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
-    ALPHA: tl.constexpr,
+    ALPHA: tl.constexpr, SKIP: tl.constexpr, SCAN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dk = scale dS^T q`` and ``dv = p^T dO`` for one key block of one (batch, kv head), no atomics."""
@@ -767,37 +780,40 @@ def _entmax_attention_dkdv_kernel(
     masks = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
-    for query_block in range(0, tl.cdiv(lq, BLOCK_M)):
-        offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
-                                                       HAS_RANGE)
-        if (lo < key_lo + BLOCK_N) & (hi > key_lo):
-            for member in range(0, group):
-                head = kv_head * group + member
-                row_base = (batch * heads + head) * lq
-                alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head, ALPHA)
-                q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
-                row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
-                nan_rows = norm != norm
-                _, row_scale = _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
-                                              logit_scale_sh, logit_scale_sm, batch, head, offs_m, lq, False,
-                                              HAS_LOGIT_SCALE, BLOCK_M, ACC)
-                rows = (row_start, row_stop, lk, scale, batch, head, softcap, row_scale)
-                scores, _, slope, _ = _score_parts(q_tile, keys, offs_m, key_lo, rows, masks, HAS_DENSE,
-                                                   HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, BLOCK_N, ACC)
-                u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
-                if _live(p, nan_rows):
-                    do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
-                    delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < lq, other=0.0)
-                    dp = mma(do_tile, v_t, ACC)
-                    gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
-                    ds = _gppr(u, mass, p, gppr_scale, softmax, ALPHA) * (dp - delta[:, None])
-                    if HAS_LOGIT_SCALE:
-                        ds = ds * row_scale[:, None]
-                    if SOFTCAP:
-                        ds = ds * slope
-                    dv += mma(tl.trans(p).to(do_tile.dtype), do_tile, ACC)
-                    dk += mma(tl.trans(ds).to(q_tile.dtype), q_tile, ACC)
+    first, last = query_block_range(key_start, key_stop, range_stride, batch, key_lo, lq, lk, HAS_RANGE, BLOCK_M,
+                                    BLOCK_N, SCAN)
+    for member in range(0, group):
+        head = kv_head * group + member
+        row_base = (batch * heads + head) * lq
+        alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head, ALPHA)
+        for query_block in range(first, last):  # no test around the loads: they are prefetched
+            offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_start, row_stop, _, _ = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
+                                                         HAS_RANGE)
+            q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+            do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+            row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
+            delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < lq, other=0.0)
+            _, row_scale = _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
+                                          logit_scale_sh, logit_scale_sm, batch, head, offs_m, lq, False,
+                                          HAS_LOGIT_SCALE, BLOCK_M, ACC)
+            rows = (row_start, row_stop, lk, scale, batch, head, softcap, row_scale)
+            scores, _, slope, _ = _score_parts(q_tile, keys, offs_m, key_lo, rows, masks, HAS_DENSE,
+                                               HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, BLOCK_N, ACC)
+            u, mass, p = _weights(scores, row_max, tau, norm, multiplier, power, softmax)
+            live = True
+            if SKIP:  # attention_launch.SKIP_EMPTY_TILES
+                live = _live(p, norm != norm)
+            if live:
+                dp = mma(do_tile, v_t, ACC)
+                gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
+                ds = _gppr(u, mass, p, gppr_scale, softmax, ALPHA) * (dp - delta[:, None])
+                if HAS_LOGIT_SCALE:
+                    ds = ds * row_scale[:, None]
+                if SOFTCAP:
+                    ds = ds * slope
+                dv += mma(tl.trans(p).to(do_tile.dtype), do_tile, ACC)
+                dk += mma(tl.trans(ds).to(q_tile.dtype), q_tile, ACC)
     rows_out = (bkv * lk + offs_n)[:, None]
     inside = (offs_n < lk)[:, None]
     tl.store(DK + rows_out * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
@@ -871,7 +887,8 @@ class _Launch:
             return
         constants = {**self.shape.constants, **constants}  # a kernel's own constants win (the dk/dv BLOCK_M)
         launch.launchable(kernel)[grid](*pointers, *self.head_args, *self.strides, *extra_strides, *self.shape.sizes,
-                                        **self.mask_args, ALPHA=self.constant_alpha, **constants, **self.options)
+                                        **self.mask_args, ALPHA=self.constant_alpha,
+                                        SKIP=attention_launch.SKIP_EMPTY_TILES, **constants, **self.options)
 
 
 @replay.replayable
@@ -1006,7 +1023,7 @@ def entmax_attention_backward(
         dv.zero_()
     else:
         call.launch(_entmax_attention_dkdv_kernel, shape.key_grid, *common, dk, dv, extra_strides=grad_out.stride(),
-                    BLOCK_M=key_step)
+                    BLOCK_M=key_step, SCAN=RANGE_SCAN)
     d_alpha = None
     if alpha_grad:
         d_alpha = d_alpha_rows.sum((0, 2)) if shape.lq else torch.zeros(shape.heads, dtype=call.acc_dtype,

@@ -27,6 +27,7 @@ __all__ = [
     "BLOCK_INTERPRETED",
     "CUDA_OPTIONS",
     "CUDA_OPTIONS_WIDE",
+    "SKIP_EMPTY_TILES",
     "Problem",
     "block_size",
     "dot_operands",
@@ -74,6 +75,18 @@ family.  Against 2 and 4 stages, 3 won by 0.5-5 % (``benchmarks/results/tune_att
 Every kernel of a family uses the same options and the same score-tile shape: the
 Self-Adjusted and top-k backward kernels test recomputed scores for equality with the
 forward's min/max or top-k threshold, which needs the same bits, so the same instructions.
+"""
+
+SKIP_EMPTY_TILES = False
+"""Whether the entmax-family and top-k kernels skip the products of a tile where no row has a positive weight.
+
+Skipping saves a tile's V (and K, dO) products where the support is empty, but a load
+inside a branch is one Triton's pipeliner cannot prefetch: compiled for sm_90 (Triton 3.6),
+the skipping loops load V, K and dO synchronously (``LDG``) with 5-12 barriers a tile,
+the others prefetch every tile (``cp.async``) with 2-8.  Random scores at long L leave
+few tiles empty (sparsemax at L = 16k keeps ~4 keys a row: ~87 % of 64 x 64 tiles hold
+one).  Off by default (untimed); ``scripts/tune_attention.py`` times both (a setting's
+``+skip``).  Read at each launch, passed to the kernels as the constexpr ``SKIP``.
 """
 
 CUDA_OPTIONS_WIDE = {"num_warps": 8, "num_stages": 2}

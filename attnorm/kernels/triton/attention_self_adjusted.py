@@ -70,6 +70,7 @@ from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch, replay
 from attnorm.kernels.triton.attention_blocks import (
+    RANGE_SCAN,
     as_acc,
     inner_key_blocks,
     key_block_bounds,
@@ -81,6 +82,7 @@ from attnorm.kernels.triton.attention_blocks import (
     masked_block_start,
     mma,
     modifier_arguments,
+    query_block_range,
     query_program,
     sink_scores,
 )
@@ -532,7 +534,7 @@ def _self_adjusted_dkdv_kernel(
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, SCAN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One key block of one key/value head: ``dv = sum y^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
@@ -545,44 +547,45 @@ def _self_adjusted_dkdv_kernel(
     softcap = tl.load(softcap_ptr)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
+    first, last = query_block_range(key_start, key_stop, range_stride, batch, start, lq, lk, HAS_RANGE, BLOCK_M,
+                                    BLOCK_N, SCAN)
     for member in range(group):
         head = kv_head * group + member
-        for query_block in range(tl.cdiv(lq, BLOCK_M)):
+        for query_block in range(first, last):  # no test per block: its loads are prefetched
             offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
-                                                           HAS_RANGE)
-            if (start < hi) & (start + BLOCK_N > lo):
-                q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
-                do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
-                rows = (batch * heads + head) * lq + offs_m
-                c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
-                total = _load_total(TOTAL, rows, offs_m, lq, state)
-                x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start,
-                                            row_stop, lk, scale, softcap, batch, head, masking, HAS_DENSE,
-                                            HAS_ADDITIVE, SOFTCAP, ACC)
-                s, span = _span(low, high)
+            row_start, row_stop, _, _ = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
+                                                         HAS_RANGE)
+            q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+            do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+            rows = (batch * heads + head) * lq + offs_m
+            c0, c1, low, high, low_count, high_count, state = _load_stats(STATS_PTR, rows, offs_m, lq, ACC)
+            total = _load_total(TOTAL, rows, offs_m, lq, state)
+            x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start,
+                                        row_stop, lk, scale, softcap, batch, head, masking, HAS_DENSE,
+                                        HAS_ADDITIVE, SOFTCAP, ACC)
+            s, span = _span(low, high)
+            if NORMALIZED:
+                weighted = tl.load(WEIGHTED + rows, mask=offs_m < lq, other=0.0)
+                low_term, high_term = _span_terms(total, weighted, low, high, low_count, high_count, state)
+            else:
+                low_term = tl.zeros((BLOCK_M,), ACC)
+                high_term = low_term
+            safe, w, phi = _lean_weights(x, c0, c1, low, s, span, state, NORMALIZED)
+            y = phi * w
+            if tl.max((state == 2).to(tl.int32), 0) > 0:
+                # A +inf row's weights sit uniformly on its +inf keys, factor 1 (normalized) or +inf (plain).
+                posinf_keys = (state == 2)[:, None] & (x == float("inf"))
                 if NORMALIZED:
-                    weighted = tl.load(WEIGHTED + rows, mask=offs_m < lq, other=0.0)
-                    low_term, high_term = _span_terms(total, weighted, low, high, low_count, high_count, state)
+                    y += tl.where(posinf_keys, tl.exp((0.0 - c0) - c1)[:, None], 0.0)
                 else:
-                    low_term = tl.zeros((BLOCK_M,), ACC)
-                    high_term = low_term
-                safe, w, phi = _lean_weights(x, c0, c1, low, s, span, state, NORMALIZED)
-                y = phi * w
-                if tl.max((state == 2).to(tl.int32), 0) > 0:
-                    # A +inf row's weights sit uniformly on its +inf keys, factor 1 (normalized) or +inf (plain).
-                    posinf_keys = (state == 2)[:, None] & (x == float("inf"))
-                    if NORMALIZED:
-                        y += tl.where(posinf_keys, tl.exp((0.0 - c0) - c1)[:, None], 0.0)
-                    else:
-                        y = tl.where(posinf_keys, float("inf"), y)
-                dv += mma(tl.trans(y.to(do_tile.dtype)), do_tile, ACC)
-                g = mma(do_tile, tl.trans(v_tile), ACC)
-                ds = _lean_score_grad(safe, w, phi, g, total, low, high, _through_scale(low, high, state), low_term,
-                                      high_term, NORMALIZED)
-                if SOFTCAP:
-                    ds = ds * slope
-                dk += mma(tl.trans(ds.to(q_tile.dtype)), q_tile, ACC)
+                    y = tl.where(posinf_keys, float("inf"), y)
+            dv += mma(tl.trans(y.to(do_tile.dtype)), do_tile, ACC)
+            g = mma(do_tile, tl.trans(v_tile), ACC)
+            ds = _lean_score_grad(safe, w, phi, g, total, low, high, _through_scale(low, high, state), low_term,
+                                  high_term, NORMALIZED)
+            if SOFTCAP:
+                ds = ds * slope
+            dk += mma(tl.trans(ds.to(q_tile.dtype)), q_tile, ACC)
     key_rows = bh * lk + offs_n
     tl.store(DK + key_rows[:, None] * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=(offs_n < lk)[:, None] & (offs_d < head_dim)[None, :])
@@ -683,6 +686,6 @@ def self_adjusted_attention_backward(
         )
     if dk.numel() or dv.numel():
         launch.launchable(_self_adjusted_dkdv_kernel)[shape.key_grid](
-            q, k, v, grad_out, total, stats, weighted, dk, dv, *arguments, **constants,
+            q, k, v, grad_out, total, stats, weighted, dk, dv, *arguments, **constants, SCAN=RANGE_SCAN,
         )
     return dq, dk, dv, d_sinks

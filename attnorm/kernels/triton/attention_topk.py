@@ -84,8 +84,9 @@ from torch import Tensor
 
 from attnorm.kernels import rules
 from attnorm.kernels.rules import AttentionMask
-from attnorm.kernels.triton import launch, replay
+from attnorm.kernels.triton import attention_launch, launch, replay
 from attnorm.kernels.triton.attention_blocks import (
+    RANGE_SCAN,
     as_acc,
     inner_key_blocks,
     key_block_bounds,
@@ -97,6 +98,7 @@ from attnorm.kernels.triton.attention_blocks import (
     masked_block_start,
     mma,
     modifier_arguments,
+    query_block_range,
     query_program,
     sink_scores,
 )
@@ -317,7 +319,8 @@ def _row_terms(state, every, threshold, inv_temperature, ACC: tl.constexpr):
 
 
 @triton.jit
-def _softmax_tile(kept, x, offs_n, running, slope, v_base, offs_dv, lk, value_dim, sv_n, sv_d, ACC: tl.constexpr):
+def _softmax_tile(kept, x, offs_n, running, slope, v_base, offs_dv, lk, value_dim, sv_n, sv_d, SKIP: tl.constexpr,
+                  ACC: tl.constexpr):
     """One tile of the online softmax over the kept keys, in base 2: ``running = (top, total, acc)``.
 
     A tile where no row keeps a key reads no V (its row maxima, needed anyway, tell).
@@ -325,7 +328,10 @@ def _softmax_tile(kept, x, offs_n, running, slope, v_base, offs_dv, lk, value_di
     top, total, acc = running
     logits = tl.where(kept, _log2_logits(x, slope, ACC), float("-inf"))
     tile_top = tl.max(logits, 1)
-    if tl.max(tile_top, 0) > float("-inf"):
+    live = True
+    if SKIP:  # attention_launch.SKIP_EMPTY_TILES: a tile without support loads nothing more
+        live = tl.max(tile_top, 0) > float("-inf")
+    if live:
         new_top = tl.maximum(top, tile_top)
         rescale = tl.where(top > float("-inf"), tl.exp2(top - new_top), 0.0)
         p = tl.exp2(logits - tl.where(new_top > float("-inf"), new_top, 0.0)[:, None])
@@ -345,7 +351,7 @@ def _topk_forward_kernel(
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, IS_FRACTION: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, SKIP: tl.constexpr, IS_FRACTION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr,
 ):
@@ -429,7 +435,8 @@ def _topk_forward_kernel(
                 kept = kept | kept_ties
                 last_tie = tl.maximum(last_tie, tl.max(tl.where(kept_ties, offs_n[None, :], -1), 1))
                 ties_before += tl.sum(tie_count, 1)
-            running = _softmax_tile(kept, x, offs_n, running, slope, v_base, offs_dv, lk, value_dim, sv_n, sv_d, ACC)
+            running = _softmax_tile(kept, x, offs_n, running, slope, v_base, offs_dv, lk, value_dim, sv_n, sv_d, SKIP,
+                                    ACC)
     else:
         # Every tie kept: ``x >= kept_from`` whatever the key order, so masked key blocks first, then inner ones.
         for i in range(0, masked):
@@ -437,13 +444,13 @@ def _topk_forward_kernel(
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
                            scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
             running = _softmax_tile(x >= kept_from[:, None], x, offs_n, running, slope, v_base, offs_dv, lk,
-                                    value_dim, sv_n, sv_d, ACC)
+                                    value_dim, sv_n, sv_d, SKIP, ACC)
         for start in range(inner_lo, inner_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk,
                            scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC, False)
             running = _softmax_tile(x >= kept_from[:, None], x, offs_n, running, slope, v_base, offs_dv, lk,
-                                    value_dim, sv_n, sv_d, ACC)
+                                    value_dim, sv_n, sv_d, SKIP, ACC)
     top, total, acc = running
     if HAS_SINK:
         # The sink, key index lk, comes after every real key: the last tie; its value is zero.
@@ -513,12 +520,16 @@ def _probabilities(x, offs_n, kept_from, tie_until, slope, offset, TIES: tl.cons
 
 
 @triton.jit
-def _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP: tl.constexpr, TIES: tl.constexpr, ACC: tl.constexpr):
+def _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP: tl.constexpr, TIES: tl.constexpr, SKIP: tl.constexpr,
+            ACC: tl.constexpr):
     """``dq`` with one score tile's ``ds k`` added; a tile keeping no key reads neither V nor K again."""
     kept_from, tie_until, row_slope, offset, factor, delta_factor = stats
     v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile, k_base, offs_d, head_dim, sk_n, sk_d = operands
     p = _probabilities(x, offs_n, kept_from, tie_until, row_slope, offset, TIES, ACC)
-    if tl.max(tl.max(p, 1), 0) > 0:
+    live = True
+    if SKIP:  # attention_launch.SKIP_EMPTY_TILES: a tile without support loads nothing more
+        live = tl.max(tl.max(p, 1), 0) > 0
+    if live:
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         g = mma(do_tile, tl.trans(v_tile), ACC)
         ds = p * (g * factor[:, None] - delta_factor[:, None])
@@ -532,20 +543,21 @@ def _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP: tl.constexpr, TIES: 
 @triton.jit
 def _dq_loops(q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lk, scale, softcap, batch,
               head, masking, span, dq, stats, operands, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
-              SOFTCAP: tl.constexpr, TIES: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+              SOFTCAP: tl.constexpr, TIES: tl.constexpr, SKIP: tl.constexpr, BLOCK_N: tl.constexpr,
+              ACC: tl.constexpr):
     """``dq`` over a query block's key blocks: the masked ones, then the inner ones (a sum: any order)."""
     lo, inner_lo, inner_hi, masked = span
     for i in range(0, masked):
         offs_n = masked_block_start(i, lo, inner_lo, inner_hi, BLOCK_N) + tl.arange(0, BLOCK_N)
         x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
                                     lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, TIES, ACC)
+        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, TIES, SKIP, ACC)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
                                     lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC,
                                     False)
-        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, TIES, ACC)
+        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, TIES, SKIP, ACC)
     return dq
 
 
@@ -558,7 +570,7 @@ def _topk_dq_kernel(
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, SKIP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks; the sinks' ``ds`` per row (``D_SINK``)."""
@@ -585,11 +597,11 @@ def _topk_dq_kernel(
     if tl.min(tie_until, 0) < _NO_TIE_CUT:  # a row keeping only some of its ties: the key index decides
         dq = _dq_loops(q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lk, scale, softcap,
                        batch, head, masking, span, dq, stats, operands, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, True,
-                       BLOCK_N, ACC)
+                       SKIP, BLOCK_N, ACC)
     else:
         dq = _dq_loops(q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lk, scale, softcap,
                        batch, head, masking, span, dq, stats, operands, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, False,
-                       BLOCK_N, ACC)
+                       SKIP, BLOCK_N, ACC)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
     if HAS_SINK:
@@ -609,7 +621,7 @@ def _topk_dkdv_kernel(
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, SKIP: tl.constexpr, SCAN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One key block of one key/value head: ``dv = sum p^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
@@ -623,33 +635,37 @@ def _topk_dkdv_kernel(
     softcap = tl.load(softcap_ptr)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
+    first, last = query_block_range(key_start, key_stop, range_stride, batch, start, lq, lk, HAS_RANGE, BLOCK_M,
+                                    BLOCK_N, SCAN)
     for member in range(group):
         head = kv_head * group + member
-        for query_block in range(tl.cdiv(lq, BLOCK_M)):
+        for query_block in range(first, last):  # no test around the loads: they are prefetched
             offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
-                                                           HAS_RANGE)
-            if (start < hi) & (start + BLOCK_N > lo):
-                q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
-                rows = (batch * heads + head) * lq + offs_m
-                kept_from, tie_until, row_slope, offset, factor = _load_stats(STATS_PTR, rows, offs_m, lq,
-                                                                              inv_temperature, ACC)
-                x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start,
-                                            row_stop, lk, scale, softcap, batch, head, masking, HAS_DENSE,
-                                            HAS_ADDITIVE, SOFTCAP, ACC)
-                if tl.min(tie_until, 0) < _NO_TIE_CUT:  # a row keeping only some of its ties: the key index decides
-                    p = _probabilities(x, offs_n, kept_from, tie_until, row_slope, offset, True, ACC)
-                else:
-                    p = _probabilities(x, offs_n, kept_from, tie_until, row_slope, offset, False, ACC)
-                if tl.max(tl.max(p, 1), 0) > 0:
-                    do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
-                    delta = tl.load(DELTA + rows, mask=offs_m < lq, other=0.0)
-                    dv += mma(tl.trans(p.to(do_tile.dtype)), do_tile, ACC)
-                    g = mma(do_tile, tl.trans(v_tile), ACC)
-                    ds = p * (g * factor[:, None] - _delta_factor(delta, factor)[:, None])
-                    if SOFTCAP:
-                        ds = ds * slope
-                    dk += mma(tl.trans(ds.to(q_tile.dtype)), q_tile, ACC)
+            row_start, row_stop, _, _ = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
+                                                         HAS_RANGE)
+            q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+            do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+            rows = (batch * heads + head) * lq + offs_m
+            kept_from, tie_until, row_slope, offset, factor = _load_stats(STATS_PTR, rows, offs_m, lq,
+                                                                          inv_temperature, ACC)
+            delta = tl.load(DELTA + rows, mask=offs_m < lq, other=0.0)
+            x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start,
+                                        row_stop, lk, scale, softcap, batch, head, masking, HAS_DENSE,
+                                        HAS_ADDITIVE, SOFTCAP, ACC)
+            if tl.min(tie_until, 0) < _NO_TIE_CUT:  # a row keeping only some of its ties: the key index decides
+                p = _probabilities(x, offs_n, kept_from, tie_until, row_slope, offset, True, ACC)
+            else:
+                p = _probabilities(x, offs_n, kept_from, tie_until, row_slope, offset, False, ACC)
+            live = True
+            if SKIP:  # attention_launch.SKIP_EMPTY_TILES: products only in a tile with a kept key
+                live = tl.max(tl.max(p, 1), 0) > 0
+            if live:
+                dv += mma(tl.trans(p.to(do_tile.dtype)), do_tile, ACC)
+                g = mma(do_tile, tl.trans(v_tile), ACC)
+                ds = p * (g * factor[:, None] - _delta_factor(delta, factor)[:, None])
+                if SOFTCAP:
+                    ds = ds * slope
+                dk += mma(tl.trans(ds.to(q_tile.dtype)), q_tile, ACC)
     key_rows = bh * lk + offs_n
     tl.store(DK + key_rows[:, None] * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=(offs_n < lk)[:, None] & (offs_d < head_dim)[None, :])
@@ -676,7 +692,8 @@ def _arguments(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionM
     sizes = (*shape.sizes, float(scale), 1.0 / float(temperature))
     acc = rules.accumulation_dtype(q.dtype)
     constants = dict(**mask_arguments(mask, shape.score_shape, q.device),
-                     **modifier_arguments(softcap, sinks, shape.score_shape, acc, q.device), **shape.constants)
+                     **modifier_arguments(softcap, sinks, shape.score_shape, acc, q.device), **shape.constants,
+                     SKIP=attention_launch.SKIP_EMPTY_TILES)
     return strides, sizes, constants
 
 
@@ -770,6 +787,6 @@ def topk_attention_backward(
         )
     if dk.numel() or dv.numel():
         launch.launchable(_topk_dkdv_kernel)[shape.key_grid](
-            q, k, v, grad_out, delta, stats, dk, dv, *arguments, **constants,
+            q, k, v, grad_out, delta, stats, dk, dv, *arguments, **constants, SCAN=RANGE_SCAN,
         )
     return dq, dk, dv, d_sinks
