@@ -620,21 +620,28 @@ def report(variants: list[Variant], outcomes: list, notes: list[str], arch: int,
 # ---- main ------------------------------------------------------------------------------------------
 
 
-def _warps_stages(text: str) -> list[tuple[int, int]]:
+def _warps_stages(text: str) -> list[dict[str, int]]:
+    """``4x3,8x2,4x3r168`` -> launch options (``rREGS``: Triton's ``maxnreg``, a cap on registers per thread)."""
+    options = []
     try:
-        return [tuple(int(part) for part in item.split("x", 1)) for item in text.split(",")]
+        for item in text.split(","):
+            core, _, regs = item.partition("r")
+            warps, stages = (int(part) for part in core.split("x", 1))
+            options.append({"num_warps": warps, "num_stages": stages, **({"maxnreg": int(regs)} if regs else {})})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected num_warps x num_stages pairs like 4x3,8x2, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected num_warps x num_stages pairs like 4x3,8x2 (optionally rREGS: "
+                                         f"4x3r168), got {text!r}") from None
+    return options
 
 
-def sweep(launches: list[Launch], options: list[tuple[int, int]], arch: int) -> None:
-    """Compile every distinct variant once per (num_warps, num_stages) and print each option's kernel summary."""
-    for warps, stages in options:
-        chosen = [replace(launch, options={**launch.options, "num_warps": warps, "num_stages": stages})
-                  for launch in launches]
+def sweep(launches: list[Launch], options: list[dict[str, int]], arch: int) -> None:
+    """Compile every distinct variant once per option set and print each one's kernel summary."""
+    for chosen_options in options:
+        chosen = [replace(launch, options={**launch.options, **chosen_options}) for launch in launches]
         variants = [compile_variant(variant, arch) for variant in distinct(chosen)]
         failed = sum(variant.status != "ok" for variant in variants)
-        print(f"\n== num_warps={warps} num_stages={stages}: {len(variants)} variants, {failed} failed ==")
+        described = " ".join(f"{key}={value}" for key, value in chosen_options.items())
+        print(f"\n== {described}: {len(variants)} variants, {failed} failed ==")
         print("\n".join(kernel_summary(variants)), flush=True)
 
 
@@ -649,8 +656,9 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--dump", help="write each variant's cubin, PTX and a label into this folder "
                                        "(for scripts/sass_loops.py)")
     parser.add_argument("--options", type=_warps_stages, default=[],
-                        help="comma-separated num_warps x num_stages, e.g. 4x3,8x2: compile every variant with each "
-                             "instead of its launcher's choice and print the per-kernel summary of each (a sweep)")
+                        help="comma-separated num_warps x num_stages[rREGS], e.g. 4x3,8x2,4x3r168: compile every "
+                             "variant with each instead of its launcher's choice and print the per-kernel summary of "
+                             "each (a sweep)")
     parser.add_argument("--record", help=argparse.SUPPRESS)
     return parser.parse_args()
 

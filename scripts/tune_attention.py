@@ -1,4 +1,4 @@
-"""Time the fused attention kernels' launch settings on a GPU: block size, warps, stages.
+"""Time the fused attention kernels' launch settings on a GPU: block size, warps, stages, registers, skipping.
 
 ``attention_launch.CUDA_OPTIONS`` and ``BLOCK_CUDA`` were chosen from register spills in an
 offline compile (no GPU was lent then).  This script times them.  For each normalizer spec
@@ -29,16 +29,35 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 SPECS = ("sparsemax", "entmax:alpha=1.5", "topk:k=64", "sa_softmax", "sa_softmax:normalized=false")
-SETTINGS = ("64x8x2", "64x4x2", "64x4x3", "64x8x3", "128x8x2", "128x8x3", "32x4x2")
+SETTINGS = ("64x4x3", "64x4x3+skip", "64x4x3r168", "64x4x3r128", "64x4x2", "128x8x2", "128x4x2")
+
+
+def parse_setting(setting: str) -> tuple[int, dict[str, int], bool]:
+    """``BLOCKxWARPSxSTAGES[rREGS][+skip]`` -> (block, launch options, skip empty tiles).
+
+    ``rREGS`` caps the registers per thread (Triton's ``maxnreg``: 168 lets three 4-warp programs
+    share an SM's 64K registers, 128 four, against two at the 255 the kernels take today);
+    ``+skip`` sets ``attention_launch.SKIP_EMPTY_TILES``.
+    """
+    core, _, flag = setting.partition("+")
+    if flag not in ("", "skip"):
+        raise ValueError(f"unknown setting flag {flag!r} in {setting!r} (only +skip)")
+    core, _, regs = core.partition("r")
+    block, warps, stages = (int(part) for part in core.split("x"))
+    options = {"num_warps": warps, "num_stages": stages}
+    if regs:
+        options["maxnreg"] = int(regs)
+    return block, options, flag == "skip"
 
 
 def apply(setting: str) -> None:
-    """Patch the fused kernels' block size and launch options to ``setting`` (``BLOCKxWARPSxSTAGES``)."""
+    """Patch the fused kernels' block size, launch options and tile skipping to ``setting`` (:func:`parse_setting`)."""
     from attnorm.kernels.triton import attention_launch
 
-    block, warps, stages = (int(part) for part in setting.split("x"))
+    block, options, skip = parse_setting(setting)
     attention_launch.BLOCK_CUDA = block
-    attention_launch.CUDA_OPTIONS = {"num_warps": warps, "num_stages": stages}
+    attention_launch.CUDA_OPTIONS = options
+    attention_launch.SKIP_EMPTY_TILES = skip
 
 
 def inputs(args, requires_grad: bool = True):
@@ -120,7 +139,7 @@ def profile(spec: str, args) -> list[tuple[str, float, int]]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specs", nargs="+", default=list(SPECS))
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), help="BLOCKxWARPSxSTAGES")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), help="BLOCKxWARPSxSTAGES[rREGS][+skip]")
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)

@@ -11,6 +11,7 @@ import torch
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+import compile_check  # noqa: E402
 import profile_overhead  # noqa: E402
 import sass_loops  # noqa: E402
 import tune_attention  # noqa: E402
@@ -60,9 +61,22 @@ def test_tune_settings_patch_the_fused_kernels_block_and_options(monkeypatch):
 
     monkeypatch.setattr(attention_launch, "BLOCK_CUDA", attention_launch.BLOCK_CUDA)
     monkeypatch.setattr(attention_launch, "CUDA_OPTIONS", attention_launch.CUDA_OPTIONS)
+    monkeypatch.setattr(attention_launch, "SKIP_EMPTY_TILES", attention_launch.SKIP_EMPTY_TILES)
     tune_attention.apply("128x8x2")
     assert attention_launch.BLOCK_CUDA == 128
     assert attention_launch.CUDA_OPTIONS == {"num_warps": 8, "num_stages": 2}
+    assert attention_launch.SKIP_EMPTY_TILES is False
+    tune_attention.apply("64x4x3r168+skip")
+    assert attention_launch.BLOCK_CUDA == 64
+    assert attention_launch.CUDA_OPTIONS == {"num_warps": 4, "num_stages": 3, "maxnreg": 168}
+    assert attention_launch.SKIP_EMPTY_TILES is True
+    with pytest.raises(ValueError, match="only \\+skip"):
+        tune_attention.apply("64x4x3+fast")
+
+
+def test_compile_check_options_take_a_register_cap():
+    assert compile_check._warps_stages("4x3,8x2r128") == [{"num_warps": 4, "num_stages": 3},
+                                                          {"num_warps": 8, "num_stages": 2, "maxnreg": 128}]
 
 
 def test_overhead_profile_names_the_layers_of_a_call():
