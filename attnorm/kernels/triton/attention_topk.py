@@ -520,12 +520,15 @@ def _probabilities(x, offs_n, kept_from, tie_until, slope, offset, TIES: tl.cons
 
 
 @triton.jit
-def _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP: tl.constexpr, TIES: tl.constexpr, SKIP: tl.constexpr,
+def _dq_add(x, slope, offs_n, dq, stats, operands, ties, SOFTCAP: tl.constexpr, SKIP: tl.constexpr,
             ACC: tl.constexpr):
     """``dq`` with one score tile's ``ds k`` added; a tile keeping no key reads neither V nor K again."""
     kept_from, tie_until, row_slope, offset, factor, delta_factor = stats
     v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile, k_base, offs_d, head_dim, sk_n, sk_d = operands
-    p = _probabilities(x, offs_n, kept_from, tie_until, row_slope, offset, TIES, ACC)
+    if ties:  # a uniform branch: one pipelined loop for both kept tests
+        p = _probabilities(x, offs_n, kept_from, tie_until, row_slope, offset, True, ACC)
+    else:
+        p = _probabilities(x, offs_n, kept_from, tie_until, row_slope, offset, False, ACC)
     live = True
     if SKIP:  # attention_launch.SKIP_EMPTY_TILES: a tile without support loads nothing more
         live = tl.max(tl.max(p, 1), 0) > 0
@@ -543,7 +546,7 @@ def _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP: tl.constexpr, TIES: 
 @triton.jit
 def _dq_loops(q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lk, scale, softcap, batch,
               head, masking, span, dq, stats, operands, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
-              SOFTCAP: tl.constexpr, TIES: tl.constexpr, SKIP: tl.constexpr, BLOCK_N: tl.constexpr,
+              ties, SOFTCAP: tl.constexpr, SKIP: tl.constexpr, BLOCK_N: tl.constexpr,
               ACC: tl.constexpr):
     """``dq`` over a query block's key blocks: the masked ones, then the inner ones (a sum: any order)."""
     lo, inner_lo, inner_hi, masked = span
@@ -551,13 +554,13 @@ def _dq_loops(q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, r
         offs_n = masked_block_start(i, lo, inner_lo, inner_hi, BLOCK_N) + tl.arange(0, BLOCK_N)
         x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
                                     lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, TIES, SKIP, ACC)
+        dq = _dq_add(x, slope, offs_n, dq, stats, operands, ties, SOFTCAP, SKIP, ACC)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x, slope = key_scores_slope(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop,
                                     lk, scale, softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC,
                                     False)
-        dq = _dq_add(x, slope, offs_n, dq, stats, operands, SOFTCAP, TIES, SKIP, ACC)
+        dq = _dq_add(x, slope, offs_n, dq, stats, operands, ties, SOFTCAP, SKIP, ACC)
     return dq
 
 
@@ -594,14 +597,10 @@ def _topk_dq_kernel(
     operands = (v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile, k_base, offs_d, head_dim, sk_n, sk_d)
     inner_lo, inner_hi, masked = inner_key_blocks(row_start, row_stop, offs_m, lq, lk, lo, hi, BLOCK_N)
     span = (lo, inner_lo, inner_hi, masked)
-    if tl.min(tie_until, 0) < _NO_TIE_CUT:  # a row keeping only some of its ties: the key index decides
-        dq = _dq_loops(q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lk, scale, softcap,
-                       batch, head, masking, span, dq, stats, operands, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, True,
-                       SKIP, BLOCK_N, ACC)
-    else:
-        dq = _dq_loops(q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lk, scale, softcap,
-                       batch, head, masking, span, dq, stats, operands, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, False,
-                       SKIP, BLOCK_N, ACC)
+    ties = tl.min(tie_until, 0) < _NO_TIE_CUT  # a row keeping only some of its ties: the key index decides
+    dq = _dq_loops(q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, lk, scale, softcap,
+                   batch, head, masking, span, dq, stats, operands, HAS_DENSE, HAS_ADDITIVE, ties, SOFTCAP, SKIP,
+                   BLOCK_N, ACC)
     tl.store(DQ + rows[:, None] * head_dim + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m < lq)[:, None] & (offs_d < head_dim)[None, :])
     if HAS_SINK:
