@@ -559,6 +559,19 @@ def constexpr_summary(launch: Launch) -> str:
     return " ".join(parts)
 
 
+def programs_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Resident programs per SM of an H100 (sm_90) the registers and shared memory allow.
+
+    64K registers, allocated per warp in units of 256 (8 per thread); 228 KiB of shared
+    memory, of which each program also reserves 1 KiB; at most 64 warps and 32 programs.
+    Two programs of 4 warps per SM, the usual case at 255 registers, leave 8 warps to hide
+    latency; a FlashAttention-2 forward at 128 registers runs four.
+    """
+    by_regs = 65536 // (max(-(-regs // 8) * 8, 8) * 32 * warps)
+    by_shared = 233472 // (shared + 1024)
+    return max(min(by_regs, by_shared, 64 // warps, 32), 0)
+
+
 def variant_line(number: int, variant: Variant) -> str:
     launch, usage = variant.launch, variant.resources
     warps, stages = variant.warps_stages
@@ -567,8 +580,10 @@ def variant_line(number: int, variant: Variant) -> str:
     stack = usage.get("STACK", "-")
     blocks = "+".join(sorted(variant.blocks))
     status = "ok" if variant.status == "ok" else f"ERROR {variant.error}"
+    compiled = variant.shared is not None and isinstance(regs, int) and isinstance(warps, int)
+    per_sm = programs_per_sm(regs, variant.shared, warps) if compiled else "-"
     return (f"{number:4d} {launch.name:34s} {data_dtype(launch):5s} w{warps}/s{stages} {blocks:16s} smem={shared:>6s} "
-            f"regs={regs!s:>3s} stack={stack!s:>4s} {variant.seconds:5.1f}s {status}\n"
+            f"regs={regs!s:>3s} stack={stack!s:>4s} per-SM={per_sm!s:>2s} {variant.seconds:5.1f}s {status}\n"
             f"       {constexpr_summary(launch)}  [{variant.cases[0]}{' ...' if len(variant.cases) > 1 else ''}]")
 
 
@@ -576,14 +591,16 @@ def kernel_summary(variants: list[Variant]) -> list[str]:
     by_kernel = defaultdict(list)
     for variant in variants:
         by_kernel[(variant.launch.module.rsplit(".", 1)[-1], variant.launch.name)].append(variant)
-    lines = [f"{'module':24s} {'kernel':34s} variants failed  max smem  max regs  max stack  stack>0"]
+    lines = [f"{'module':24s} {'kernel':34s} variants failed  max smem  max regs  max stack  stack>0  min per SM"]
     for (module, name), group in sorted(by_kernel.items()):
         failed = sum(variant.status != "ok" for variant in group)
         shared = max((variant.shared or 0 for variant in group), default=0)
         regs = max((variant.resources.get("REG", 0) for variant in group), default=0)
         stack = [variant.resources.get("STACK", 0) for variant in group]
+        per_sm = min((programs_per_sm(variant.resources.get("REG", 0), variant.shared or 0, variant.warps_stages[0])
+                      for variant in group if isinstance(variant.warps_stages[0], int)), default=0)
         lines.append(f"{module:24s} {name:34s} {len(group):8d} {failed:6d} {shared:9d} {regs:9d} {max(stack):10d} "
-                     f"{sum(map(bool, stack)):8d}")
+                     f"{sum(map(bool, stack)):8d} {per_sm:11d}")
     return lines
 
 

@@ -74,6 +74,14 @@ def test_tune_settings_patch_the_fused_kernels_block_and_options(monkeypatch):
         tune_attention.apply("64x4x3+fast")
 
 
+def test_programs_per_sm_follow_registers_and_shared_memory():
+    assert compile_check.programs_per_sm(128, 0, 4) == 4  # a FlashAttention-2 forward: 16K registers a program
+    assert compile_check.programs_per_sm(255, 57344, 4) == 2  # 255 rounds up to 256: 32K registers a program
+    assert compile_check.programs_per_sm(168, 90112, 4) == 2  # registers allow 3, shared memory 2
+    assert compile_check.programs_per_sm(168, 163840, 4) == 1
+    assert compile_check.programs_per_sm(32, 0, 4) == 16  # then warps: 64 a SM
+
+
 def test_compile_check_options_take_a_register_cap():
     assert compile_check._warps_stages("4x3,8x2r128") == [{"num_warps": 4, "num_stages": 3},
                                                           {"num_warps": 8, "num_stages": 2, "maxnreg": 128}]
