@@ -267,10 +267,14 @@ def _load_total(TOTAL, rows, offs_m, lq, state):
 
 @triton.jit
 def _lowest(ACC: tl.constexpr):
-    """The accumulation dtype's lowest finite value (a masked score, -inf, clamped to it keeps ``0 x = 0``)."""
+    """The accumulation dtype's lowest finite value (a masked score, -inf, clamped to it keeps ``0 x = 0``).
+
+    One return: Triton 3.6 rejects returns of two types (float64, float32) even under a constexpr branch.
+    """
+    lowest = -3.4028234663852886e38
     if ACC == tl.float64:
-        return -1.7976931348623157e308
-    return -3.4028234663852886e38
+        lowest = -1.7976931348623157e308
+    return lowest
 
 
 @triton.jit
