@@ -86,8 +86,8 @@ def test_every_mask_kind_matches_reference(kind, device):
 
 @pytest.mark.parametrize("kind", ["causal", "documents"])
 def test_skipping_tiles_without_kept_keys_changes_no_bit(kind, blocks_of_16, monkeypatch, device):
-    """``attention_launch.SKIP_EMPTY_TILES`` (off by default) skips the products of tiles keeping no key; what it
-    skips adds only zeros (and rescales by 1), so both give the same bits, and the reference's values."""
+    """``attention_launch.SKIP_EMPTY_TILES`` (off by default) skips the backward's products of tiles keeping no key;
+    what it skips adds only zeros, so both give the same bits, and the reference's values."""
     q, k, v = make_qkv(1, 2, 1, 40, 40, 16, 16, torch.float32, device, seed=4)
     mask = MASKS[kind](1, 40, 40, device)
     grad_out = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(5)).to(device)

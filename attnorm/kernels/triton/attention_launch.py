@@ -78,7 +78,7 @@ forward's min/max or top-k threshold, which needs the same bits, so the same ins
 """
 
 SKIP_EMPTY_TILES = False
-"""Whether the entmax-family and top-k kernels skip the products of a tile where no row has a positive weight.
+"""Whether the entmax kernels and top-k's backward skip the products of a tile where no row has a positive weight.
 
 Skipping saves a tile's V (and K, dO) products where the support is empty, but a load
 inside a branch is one Triton's pipeliner cannot prefetch: compiled for sm_90 (Triton 3.6),
@@ -86,7 +86,8 @@ the skipping loops load V, K and dO synchronously (``LDG``) with 5-12 barriers a
 the others prefetch every tile (``cp.async``) with 2-8.  Random scores at long L leave
 few tiles empty (sparsemax at L = 16k keeps ~4 keys a row: ~87 % of 64 x 64 tiles hold
 one).  Off by default (untimed); ``scripts/tune_attention.py`` times both (a setting's
-``+skip``).  Read at each launch, passed to the kernels as the constexpr ``SKIP``.
+``+skip``).  Read at each launch, passed to the kernels as the constexpr ``SKIP``.  Top-k's
+forward output pass skips whatever this says (``attention_topk._softmax_tile``).
 """
 
 CUDA_OPTIONS_WIDE = {"num_warps": 8, "num_stages": 2}
