@@ -366,6 +366,22 @@ def query_block_range(key_start, key_stop, range_stride, batch, start, lq, lk, H
 
 
 @triton.jit
+def query_block_tiles(query_block, q_base, do_base, offs_d, offs_dv, head_dim, value_dim, sq_m, sq_d, so_m, so_d,
+                      key_start, key_stop, range_stride, batch, lq, lk, HAS_RANGE: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """One trip of a dk/dv loop over :func:`query_block_range`: the block's rows, their intervals, q and dO tiles.
+
+    Returns ``(offs_m, row_start, row_stop, q_tile, do_tile)``; the loads sit at the top of
+    the loop body, outside any branch, where Triton's pipeliner prefetches them.
+    """
+    offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_start, row_stop, _, _ = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
+    q_tile = load_tile(q_base, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
+    do_tile = load_tile(do_base, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+    return offs_m, row_start, row_stop, q_tile, do_tile
+
+
+@triton.jit
 def inner_key_blocks(row_start, row_stop, offs_m, lq, lk, first, hi, BLOCK_N: tl.constexpr):
     """Split a query block's key blocks ``[first, hi)`` into masked and inner ones (FlashAttention-2's causal split).
 

@@ -122,6 +122,7 @@ from attnorm.kernels.triton.attention_blocks import (
     mma,
     modifier_arguments,
     query_block_range,
+    query_block_tiles,
     query_program,
     row_arguments,
     row_values,
@@ -787,11 +788,10 @@ def _entmax_attention_dkdv_kernel(
         row_base = (batch * heads + head) * lq
         alpha, softmax, multiplier, power = _head_alpha(alpha_ptr, alpha_stride, head, ALPHA)
         for query_block in range(first, last):  # no test around the loads: they are prefetched
-            offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_start, row_stop, _, _ = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
-                                                         HAS_RANGE)
-            q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
-            do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+            offs_m, row_start, row_stop, q_tile, do_tile = query_block_tiles(
+                query_block, Q + batch * sq_b + head * sq_h, DO + batch * so_b + head * so_h, offs_d, offs_dv,
+                head_dim, value_dim, sq_m, sq_d, so_m, so_d, key_start, key_stop, range_stride, batch, lq, lk,
+                HAS_RANGE, BLOCK_M)
             row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
             delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < lq, other=0.0)
             _, row_scale = _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,

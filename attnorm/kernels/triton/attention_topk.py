@@ -99,6 +99,7 @@ from attnorm.kernels.triton.attention_blocks import (
     mma,
     modifier_arguments,
     query_block_range,
+    query_block_tiles,
     query_program,
     sink_scores,
 )
@@ -638,11 +639,10 @@ def _topk_dkdv_kernel(
     for member in range(group):
         head = kv_head * group + member
         for query_block in range(first, last):  # no test around the loads: they are prefetched
-            offs_m = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_start, row_stop, _, _ = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk,
-                                                         HAS_RANGE)
-            q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
-            do_tile = load_tile(DO + batch * so_b + head * so_h, offs_m, offs_dv, lq, value_dim, so_m, so_d)
+            offs_m, row_start, row_stop, q_tile, do_tile = query_block_tiles(
+                query_block, Q + batch * sq_b + head * sq_h, DO + batch * so_b + head * so_h, offs_d, offs_dv,
+                head_dim, value_dim, sq_m, sq_d, so_m, so_d, key_start, key_stop, range_stride, batch, lq, lk,
+                HAS_RANGE, BLOCK_M)
             rows = (batch * heads + head) * lq + offs_m
             kept_from, tie_until, row_slope, offset, factor = _load_stats(STATS_PTR, rows, offs_m, lq,
                                                                           inv_temperature, ACC)
