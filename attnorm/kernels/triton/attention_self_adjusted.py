@@ -14,10 +14,13 @@ tiles, so every kernel sees bit-identical scores (the backward's ``x == low`` an
 online as the row max ``m`` grows: ``A = sum e (x - m) v`` and ``B = sum e v``; then
 ``out = (A + m B) / l`` (plain) or ``(A + (m - low) B) / (l span)`` (normalized); the
 weights of ``A`` lie in ``[-1/e, 0]``, so neither sum overflows, and ``(m - low) / span``
-is in ``[0, 1]``.  The same pass tracks ``l = sum e`` and, normalized, the row min and
-how many keys attain the min and the max.  Rows holding +inf (the limit of the
-finite case: uniform over their +inf keys, factor 1 normalized, +inf plain) take a
-second pass, only in query blocks that hold such a row.
+is in ``[0, 1]``.  Plain outside float16 keeps one sum, ``sum e x v`` (``e x`` cannot
+overflow bfloat16 or float32, and one product a tile less).  The same pass tracks
+``l = sum e`` and, normalized, the row min and how many keys attain the min and the max.
+Special values cost nothing per score: the running max is the raw one (+inf in a row
+holding +inf) and a NaN score turns the row's ``l`` NaN.  Rows holding +inf (the limit of
+the finite case: uniform over their +inf keys, factor 1 normalized, +inf plain) take a
+second pass, only in query blocks that hold such a row; it also counts their NaN keys.
 
 **Backward, by recomputation (FlashAttention-2 style, no atomics).**  With
 ``g_j = dO_i . v_j``, ``P = sum_j g_j y_j`` and ``Q = sum_j g_j w_j``,
