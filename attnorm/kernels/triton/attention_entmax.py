@@ -28,8 +28,9 @@ Forward, per query block (``1 + I + 1`` passes over K, one over V):
    keeps every ``z`` above it stops on that pass, without the pass that would only
    confirm it (1.5-entmax then also skips Newton's last quadratic steps, ``N = 1``);
 3. one output pass over K and V accumulating ``p v`` in float32 (float64 for
-   float64 inputs).  A tile where no row of the block has a positive weight loads
-   no V and skips its ``p v`` product.
+   float64 inputs).  Under :data:`.attention_launch.SKIP_EMPTY_TILES` a tile where no
+   row of the block has a positive weight loads no V and skips its ``p v`` product; by
+   default every tile's loads are prefetched and its (zero) products computed.
 
 The forward keeps per row ``(m, tau, N)``: 12 bytes (24 for float64), the ``stats``
 tensor ``(B, Hq, Lq, 3)``.  ``I`` counts the pass that confirms convergence; measured
@@ -64,8 +65,10 @@ so the gradients are deterministic (bitwise equal from run to run):
 
 So the backward makes one pass over K and V per query block (two with alpha's gradient)
 and one over Q and dO per key block, as FlashAttention-2 (whose ``delta`` is
-``rowsum(dO o)``: entmax's weighs ``dP`` by ``g``, not ``p``, hence ``W``).  Tiles with no positive weight skip the V
-(or dO) load and every product after the scores in all three.  Key blocks outside a query block's key range
+``rowsum(dO o)``: entmax's weighs ``dP`` by ``g``, not ``p``, hence ``W``).  Under ``SKIP_EMPTY_TILES`` tiles with no
+positive weight skip every product after the scores in all three.  A dk/dv program loops over the query blocks that
+reach its key block (:func:`~attnorm.kernels.triton.attention_blocks.query_block_range`), with no test around the
+loads.  Key blocks outside a query block's key range
 (:func:`~attnorm.kernels.triton.attention_blocks.key_block_bounds`: causal, sliding
 window, key padding, documents) are never visited.
 
@@ -388,7 +391,8 @@ def _output_add(scores, offs_n, sums, stats, values, WEIGHTED: tl.constexpr, ALP
     """The output pass's sums one tile on: ``p v``, and under ``WEIGHTED`` ``g v`` and ``g`` (``g = p^(2 - alpha)``).
 
     ``stats`` = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale); ``values`` =
-    (v_base, offs_dv, value_dim, lk, sv_n, sv_d).  A tile where no row has a positive weight loads no V.
+    (v_base, offs_dv, value_dim, lk, sv_n, sv_d).  Under ``SKIP`` a tile where no row has a positive weight
+    loads no V.
     """
     acc, weighted, gppr_sum = sums
     row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale = stats
@@ -509,7 +513,7 @@ def _entmax_attention_forward_kernel(
         norm = tl.where(settled, 1.0, norm)  # sum [z - tau]_+^2 = 1 at the closed-form root, to its rounding
     norm = tl.where(nan_rows, float("nan"), norm)
 
-    # Last pass: out = p v, skipping V for tiles without support (the sink's value is 0); under WEIGHTED
+    # Last pass: out = p v (under SKIP, no V for tiles without support; the sink's value is 0); under WEIGHTED
     # also sum g v and sum g for the backward's delta.
     gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
     acc = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
@@ -560,8 +564,8 @@ def _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD: tl.constexpr, AL
     """The rows kernel's four sums (``g``, ``g dP``, and under ``ALPHA_GRAD`` the entropy terms), one tile on.
 
     ``stats`` = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, beta);
-    ``values`` = (do_tile, v_base, offs_dv, value_dim, lk, sv_d, sv_n).  A tile without
-    support reads no V.
+    ``values`` = (do_tile, v_base, offs_dv, value_dim, lk, sv_d, sv_n).  Under ``SKIP`` a tile
+    without support reads no V.
     """
     gppr_sum, gppr_dp, entropy_sum, entropy_dp = sums
     row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, beta = stats
@@ -588,7 +592,7 @@ def _delta_add(scores, offs_n, sums, stats, values, ALPHA_GRAD: tl.constexpr, AL
 @triton.jit
 def _dq_add(logits, scores, slope, offs_n, grads, stats, operands, SOFTCAP: tl.constexpr,
             HAS_LOGIT_SCALE: tl.constexpr, ALPHA: tl.constexpr, SKIP: tl.constexpr, ACC: tl.constexpr):
-    """``(dq, d_row_scale)`` with one tile's terms added; a tile without support reads neither V nor K again.
+    """``(dq, d_row_scale)`` with one tile's terms added; under ``SKIP`` a tile without support reads no V, no K.
 
     ``stats`` = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale, delta,
     row_scale); ``operands`` = (do_tile, v_base, offs_dv, value_dim, lk, sv_d, sv_n, k_base,

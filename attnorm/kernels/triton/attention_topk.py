@@ -522,7 +522,7 @@ def _probabilities(x, offs_n, kept_from, tie_until, slope, offset, TIES: tl.cons
 @triton.jit
 def _dq_add(x, slope, offs_n, dq, stats, operands, ties, SOFTCAP: tl.constexpr, SKIP: tl.constexpr,
             ACC: tl.constexpr):
-    """``dq`` with one score tile's ``ds k`` added; a tile keeping no key reads neither V nor K again."""
+    """``dq`` with one score tile's ``ds k`` added; under ``SKIP`` a tile keeping no key reads no V, no K."""
     kept_from, tie_until, row_slope, offset, factor, delta_factor = stats
     v_base, offs_dv, lk, value_dim, sv_n, sv_d, do_tile, k_base, offs_d, head_dim, sk_n, sk_d = operands
     if ties:  # a uniform branch: one pipelined loop for both kept tests
