@@ -398,8 +398,7 @@ def _self_adjusted_forward_kernel(
             v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
             limit += mma(posinf_mass(x, NORMALIZED).to(v_tile.dtype), v_tile, ACC)
         out = tl.where(posinf_row[:, None], limit / tl.maximum(posinf_count, 1.0)[:, None], out)
-        nan_row = nan_row | (posinf_row & (nan_count > 0))
-        posinf_row = posinf_row & (nan_count == 0)
+        nan_row = nan_row | (posinf_row & (nan_count > 0))  # state 0 wins over 2 below
     nan_row = nan_row | (sink_logit != sink_logit)
     out = tl.where(nan_row[:, None], float("nan"), out)
     rows = bh * lq + offs_m
