@@ -638,17 +638,14 @@ def report(variants: list[Variant], outcomes: list, notes: list[str], arch: int,
 
 
 def _warps_stages(text: str) -> list[dict[str, int]]:
-    """``4x3,8x2,4x3r168`` -> launch options (``rREGS``: Triton's ``maxnreg``, a cap on registers per thread)."""
-    options = []
+    """``4x3,8x2,4x3r168`` -> launch options (:func:`tune_attention.launch_options` for each)."""
+    from tune_attention import launch_options  # this folder is on sys.path when a script of it runs
+
     try:
-        for item in text.split(","):
-            core, _, regs = item.partition("r")
-            warps, stages = (int(part) for part in core.split("x", 1))
-            options.append({"num_warps": warps, "num_stages": stages, **({"maxnreg": int(regs)} if regs else {})})
+        return [launch_options(item) for item in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected num_warps x num_stages pairs like 4x3,8x2 (optionally rREGS: "
                                          f"4x3r168), got {text!r}") from None
-    return options
 
 
 def sweep(launches: list[Launch], options: list[dict[str, int]], arch: int) -> None:

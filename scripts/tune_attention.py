@@ -32,6 +32,19 @@ SPECS = ("sparsemax", "entmax:alpha=1.5", "topk:k=64", "sa_softmax", "sa_softmax
 SETTINGS = ("64x4x3", "64x4x3+skip", "64x4x3r168", "64x4x3r128", "64x4x2", "128x8x2", "128x4x2")
 
 
+def launch_options(text: str) -> dict[str, int]:
+    """``WARPSxSTAGES[rREGS]`` -> Triton launch options (``rREGS``: ``maxnreg``, a cap on registers per thread).
+
+    ``scripts/compile_check.py --options`` reads the same grammar.
+
+    Raises:
+        ValueError: text not of that form.
+    """
+    core, _, regs = text.partition("r")
+    warps, stages = (int(part) for part in core.split("x"))
+    return {"num_warps": warps, "num_stages": stages, **({"maxnreg": int(regs)} if regs else {})}
+
+
 def parse_setting(setting: str) -> tuple[int, dict[str, int], bool]:
     """``BLOCKxWARPSxSTAGES[rREGS][+skip]`` -> (block, launch options, skip empty tiles).
 
@@ -42,12 +55,8 @@ def parse_setting(setting: str) -> tuple[int, dict[str, int], bool]:
     core, _, flag = setting.partition("+")
     if flag not in ("", "skip"):
         raise ValueError(f"unknown setting flag {flag!r} in {setting!r} (only +skip)")
-    core, _, regs = core.partition("r")
-    block, warps, stages = (int(part) for part in core.split("x"))
-    options = {"num_warps": warps, "num_stages": stages}
-    if regs:
-        options["maxnreg"] = int(regs)
-    return block, options, flag == "skip"
+    block, _, options = core.partition("x")
+    return int(block), launch_options(options), flag == "skip"
 
 
 def apply(setting: str) -> None:

@@ -85,6 +85,8 @@ def test_programs_per_sm_follow_registers_and_shared_memory():
 def test_compile_check_options_take_a_register_cap():
     assert compile_check._warps_stages("4x3,8x2r128") == [{"num_warps": 4, "num_stages": 3},
                                                           {"num_warps": 8, "num_stages": 2, "maxnreg": 128}]
+    with pytest.raises(compile_check.argparse.ArgumentTypeError, match="4x3r168"):
+        compile_check._warps_stages("4x3,8")
 
 
 def test_overhead_profile_names_the_layers_of_a_call():
