@@ -221,10 +221,19 @@ def test_ops_pass_opcheck(device):
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.attnorm.topk_attention_fwd, (*args, 3.0, False, 1.0),
                           test_utils=("test_schema", "test_faketensor"))
-    out, stats = torch.ops.attnorm.topk_attention_fwd(*args, 0.3, True, 0.7, 3.0, sinks)
+    out, stats, out_float = torch.ops.attnorm.topk_attention_fwd(*args, 0.3, True, 0.7, 3.0, sinks)
+    assert out_float.numel() == 0  # not asked for (and float32 has no other)
     torch.library.opcheck(torch.ops.attnorm.topk_attention_bwd,
                           (q, k, v, out, torch.ones_like(out), stats, *args[3:], 0.3, True, 0.7, 3.0, sinks),
                           test_utils=("test_schema", "test_faketensor"))
+    half = (q.bfloat16(), k.bfloat16(), v.bfloat16(), *args[3:])  # half precision: the float32 output for delta
+    torch.library.opcheck(torch.ops.attnorm.topk_attention_fwd, (*half, 3.0, False, 1.0, None, None, True),
+                          test_utils=("test_schema", "test_faketensor"))
+    out, stats, out_float = torch.ops.attnorm.topk_attention_fwd(*half, 3.0, False, 1.0, None, None, True)
+    assert out_float.dtype == torch.float32 and out_float.shape == out.shape
+    torch.library.opcheck(torch.ops.attnorm.topk_attention_bwd,
+                          (*half[:3], out, torch.ones_like(out), stats, *args[3:], 3.0, False, 1.0, None, None,
+                           out_float), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_fused_route_compiles_without_graph_breaks(device, fused_calls):

@@ -17,7 +17,8 @@ op                                  outputs                                    p
                                     ``(B, Hq, Lq)``
 ``self_adjusted_attention_fwd``     out, stats                                 7 numbers
 ``self_adjusted_attention_bwd``     dq, dk, dv, d sinks per row ``(B, Hq, Lq)``
-``topk_attention_fwd``              out, stats                                 5 numbers
+``topk_attention_fwd``              out, stats, out in float32 (half-precision 5 numbers
+                                    inputs, ``float_out=True``; else empty)
 ``topk_attention_bwd``              dq, dk, dv, d sinks per row
 =================================== ========================================== ==============
 
@@ -230,59 +231,90 @@ def _split_modifiers(values: tuple, count: int) -> tuple[tuple, float | None, Te
     return values[:count], extra[0], extra[1]
 
 
-def _define_family(family: str, params: str, stats: int) -> None:
-    """``attnorm::<family>_attention_{fwd,bwd}`` over ``triton/attention_<family>.py``'s two functions."""
+def _define_family(family: str, params: str, stats: int, float_out: bool = False) -> None:
+    """``attnorm::<family>_attention_{fwd,bwd}`` over ``triton/attention_<family>.py``'s two functions.
+
+    With ``float_out`` the forward takes ``bool float_out`` and returns a third tensor, the
+    output in the accumulation dtype (empty when not asked), which the backward takes as
+    ``Tensor? out_float`` for its ``delta`` (:func:`topk_attention`).
+    """
     module = f"attention_{family}"
     count = len(params.split(","))
 
     def forward(q, k, v, start, stop, dense, additive, scale, *values):
         function = getattr(_module(module), f"{family}_attention_forward")
         family_params, softcap, sinks = _split_modifiers(values, count)
-        return function(q, k, v, AttentionMask(start, stop, dense, additive), scale, *family_params, softcap, sinks)
+        mask = AttentionMask(start, stop, dense, additive)
+        if not float_out:
+            return function(q, k, v, mask, scale, *family_params, softcap, sinks)
+        wanted = bool(values[count + 2]) if len(values) > count + 2 else False
+        out, stats, out_float = function(q, k, v, mask, scale, *family_params, softcap, sinks, wanted)
+        return out, stats, stats.new_empty(0) if out_float is None else out_float  # an op returns tensors
 
     def backward(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, *values):
         function = getattr(_module(module), f"{family}_attention_backward")
         family_params, softcap, sinks = _split_modifiers(values, count)
+        extra = ()
+        if float_out:
+            out_float = values[count + 2] if len(values) > count + 2 else None
+            extra = (out_float if out_float is not None and out_float.numel() else None,)
         dq, dk, dv, d_sinks = function(q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive),
-                                       scale, *family_params, softcap, sinks)
+                                       scale, *family_params, softcap, sinks, *extra)
         return dq, dk, dv, _row_grad(q, None) if d_sinks is None else d_sinks
+
+    def fake_forward(q, k, v, start, stop, dense, additive, scale, *values):
+        out, row_stats = _fake_forward(stats)(q, k, v)
+        wanted = len(values) > count + 2 and values[count + 2] and q.dtype in (torch.float16, torch.bfloat16)
+        return out, row_stats, row_stats.new_empty(out.shape if wanted else (0,))
 
     def fake_backward(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, *values):
         return *_grads_like(q, k, v), _row_grad(q, _split_modifiers(values, count)[2])
 
-    _define(f"{family}_attention_fwd", f"({_QKV}, {_MASK}, float scale, {params}, {_MODIFIERS}) -> (Tensor, Tensor)",
-            forward, _fake_forward(stats))
+    outputs, extra_in, extra_bwd = "(Tensor, Tensor)", "", ""
+    if float_out:
+        outputs, extra_in, extra_bwd = "(Tensor, Tensor, Tensor)", ", bool float_out=False", ", Tensor? out_float=None"
+    _define(f"{family}_attention_fwd", f"({_QKV}, {_MASK}, float scale, {params}, {_MODIFIERS}{extra_in}) -> {outputs}",
+            forward, fake_forward if float_out else _fake_forward(stats))
     _define(f"{family}_attention_bwd",
-            f"({_BWD}, {_MASK}, float scale, {params}, {_MODIFIERS}) -> (Tensor, Tensor, Tensor, Tensor)",
+            f"({_BWD}, {_MASK}, float scale, {params}, {_MODIFIERS}{extra_bwd}) -> (Tensor, Tensor, Tensor, Tensor)",
             backward, fake_backward)
 
 
 _define_family("self_adjusted", "bool normalized", 7)
-_define_family("topk", "float k_keep, bool is_fraction, float temperature", 5)
+_define_family("topk", "float k_keep, bool is_fraction, float temperature", 5, float_out=True)
 
 
 class _FamilyAttention(torch.autograd.Function):
-    """Forward op, then the backward op on the saved ``q, k, v``, mask, sinks, ``out`` and stats (no ``Lq x Lk``)."""
+    """Forward op, then the backward op on the saved ``q, k, v``, mask, sinks, ``out`` and stats (no ``Lq x Lk``).
+
+    ``float_out``: None for a family without that option (Self-Adjusted), else whether its
+    forward also returns the output in the accumulation dtype for the backward's ``delta``.
+    """
 
     @staticmethod
-    def forward(family, q, k, v, start, stop, dense, additive, sinks, scale, softcap, *params):
+    def forward(family, float_out, q, k, v, start, stop, dense, additive, sinks, scale, softcap, *params):
         forward_op = getattr(torch.ops.attnorm, f"{family}_attention_fwd").default
-        return ops.call(forward_op, q, k, v, start, stop, dense, additive, scale, *params, softcap, sinks)
+        extra = () if float_out is None else (float_out,)
+        return ops.call(forward_op, q, k, v, start, stop, dense, additive, scale, *params, softcap, sinks, *extra)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.family, q, k, v, start, stop, dense, additive, sinks, ctx.scale, ctx.softcap, *ctx.params = inputs
+        ctx.family, float_out, q, k, v, start, stop, dense, additive, sinks, ctx.scale, ctx.softcap, *ctx.params = (
+            inputs
+        )
+        ctx.has_float_out = float_out is not None
         ctx.save_for_backward(q, k, v, start, stop, dense, additive, sinks, *output)
-        ctx.mark_non_differentiable(output[1])
+        ctx.mark_non_differentiable(*output[1:])
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, _grad_stats):
-        q, k, v, start, stop, dense, additive, sinks, out, stats = ctx.saved_tensors
+    def backward(ctx, grad_out, *_grad_rest):
+        q, k, v, start, stop, dense, additive, sinks, out, stats, *rest = ctx.saved_tensors
         backward_op = getattr(torch.ops.attnorm, f"{ctx.family}_attention_bwd").default
+        extra = (rest[0] if rest[0].numel() else None,) if ctx.has_float_out else ()
         dq, dk, dv, d_sinks = ops.call(backward_op, q, k, v, out, grad_out.contiguous(), stats, start, stop, dense,
-                                       additive, ctx.scale, *ctx.params, ctx.softcap, sinks)
-        return (None, dq, dk, dv, None, None, None, None, _input_grad(ctx, 8, d_sinks, sinks), None, None,
+                                       additive, ctx.scale, *ctx.params, ctx.softcap, sinks, *extra)
+        return (None, None, dq, dk, dv, None, None, None, None, _input_grad(ctx, 9, d_sinks, sinks), None, None,
                 *([None] * len(ctx.params)))
 
 
@@ -290,7 +322,7 @@ def self_adjusted_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask
                             softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Fused Self-Adjusted Softmax attention (both variants); ``softcap``, ``sinks`` as :func:`entmax_attention`'s."""
     q, k, v = _distinct(q, k, v)
-    return _FamilyAttention.apply("self_adjusted", q, k, v, *mask, sinks, scale, softcap, normalized)[0]
+    return _FamilyAttention.apply("self_adjusted", None, q, k, v, *mask, sinks, scale, softcap, normalized)[0]
 
 
 def topk_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, k_keep: float,
@@ -299,8 +331,14 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: 
 
     ``softcap`` and ``sinks`` as :func:`entmax_attention`'s; a sink may take one of the
     ``k_keep`` slots but is not one of the allowed keys a fraction counts.
+
+    With half-precision inputs and a gradient to take, the forward also keeps the output in
+    float32 (``Dv`` floats per row more between forward and backward): ``delta =
+    rowsum(dO out)`` from the rounded output cancelled against ``dP`` in rows whose weight
+    sits on few keys (``ds = p (dP - delta)``), which top-k's are.
     """
     is_fraction = isinstance(k_keep, float) and 0 < k_keep < 1
     q, k, v = _distinct(q, k, v)
-    return _FamilyAttention.apply("topk", q, k, v, *mask, sinks, scale, softcap, float(k_keep), is_fraction,
-                                  float(temperature))[0]
+    float_out = q.dtype in (torch.float16, torch.bfloat16) and ops.records_grad(q, k, v, sinks)
+    return _FamilyAttention.apply("topk", float_out, q, k, v, *mask, sinks, scale, softcap, float(k_keep),
+                                  is_fraction, float(temperature))[0]

@@ -335,8 +335,8 @@ for dtype in (torch.float32, torch.float16, torch.float64):
                 attention_self_adjusted.self_adjusted_attention_backward(q, k, v, out, out, stats, mask, 0.3,
                                                                          normalized, softcap, sinks)
             for keep, fraction in ((3.0, False), (0.3, True)):
-                out, stats = attention_topk.topk_attention_forward(q, k, v, mask, 0.3, keep, fraction, 0.7, softcap,
-                                                                   sinks)
+                out, stats, _ = attention_topk.topk_attention_forward(q, k, v, mask, 0.3, keep, fraction, 0.7,
+                                                                      softcap, sinks)
                 attention_topk.topk_attention_backward(q, k, v, out, out, stats, mask, 0.3, keep, fraction, 0.7,
                                                        softcap, sinks)
 assert len(compiled) == 11, sorted(compiled)

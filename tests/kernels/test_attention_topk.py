@@ -63,7 +63,7 @@ def reference(q, k, v, mask, scale, k_keep, is_fraction, temperature):
 
 
 def run_fused(q, k, v, mask, scale, k_keep, is_fraction, temperature, grad_out):
-    out, stats = fused.topk_attention_forward(q, k, v, mask, scale, k_keep, is_fraction, temperature)
+    out, stats, _ = fused.topk_attention_forward(q, k, v, mask, scale, k_keep, is_fraction, temperature)
     grads = fused.topk_attention_backward(q, k, v, out, grad_out, stats, mask, scale, k_keep, is_fraction,
                                           temperature)
     return out, stats, grads[:3]
@@ -103,6 +103,35 @@ def test_skipping_tiles_without_kept_keys_changes_no_bit(kind, blocks_of_16, mon
 def test_fraction_of_allowed_keys(kind, device):
     q, k, v = make_qkv(2, 1, 1, 18, 18, 16, 16, torch.float32, device)
     check(q, k, v, MASKS[kind](2, 18, 18, device), 0.3, is_fraction=True, temperature=0.6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_gradients_take_delta_from_the_unrounded_output(dtype, device):
+    """Rows whose weight sits on one or two keys: ``ds = p (dP - delta)`` cancels, so ``delta = rowsum(dO out)``
+    from the output rounded to bfloat16's 8 bits left ~1 % of ``dP`` in ``ds``; from the forward's float32 output
+    (``float_out``, what ``attnorm.attention`` asks for when a gradient will be taken) the gradients keep the
+    accuracy of the other families.  Both against the float64 reference, relative to each gradient's largest value."""
+    q, k, v = make_qkv(2, 2, 1, 24, 24, 32, 16, dtype, device, seed=3)
+    mask = MASKS["causal"](2, 24, 24, device)
+    grad_out = torch.randn(2, 2, 24, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
+    leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
+    reference(*leaves, mask, 1.0, 2, False, 1.0).backward(grad_out.to(F64))
+    out, stats, out_float = fused.topk_attention_forward(q, k, v, mask, 1.0, 2, False, 1.0, float_out=True)
+    assert out_float.dtype == torch.float32 and out_float.shape == out.shape
+    # out is out_float rounded (within one unit: the interpreter truncates to bfloat16)
+    torch.testing.assert_close(out.to(F64), out_float.to(F64), rtol=torch.finfo(dtype).eps, atol=0)
+
+    def worst(grads):
+        return max(((g.to(F64) - leaf.grad).abs().max() / leaf.grad.abs().max()).item()
+                   for g, leaf in zip(grads, leaves[:2], strict=True))
+
+    exact = fused.topk_attention_backward(q, k, v, out, grad_out, stats, mask, 1.0, 2, False, 1.0,
+                                          out_float=out_float)[:2]
+    rounded = fused.topk_attention_backward(q, k, v, out, grad_out, stats, mask, 1.0, 2, False, 1.0)[:2]
+    bound = 6e-3 if dtype == torch.bfloat16 else 1e-3
+    assert worst(exact) < bound  # about the rounding of the gradients themselves (bfloat16: 0.4 %)
+    if dtype == torch.bfloat16:  # float16's 11 bits leave little to cancel: both within the bound there
+        assert worst(rounded) > bound
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -145,7 +174,7 @@ def test_gqa_and_strided_inputs(device):
 def test_k_beyond_the_allowed_keys_is_softmax_attention(device):
     q, k, v = make_qkv(1, 2, 1, 16, 20, 16, 16, torch.float32, device)
     mask = MASKS["causal"](1, 16, 20, device)
-    out, _ = fused.topk_attention_forward(q, k, v, mask, SCALE, 1000, False, 1.0)
+    out, _, _ = fused.topk_attention_forward(q, k, v, mask, SCALE, 1000, False, 1.0)
     x, allowed = masked_scores(q.to(F64), k.to(F64), mask, SCALE)
     expected = torch.softmax(torch.where(allowed, x, -math.inf), -1) @ v.to(F64).repeat_interleave(2, 1)
     torch.testing.assert_close(out.to(F64), expected, **TOLERANCES[torch.float32])
@@ -184,9 +213,9 @@ def test_posinf_rows_keep_their_first_infinite_keys(device):
 
 def test_decoding_equals_last_row_of_full_causal(device):
     q, k, v = make_qkv(1, 1, 1, 36, 36, 16, 16, torch.float32, device)
-    full, _ = fused.topk_attention_forward(q, k, v, MASKS["causal"](1, 36, 36, device), SCALE, 6, False, 1.0)
+    full, _, _ = fused.topk_attention_forward(q, k, v, MASKS["causal"](1, 36, 36, device), SCALE, 6, False, 1.0)
     last = q[:, :, -1:]
-    one, _ = fused.topk_attention_forward(last, k, v, MASKS["bottom-right"](1, 1, 36, device), SCALE, 6, False, 1.0)
+    one, _, _ = fused.topk_attention_forward(last, k, v, MASKS["bottom-right"](1, 1, 36, device), SCALE, 6, False, 1.0)
     torch.testing.assert_close(one, full[:, :, -1:], atol=1e-6, rtol=1e-5)
     check(last, k, v, AttentionMask(), 0.1, is_fraction=True)
 

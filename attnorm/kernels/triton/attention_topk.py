@@ -345,7 +345,7 @@ def _softmax_tile(kept, x, offs_n, running, slope, v_base, offs_dv, lk, value_di
 
 @triton.jit
 def _topk_forward_kernel(
-    Q, K, V, OUT, STATS_PTR, K_PARAM,
+    Q, K, V, OUT, OUT_FLOAT, STATS_PTR, K_PARAM,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     heads, group, lq, lk, head_dim, value_dim, scale: tl.float64, inv_temperature: tl.float64,
     key_start, key_stop, range_stride,
@@ -354,9 +354,12 @@ def _topk_forward_kernel(
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, IS_FRACTION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
-    KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr,
+    KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr, FLOAT_OUT: tl.constexpr,
 ):
-    """One query block: radix select of each row's k-th score, then a flash pass over the kept keys."""
+    """One query block: radix select of each row's k-th score, then a flash pass over the kept keys.
+
+    ``FLOAT_OUT``: the output is also stored unrounded, in the accumulation dtype, to ``OUT_FLOAT``.
+    """
     scale = as_acc(scale, ACC)
     inv_temperature = as_acc(inv_temperature, ACC)
     bh = tl.program_id(1)
@@ -471,8 +474,11 @@ def _topk_forward_kernel(
     out = tl.where(live[:, None], acc / tl.where(live, total, 1.0)[:, None], 0.0)
     out = tl.where((nan_count > 0)[:, None], float("nan"), out)
     rows = bh * lq + offs_m
-    tl.store(OUT + rows[:, None] * value_dim + offs_dv[None, :], out.to(OUT.dtype.element_ty),
-             mask=(offs_m < lq)[:, None] & (offs_dv < value_dim)[None, :])
+    out_offsets = rows[:, None] * value_dim + offs_dv[None, :]
+    out_tile = (offs_m < lq)[:, None] & (offs_dv < value_dim)[None, :]
+    tl.store(OUT + out_offsets, out.to(OUT.dtype.element_ty), mask=out_tile)
+    if FLOAT_OUT:
+        tl.store(OUT_FLOAT + out_offsets, out, mask=out_tile)
     ptrs = STATS_PTR + rows * _STATS_WIDTH
     live_rows = offs_m < lq
     tl.store(ptrs, tl.where(live, top, 0.0), mask=live_rows)
@@ -703,8 +709,8 @@ def _key_constants(q: Tensor) -> dict[str, Any]:
 @replay.replayable
 def topk_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, k_keep: float, is_fraction: bool,
-    temperature: float, softcap: float | None = None, sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    temperature: float, softcap: float | None = None, sinks: Tensor | None = None, float_out: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Exact top-k attention: ``out = softmax(x / T over the kept keys) v``, ``x = cap(scale q k^T) + additive``.
 
     ``32 / RADIX_BITS`` passes over K (``64 / RADIX_BITS`` for float64) select each row's
@@ -723,11 +729,15 @@ def topk_attention_forward(
         sinks: None, or each row's sink score, broadcastable to ``(B, Hq, Lq)``: a key of value
             zero after every real key (it loses ties), which may take one of the ``k_keep``
             slots (``n + 1`` keys to keep from) but is not among the ``n`` a fraction counts.
+        float_out: for float16 / bfloat16 inputs, also return the output unrounded, for
+            :func:`topk_attention_backward`'s ``delta``: one more store per row
+            (``4 Dv`` bytes), no other work.
 
     Returns:
-        ``(out, stats)``: ``(B, Hq, Lq, Dv)`` in q's dtype; ``(B, Hq, Lq, 5)`` in the
+        ``(out, stats, out_float)``: ``(B, Hq, Lq, Dv)`` in q's dtype; ``(B, Hq, Lq, 5)`` in the
         accumulation dtype, laid out as :data:`STATS` says (``last_tie = Lk``: the sink is a
-        kept tie).
+        kept tie); the output in the accumulation dtype with ``float_out`` and half-precision
+        inputs, else None.
 
     Raises:
         ValueError: bad shapes, ``k_keep`` or ``temperature``.
@@ -736,30 +746,36 @@ def topk_attention_forward(
     shape = problem(q, k, v)
     out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
     stats = shape.row_tensor(STATS, like=q)
+    keep_float = float_out and q.dtype in (torch.float16, torch.bfloat16)
+    out_float = shape.row_tensor(shape.value_dim, like=q) if keep_float else None
     if stats.numel() == 0:
-        return out, stats
+        return out, stats, out_float
     k_param = launch.constant(float(k_keep), torch.float64, q.device)  # kept: no fill kernel per call
     q, k, v = dot_operands(q, k, v)
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     launch.launchable(_topk_forward_kernel)[shape.query_grid](
-        q, k, v, out, stats, k_param, *strides, *sizes, IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, **constants,
-        **_key_constants(q), **launch_options(shape, q),
+        q, k, v, out, out if out_float is None else out_float, stats, k_param, *strides, *sizes,
+        IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, FLOAT_OUT=keep_float, **constants, **_key_constants(q),
+        **launch_options(shape, q),
     )
-    return out, stats
+    return out, stats, out_float
 
 
 @replay.replayable
 def topk_attention_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
     scale: float, k_keep: float, is_fraction: bool, temperature: float, softcap: float | None = None,
-    sinks: Tensor | None = None,
+    sinks: Tensor | None = None, out_float: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of :func:`topk_attention_forward` by recomputation with the forward's threshold and tie cut.
 
     ``ds = p (dP - delta) / temperature`` on the kept keys (``delta = rowsum(dO * out)``;
     times the cap's slope with ``softcap``); rows in state 0 or 2 get no score gradient
     (+inf rows still pass their weights to dv).  ``k_keep`` and ``is_fraction`` are not
-    needed (the stats hold the kept set).
+    needed (the stats hold the kept set).  ``out_float``: the forward's unrounded output
+    (``float_out=True``), read for ``delta`` instead of ``out``.  ``dP - delta`` cancels where a
+    row's weight sits on few keys; from a bfloat16 ``out`` (8 bits) the cancelled difference
+    kept ~1 % of ``dP`` in such rows, from float32 a millionth (``tests/kernels/test_attention_topk.py``).
 
     Returns:
         ``(dq, dk, dv, d_sinks)``: shaped and typed like ``q``, ``k``, ``v``; each row's sink
@@ -773,7 +789,7 @@ def topk_attention_backward(
     dk = launch.empty(tuple(k.shape), k.dtype, k.device)
     dv = launch.empty(tuple(v.shape), v.dtype, v.device)
     d_sinks = None if sinks is None else shape.row_tensor(like=q)
-    delta = row_dot(shape, out, grad_out)
+    delta = row_dot(shape, out if out_float is None else out_float, grad_out)
     q, k, v, grad_out = dot_operands(q, k, v, grad_out)
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     arguments = (*strides, *grad_out.stride(), *sizes)
