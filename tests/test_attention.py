@@ -212,6 +212,26 @@ def test_per_head_learnable_scalable_softmax_gradients(lengths, blocks):
         torch.testing.assert_close(actual, wanted, rtol=1e-9, atol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "causal"])
+def test_float32_learnable_scalable_softmax_keeps_float64_attention_exact(masked):
+    """A learnable module left in float32 with float64 inputs: the multiplier ``s log n + bias`` is computed in
+    float64 (without a mask ``n`` was a 0-d tensor, which does not promote the float32 parameters: the logits
+    carried float32 rounding, ~4e-8 relative)."""
+    lq, lk = 7, 9
+    q, k, v = qkv(lq, lk)
+    normalizer = attnorm.ScalableSoftmax(learnable=True, num_heads=H)
+    with torch.no_grad():
+        normalizer.s.copy_(torch.tensor([0.3, 0.55, 0.9]).view(H, 1, 1))
+        normalizer.bias.copy_(torch.tensor([0.1, -0.2, 0.3]).view(H, 1, 1))
+    allowed = allowed_of(lq, lk, lk - lq if masked else None).expand(B, H, lq, lk)
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=causal_mask(lk - lq) if masked else None)
+    s, bias = normalizer.s.detach().double(), normalizer.bias.detach().double()
+    multiplier = s * torch.log(allowed.sum(-1, keepdim=True).double()) + bias
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(D)) * multiplier
+    expected = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1) @ v
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
 GRADIENT_MASKS = {
     "is_causal": {"is_causal": True},
     "causal_diag1": {"attn_mask": causal_mask(1)},

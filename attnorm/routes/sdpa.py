@@ -63,6 +63,8 @@ def logit_multiplier(normalizer: Normalizer, mask, additive: Tensor | None, q: T
         return s * math.log(max(lk, 1)) + bias
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     count = torch.tensor(float(lk), device=q.device) if count is None else count
+    # Learnable s and bias are float32 parameters: widened first, since a 0-d count does not promote them.
+    s, bias = (value.to(compute_dtype) if isinstance(value, Tensor) else value for value in (s, bias))
     return ssmax_multiplier(count.to(compute_dtype), s, bias)
 
 
