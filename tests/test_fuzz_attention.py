@@ -16,7 +16,8 @@ formulas (softmax, Scalable-Softmax ``(s log n + b) x``, Self-Adjusted), a zero 
 nothing is allowed; gradients by autograd.  Outputs and the gradients of q, k, v, the sinks
 and the module's parameters must agree within a tolerance per dtype, relative to the
 largest reference value.  A run of about 2,200 draws found the bfloat16 top-k ``delta``
-(``tests/kernels/test_attention_topk.py``).
+(``tests/kernels/test_attention_topk.py``) and a float32 Scalable-Softmax multiplier in float64 attention
+(``tests/test_attention.py``).
 
 Slow: ``pytest -m slow tests/test_fuzz_attention.py`` (about 2 s a seed on two cores).
 """
