@@ -225,10 +225,11 @@ def _keeps_weighted(q: Tensor, k: Tensor, v: Tensor, alpha_heads: Tensor | None,
 # ---- Self-Adjusted Softmax and top-k: forward (out, stats), backward (dq, dk, dv, d sinks) -------
 
 
-def _split_modifiers(values: tuple, count: int) -> tuple[tuple, float | None, Tensor | None]:
-    """``(family parameters, softcap, sinks)`` of an op's trailing arguments (trailing defaults may be dropped)."""
-    extra = values[count:] + (None, None)
-    return values[:count], extra[0], extra[1]
+def _split_modifiers(values: tuple, count: int) -> tuple[tuple, float | None, Tensor | None, object]:
+    """``(family parameters, softcap, sinks, float_out or out_float)`` of an op's trailing arguments
+    (trailing defaults may be dropped: None for each)."""
+    extra = values[count:] + (None, None, None)
+    return values[:count], extra[0], extra[1], extra[2]
 
 
 def _define_family(family: str, params: str, stats: int, float_out: bool = False) -> None:
@@ -243,20 +244,18 @@ def _define_family(family: str, params: str, stats: int, float_out: bool = False
 
     def forward(q, k, v, start, stop, dense, additive, scale, *values):
         function = getattr(_module(module), f"{family}_attention_forward")
-        family_params, softcap, sinks = _split_modifiers(values, count)
+        family_params, softcap, sinks, wanted = _split_modifiers(values, count)
         mask = AttentionMask(start, stop, dense, additive)
         if not float_out:
             return function(q, k, v, mask, scale, *family_params, softcap, sinks)
-        wanted = bool(values[count + 2]) if len(values) > count + 2 else False
-        out, stats, out_float = function(q, k, v, mask, scale, *family_params, softcap, sinks, wanted)
+        out, stats, out_float = function(q, k, v, mask, scale, *family_params, softcap, sinks, bool(wanted))
         return out, stats, stats.new_empty(0) if out_float is None else out_float  # an op returns tensors
 
     def backward(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, *values):
         function = getattr(_module(module), f"{family}_attention_backward")
-        family_params, softcap, sinks = _split_modifiers(values, count)
+        family_params, softcap, sinks, out_float = _split_modifiers(values, count)
         extra = ()
         if float_out:
-            out_float = values[count + 2] if len(values) > count + 2 else None
             extra = (out_float if out_float is not None and out_float.numel() else None,)
         dq, dk, dv, d_sinks = function(q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive),
                                        scale, *family_params, softcap, sinks, *extra)
@@ -264,7 +263,7 @@ def _define_family(family: str, params: str, stats: int, float_out: bool = False
 
     def fake_forward(q, k, v, start, stop, dense, additive, scale, *values):
         out, row_stats = _fake_forward(stats)(q, k, v)
-        wanted = len(values) > count + 2 and values[count + 2] and q.dtype in (torch.float16, torch.bfloat16)
+        wanted = _split_modifiers(values, count)[3] and q.dtype in (torch.float16, torch.bfloat16)
         return out, row_stats, row_stats.new_empty(out.shape if wanted else (0,))
 
     def fake_backward(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, *values):
@@ -339,6 +338,7 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: 
     """
     is_fraction = isinstance(k_keep, float) and 0 < k_keep < 1
     q, k, v = _distinct(q, k, v)
-    float_out = q.dtype in (torch.float16, torch.bfloat16) and ops.records_grad(q, k, v, sinks)
+    # Asked whenever a gradient will be taken; the op keeps it for half-precision inputs only.
+    float_out = ops.records_grad(q, k, v, sinks)
     return _FamilyAttention.apply("topk", float_out, q, k, v, *mask, sinks, scale, softcap, float(k_keep),
                                   is_fraction, float(temperature))[0]
