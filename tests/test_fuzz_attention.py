@@ -174,12 +174,12 @@ def inputs(case: dict, generator: torch.Generator, rng: random.Random):
     """q, k, v, sinks; the attn_mask / is_causal arguments; the additive mask and allowed keys for the reference."""
     batch, heads, lq, lk = case["batch"], case["kv_heads"] * case["group"], case["lq"], case["lk"]
 
-    def draw(*shape):
+    def sample(*shape):
         if case["integer"]:  # exact scores, many of them tied
             return torch.randint(-2, 3, shape, generator=generator).to(F64)
         return torch.randn(*shape, generator=generator, dtype=F64)
 
-    q, k = draw(batch, heads, lq, case["head_dim"]), draw(batch, case["kv_heads"], lk, case["head_dim"])
+    q, k = sample(batch, heads, lq, case["head_dim"]), sample(batch, case["kv_heads"], lk, case["head_dim"])
     v = torch.randn(batch, case["kv_heads"], lk, case["value_dim"], generator=generator, dtype=F64)
     q, k, v = (t.to(case["dtype"]) for t in (q, k, v))
     sinks = torch.randn(heads, generator=generator, dtype=F64).to(case["dtype"]) if case["sinks"] else None
