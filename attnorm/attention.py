@@ -126,11 +126,11 @@ def attention(
         decoding = q.shape[-2] <= DECODING_ROWS
         if multiplier is not None:
             if kernels_ok and not decoding and fused.supports_scaled_softmax(normalizer, mask, q, k, v, dropout_p,
-                                                                             additive, modified, softcap, sinks):
+                                                                             additive, modified):
                 return fused.scaled_softmax(q, k, v, multiplier, mask, scale, additive, softcap, sinks)
             if not modified:  # SDPA has neither softcap nor sinks
                 return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
-        elif kernels_ok and not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive, softcap, sinks):
+        elif kernels_ok and not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive):
             return fused.attention(normalizer, q, k, v, mask, additive, scale, softcap, sinks)
         elif kernels_ok and decoding and decoding_route.supports(normalizer, q, k, v, mask, additive, dropout_p,
                                                                  softcap, sinks):

@@ -23,10 +23,11 @@ ratio within a round.  On CUDA the device is synchronised before and after each 
 block.  ``--clock cpu`` (CPU only) times with the thread's CPU clock instead of the
 wall clock: on a machine shared with other work a block that is descheduled for a time
 slice (4 ms) would otherwise swamp a 15 µs call.  The first call (which may build or
-compile kernels) is not timed with the rest; its time is reported apart.  ``--fast-launch``
-adds a row per module, ``<module> [direct launch]``, timed with
-:mod:`attnorm.kernels.fast_launch` switched on for its calls (Triton's per-call binding
-skipped once a kernel variant is compiled; CUDA only, elsewhere the same as the plain row).
+compile kernels) is not timed with the rest; its time is reported apart.  The module rows
+take attnorm's default launch (:mod:`attnorm.kernels.fast_launch`: Triton's per-call binding
+skipped once a kernel variant is compiled, on CUDA).  ``--triton-launch`` adds a row per
+module, ``<module> [Triton launch]``, timed with that switch off for its calls (Triton's own
+launch every time; CUDA only, elsewhere the same as the plain row).
 
 Usage::
 
@@ -35,7 +36,7 @@ Usage::
     python benchmarks/bench_overhead.py --backend reference  # a named attnorm backend
     python benchmarks/bench_overhead.py --check              # exit 1 when a module misses the goal
     python benchmarks/bench_overhead.py --clock cpu          # a busy machine: time on-CPU only
-    python benchmarks/bench_overhead.py --device cuda --fast-launch   # also each module with the direct launch
+    python benchmarks/bench_overhead.py --device cuda --triton-launch   # also each module with Triton's launch
 
 Writes ``bench_overhead_<device>.csv`` and ``.md`` into ``--out`` (default ``benchmarks/results/``).
 """
@@ -136,25 +137,26 @@ def modules(backend: str | None) -> dict[str, tuple[Callable[[], torch.nn.Module
     }
 
 
-DIRECT = " [direct launch]"
-"""Suffix of the rows timed with attnorm.kernels.fast_launch on (``--fast-launch``)."""
+TRITON_LAUNCH = " [Triton launch]"
+"""Suffix of the rows timed with attnorm.kernels.fast_launch off (``--triton-launch``)."""
 
 
-def with_direct_launch(call: Callable[[], object]) -> Callable[[], object]:
-    """``call`` with :mod:`attnorm.kernels.fast_launch` switched on while it runs."""
+def with_triton_launch(call: Callable[[], object]) -> Callable[[], object]:
+    """``call`` with :mod:`attnorm.kernels.fast_launch` switched off while it runs (then as it was)."""
     from attnorm.kernels import fast_launch
 
-    def direct() -> object:
-        fast_launch.set_enabled(True)
+    def triton_launch() -> object:
+        previous = fast_launch.enabled()
+        fast_launch.set_enabled(False)
         try:
             return call()
         finally:
-            fast_launch.set_enabled(False)
+            fast_launch.set_enabled(previous)
 
-    return direct
+    return triton_launch
 
 
-def calls(backend: str | None, device: str, dtype: torch.dtype, fast_launch: bool = False) -> tuple[dict, dict]:
+def calls(backend: str | None, device: str, dtype: torch.dtype, triton_launch: bool = False) -> tuple[dict, dict]:
     """(key -> zero-argument call, key -> error) for every (implementation, input) pair."""
     values = torch.randn(ROWS, LENGTH, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     found, errors = {}, {}
@@ -166,8 +168,8 @@ def calls(backend: str | None, device: str, dtype: torch.dtype, fast_launch: boo
             try:
                 module, scores = factory().to(device), x.view(shape)
                 found[(name, input_name)] = lambda module=module, scores=scores: module(scores)
-                if fast_launch:
-                    found[(name + DIRECT, input_name)] = with_direct_launch(found[(name, input_name)])
+                if triton_launch:
+                    found[(name + TRITON_LAUNCH, input_name)] = with_triton_launch(found[(name, input_name)])
                 if name in SCALED:
                     found[(BARE_SCALED, input_name)] = (
                         lambda module=module, scores=scores: bare_scaled(scores, module.s, module.bias))
@@ -232,7 +234,7 @@ def result_rows(samples: dict, first: dict, errors: dict, names: list[str], comm
                 rows.append({**row, "error": errors[key]})
                 continue
             median, p20, p80 = percentiles(samples[key])
-            base_samples = samples[(BARE_SCALED if name.removesuffix(DIRECT) in SCALED else BARE, input_name)]
+            base_samples = samples[(BARE_SCALED if name.removesuffix(TRITON_LAUNCH) in SCALED else BARE, input_name)]
             ratio = statistics.median(t / base for t, base in zip(samples[key], base_samples, strict=True))
             rows.append({**row, "median_us": median * 1e6, "p20_us": p20 * 1e6, "p80_us": p80 * 1e6,
                          "ratio_vs_bare": ratio, "first_call_ms": first[key] * 1e3, "samples": len(samples[key])})
@@ -278,8 +280,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--clock", default="wall", choices=tuple(CLOCKS),
                         help="wall: elapsed time; cpu: this thread's CPU time (CPU only; for a busy machine)")
-    parser.add_argument("--fast-launch", action="store_true",
-                        help=f"also time every module with attnorm.kernels.fast_launch on ('<module>{DIRECT}')")
+    parser.add_argument("--triton-launch", action="store_true",
+                        help=f"also time every module with attnorm.kernels.fast_launch off ('<module>{TRITON_LAUNCH}')")
     parser.add_argument("--check", action="store_true", help="exit 1 when a module misses the goal or fails")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
@@ -295,12 +297,12 @@ def main() -> int:
     print(f"{args.rounds} interleaved rounds x {args.calls} calls per sample, {args.clock} clock; "
           f"ratio to {BARE} within each round")
 
-    functions, errors = calls(args.backend, args.device, dtype, args.fast_launch)
+    functions, errors = calls(args.backend, args.device, dtype, args.triton_launch)
     first = first_calls(functions, errors, args.device)
     samples = measure(functions, args.device, args.rounds, args.calls, CLOCKS[args.clock])
     names = [BARE, BARE_SCALED, "torch.softmax", *modules(args.backend)]
-    if args.fast_launch:
-        names += [name + DIRECT for name in modules(args.backend)]
+    if args.triton_launch:
+        names += [name + TRITON_LAUNCH for name in modules(args.backend)]
     common = {"device": args.device, "dtype": args.dtype, "shape": f"{ROWS}x{LENGTH}", "backend": backend_name,
               "calls_per_sample": args.calls, "clock": args.clock, "versions": stamp}
     rows = result_rows(samples, first, errors, names, common)

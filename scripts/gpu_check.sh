@@ -7,7 +7,7 @@
 #   STEPS="tests overhead" bash scripts/gpu_check.sh
 #   STEPS=tune TUNE_SETTINGS=64x4x3 bash scripts/gpu_check.sh   # the fused kernels' times, per kernel (~30 s)
 #   STEPS="xpass probe" bash scripts/gpu_check.sh                 # the capped entmax dk; decoding host vs GPU
-#   STEPS="replay overhead" bash scripts/gpu_check.sh             # the direct launch + replay: correct? how fast?
+#   STEPS="replay overhead" bash scripts/gpu_check.sh             # the direct launch + replay against Triton's
 #
 # Keep each call short: on 2026-11-26 a machine was taken back mid-call and the call returned nothing
 # (342 s of a 900 s lease gone), so run the steps whose results matter most first, in calls of their own.
@@ -49,15 +49,13 @@ torch.cuda.get_device_name())"; gcc --version | head -1' ;;
         step tests "$TEST_SECONDS" python3 -m pytest -v -p no:cacheprovider -p pytest_failures -n "${PYTEST_WORKERS:-15}" \
             --dist worksteal --timeout 120 -rfE \
             tests/kernels tests/test_fused_route.py tests/test_softcap_sinks.py tests/test_packed.py ;;
-    replay)  # the direct launch and its replays on CUDA: their test, the row/decoding/attention suites with the
-             # switch on (ATTNORM_FAST_LAUNCH=1), then decoding timed with it (turn it on by default once this passes)
-        step replay "${REPLAY_SECONDS:-240}" bash -c "python3 -m pytest -q -p no:cacheprovider -rfE \
-tests/kernels/test_fast_launch.py && ATTNORM_FAST_LAUNCH=1 python3 -m pytest -q -p no:cacheprovider -rfE \
--n ${PYTEST_WORKERS:-15} --timeout 120 tests/kernels/test_triton.py tests/kernels/test_attention_decoding.py \
-tests/test_attention.py tests/test_softcap_sinks.py && ATTNORM_FAST_LAUNCH=1 python3 benchmarks/bench_decoding.py \
---lengths ${DECODING_LENGTHS:-4096 65536} --out $OUT/results/fast_launch" ;;
+    replay)  # the direct launch and its replays (on by default since 346fb76): their CUDA test, then decoding
+             # timed with Triton's own launch (ATTNORM_FAST_LAUNCH=0), to set beside the decoding step's default
+        step replay "${REPLAY_SECONDS:-150}" bash -c "python3 -m pytest -q -p no:cacheprovider -rfE \
+tests/kernels/test_fast_launch.py && ATTNORM_FAST_LAUNCH=0 python3 benchmarks/bench_decoding.py \
+--lengths ${DECODING_LENGTHS:-4096 65536} --out $OUT/results/triton_launch" ;;
     overhead)
-        step overhead 90 python3 benchmarks/bench_overhead.py --device cuda --rounds 30 --fast-launch $results ;;
+        step overhead 90 python3 benchmarks/bench_overhead.py --device cuda --rounds 30 --triton-launch $results ;;
     attention)  # the issue's goals: causal, forward + backward, bf16, 16 heads, head dim 64, 16384 tokens
         step attention "${ATTENTION_SECONDS:-150}" python3 benchmarks/bench_attention.py --causal yes --modes forward+backward \
             --lengths ${ATTENTION_LENGTHS:-2048 16384} --providers ${ATTENTION_PROVIDERS:-sdpa attnorm adasplash} \

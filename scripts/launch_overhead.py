@@ -13,7 +13,7 @@ the replay of :mod:`attnorm.kernels.triton.replay`), interleaved, best of severa
 What it leaves out: the driver's launch (a few microseconds on a GPU machine), CUDA's
 own allocator and stream queries (CPU tensors here), and the CPU's speed (the ratio
 carries over better than the microseconds).  ``benchmarks/bench_overhead.py --device
-cuda --fast-launch`` measures the real thing on a GPU.
+cuda --triton-launch`` measures the real thing on a GPU.
 
 Usage::
 
@@ -147,6 +147,7 @@ def measure(calls: int, rounds: int, names: list[str] | None = None,
         cases[("attention(Sparsemax) decoding", "no grad")] = (
             lambda: attnorm.attention(q, k, v, sparsemax, attn_mask=mask))
     results = {case: [float("inf"), float("inf")] for case in cases}
+    initial = fast_launch.enabled()
     for switch in (False, True):  # compile every variant and keep it before timing
         fast_launch.set_enabled(switch)
         for call in cases.values():
@@ -157,7 +158,7 @@ def measure(calls: int, rounds: int, names: list[str] | None = None,
             fast_launch.set_enabled(switch)
             for case, call in cases.items():
                 results[case][switch] = min(results[case][switch], best_us(call, calls, 1))
-    fast_launch.set_enabled(False)
+    fast_launch.set_enabled(initial)
     return [(*case, *results[case]) for case in cases]
 
 

@@ -170,34 +170,6 @@ def test_normalized_self_adjusted_with_an_additive_mask_needs_triton_3_9_on_cuda
         assert fused.supports(normalized, cpu64, k, v, 0.0, additive)  # the interpreter compiles nothing
 
 
-def test_a_capped_entmax_kernel_backward_leaves_the_fused_route_on_cuda(monkeypatch):
-    """routes/fused.py, ``_untrusted_capped_backward``: on CUDA a soft-capped call of the entmax kernel family that
-    will be differentiated takes the blocked route (its dk was wrong on an H200); inference, no cap, the other
-    families and the CPU (interpreter) keep the fused kernels."""
-    def tensor(device, grad=False):  # what the rule reads; Triton's own availability is patched below
-        return types.SimpleNamespace(ndim=4, dtype=torch.bfloat16, device=torch.device(device), shape=(B, H, LQ, D),
-                                     requires_grad=grad)
-
-    monkeypatch.setattr(fused, "_runs_triton", lambda normalizer, q: True)
-    k, v = torch.zeros(B, H, LK, D), torch.zeros(B, H, LK, D)
-    sparsemax, topk = attnorm.Sparsemax(backend="triton"), attnorm.TopKSoftmax(4, backend="triton")
-    learnable = attnorm.Entmax(1.5, learnable=True, backend="triton")
-    cuda, cuda_grad, cpu_grad = tensor("cuda"), tensor("cuda", True), tensor("cpu", True)
-    assert not fused.supports(sparsemax, cuda_grad, k, v, 0.0, None, softcap=30.0)
-    assert fused.supports(sparsemax, cuda_grad, k, v, 0.0, None)  # no cap
-    assert fused.supports(sparsemax, cuda, k, v, 0.0, None, softcap=30.0)  # nothing to differentiate
-    with torch.no_grad():
-        assert fused.supports(sparsemax, cuda_grad, k, v, 0.0, None, softcap=30.0)
-    assert not fused.supports(learnable, cuda, k, v, 0.0, None, softcap=30.0)  # alpha's gradient is wanted
-    assert not fused.supports(sparsemax, cuda, k, v, 0.0, None, softcap=30.0, sinks=torch.zeros(H, requires_grad=True))
-    assert fused.supports(topk, cuda_grad, k, v, 0.0, None, softcap=30.0)
-    assert fused.supports(sparsemax, cpu_grad, k, v, 0.0, None, softcap=30.0)
-    ssmax = attnorm.ScalableSoftmax(backend="triton")
-    assert not fused.supports_scaled_softmax(ssmax, None, cuda_grad, k, v, 0.0, None, True, softcap=30.0)
-    assert fused.supports_scaled_softmax(ssmax, None, cuda, k, v, 0.0, None, True, softcap=30.0)
-    assert fused.supports_scaled_softmax(ssmax, None, cuda_grad, k, v, 0.0, None, True, sinks=torch.zeros(H))
-
-
 def test_ops_pass_opcheck(device):
     q, k, v = (t.detach() for t in inputs(device))
     start, stop = attnorm.causal_mask(LK - LQ).key_range(B, LQ, LK, device)

@@ -46,7 +46,6 @@ import torch
 from torch import Tensor
 
 from attnorm.kernels import attention_ops, backends
-from attnorm.kernels.ops import records_grad
 from attnorm.masks import StructuredMask
 from attnorm.routes.common import kernel_mask
 from attnorm.routes.sdpa import Multiplier, sdpa_mask_kind
@@ -56,15 +55,12 @@ __all__ = ["attention", "scaled_softmax", "supports", "supports_scaled_softmax"]
 _FAMILIES = ("sparsemax", "entmax", "self_adjusted_softmax", "topk_softmax")
 
 
-def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, additive: Tensor | None,
-             softcap: float | None = None, sinks: Tensor | None = None) -> bool:
+def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, additive: Tensor | None) -> bool:
     """True when a fused kernel computes ``normalizer``'s attention for these inputs (softcap and sinks included)."""
     kernel = getattr(normalizer, "kernel", None)
     if kernel not in _FAMILIES or dropout_p > 0 or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return False
     if additive is not None and additive.requires_grad or not _runs_triton(normalizer, q):
-        return False
-    if kernel in ("sparsemax", "entmax") and _untrusted_capped_backward(normalizer, q, k, v, softcap, sinks):
         return False
     if kernel == "entmax":
         alpha = normalizer.kernel_params()["alpha"]
@@ -77,23 +73,6 @@ def supports(normalizer, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, addi
         return not (normalizer.normalized and additive is not None and q.device.type == "cuda"
                     and not _triton_handles_normalized_additive_self_adjusted())
     return True
-
-
-def _untrusted_capped_backward(normalizer, q: Tensor, k: Tensor, v: Tensor, softcap: float | None,
-                               sinks: Tensor | None) -> bool:
-    """True for a soft-capped entmax-kernel call on CUDA that will be differentiated: the blocked route takes it.
-
-    On an H200 with Triton 3.6 (2026-11-26) the entmax kernel's backward with softcap returned a
-    wrong ``dk`` (90 % of its entries off, by up to 10, in float16 and bfloat16 under causal and
-    dense masks, and once in float32 under a dense mask; sparsemax, 1.5-entmax, softmax/T and
-    Scalable-Softmax alike), while its forward output, its ``dq``, the same calls without the cap
-    (sinks alone too), the top-k and Self-Adjusted kernels with the cap, and every case under
-    Triton's interpreter matched the float64 reference
-    (``tests/kernels/test_attention_modifiers.py::test_half_precision``).  The cause is not found
-    yet, so until a GPU run clears it, such calls run on the blocked route (exact, and Lq x Lk
-    never in memory at once); inference (no gradient wanted) keeps the fused forward.
-    """
-    return softcap is not None and q.device.type == "cuda" and records_grad(q, k, v, sinks, *normalizer.parameters())
 
 
 @functools.cache
@@ -134,17 +113,13 @@ def attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tenso
 
 
 def supports_scaled_softmax(normalizer, mask, q: Tensor, k: Tensor, v: Tensor, dropout_p: float,
-                            additive: Tensor | None = None, modified: bool = False, softcap: float | None = None,
-                            sinks: Tensor | None = None) -> bool:
+                            additive: Tensor | None = None, modified: bool = False) -> bool:
     """True when a logit scaling should run on the fused kernel rather than SDPA.
 
     Unmodified, only under a structured mask SDPA would need as a dense bool mask;
-    with softcap or sinks (``modified``), which SDPA cannot apply, whenever Triton runs
-    (but not a capped backward on CUDA, :func:`_untrusted_capped_backward`).
+    with softcap or sinks (``modified``), which SDPA cannot apply, whenever Triton runs.
     """
     if dropout_p > 0 or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        return False
-    if _untrusted_capped_backward(normalizer, q, k, v, softcap, sinks):
         return False
     if modified:
         return (additive is None or not additive.requires_grad) and _runs_triton(normalizer, q)

@@ -31,7 +31,6 @@ pytest.importorskip("triton")
 entmax = pytest.importorskip("entmax")
 
 from attnorm.kernels.triton import launch  # noqa: E402
-from attnorm.routes import fused as fused_route  # noqa: E402
 from attnorm.routes.fused import _triton_handles_normalized_additive_self_adjusted  # noqa: E402
 from tests.conftest import DEVICE, poisoned_empty, slow_under_interpreter  # noqa: E402
 
@@ -51,7 +50,6 @@ def fused_only(monkeypatch):
         raise AssertionError("the call left the fused route")
 
     monkeypatch.setattr(launch, "empty", poisoned_empty)
-    monkeypatch.setattr(fused_route, "_untrusted_capped_backward", lambda *args: False)  # the kernels themselves
     monkeypatch.setattr(attention_module, "DECODING_ROWS", 0)
     monkeypatch.setattr(attention_module, "blocked_attention", elsewhere)
     monkeypatch.setattr(attention_module, "materialised_attention", elsewhere)
@@ -206,11 +204,14 @@ def on_device(attn_mask):
     return attn_mask.to(DEVICE) if isinstance(attn_mask, torch.Tensor) else attn_mask
 
 
-def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4, seed=0, integer=False):
+def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4, seed=0, integer=False,
+          summed_tolerance=None):
     """The fused route's output and gradients (q, k, v, sinks, parameters) equal the float64 reference's.
 
     The fused call runs on :data:`DEVICE` (CUDA when present), the reference on the CPU.
     ``integer``: q and k in {-1, 0, 1}, so scores are multiples of ``SCALE`` and tie (with the sinks too).
+    ``summed_tolerance``: the tolerance of the sinks' and parameters' gradients (sums over rows), when not
+    ``tolerance``.
     """
     build, normalize = FAMILIES[family]
     gen = torch.Generator().manual_seed(seed)
@@ -242,7 +243,8 @@ def check(family, attn_mask, softcap, sinks, dtype=torch.float32, tolerance=5e-4
     names = ["q", "k", "v"] + (["sinks"] if sinks is not None else []) + [f"param{i}" for i in range(len(params))]
     for name, actual, reference_grad in zip(names, got, wanted, strict=True):
         assert torch.isfinite(actual).all(), name
-        torch.testing.assert_close(actual.double().cpu(), reference_grad, atol=tolerance, rtol=tolerance,
+        bound = tolerance if summed_tolerance is None or name in ("q", "k", "v") else summed_tolerance
+        torch.testing.assert_close(actual.double().cpu(), reference_grad, atol=bound, rtol=bound,
                                    msg=lambda message, name=name: f"{name}: {message}")
     return out
 
@@ -302,12 +304,21 @@ def test_a_fully_masked_row_attends_only_its_sink(family):
 
 @pytest.mark.parametrize("family,dtype", [("entmax15", torch.float16), ("ssmax_learnable", torch.bfloat16),
                                           ("sa_normalized", torch.float16), ("topk_frac", torch.bfloat16)])
-def test_half_precision(family, dtype, request):
-    if DEVICE == "cuda" and family in ("entmax15", "ssmax_learnable"):
-        # An H200 with Triton 3.6 (2026-11-26): dk 90 % wrong, so attention() sends such calls to the blocked route
-        # (routes/fused.py, _untrusted_capped_backward).  Strict: a run where it passes says the rule can go.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="the capped entmax-kernel dk on CUDA"))
+def test_half_precision(family, dtype):
+    """An H200 (Triton 3.6, 2026-11-26) once gave the capped entmax-kernel dk 90 % wrong here; whole dk/dv
+    blocks mended it (H200, 2026-11-27, 346fb76)."""
     check(family, MASKS["bool"](), SOFTCAP, SINKS, dtype=dtype, tolerance=5e-2)
+
+
+@pytest.mark.parametrize("family", ["ssmax_learnable", "entmax15"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_half_precision_sums_over_rows_take_delta_from_unrounded_weights(family, dtype):
+    """The sinks' and a learnable multiplier's gradients sum ``G s`` and ``g delta`` over rows, so a rounding of
+    ``delta = dO . W`` adds up: with ``W``'s weights rounded to the input's 2-byte dtype the multiplier's
+    gradient here was 0.0027 off in float16 (interpreter) and 0.056 off (of 0.053) in bfloat16 (H200)."""
+    if dtype == torch.bfloat16 and DEVICE != "cuda":
+        pytest.skip("off CUDA the kernels read bfloat16 as float32 (attention_launch.dot_operands): nothing rounds")
+    check(family, MASKS["bool"](), SOFTCAP, SINKS, dtype=dtype, tolerance=5e-2, summed_tolerance=1e-3)
 
 
 COMPILE_PROGRAM = r"""

@@ -386,13 +386,15 @@ def _newton_sums(q_tile, keys, offs_m, span, rows, masks, row_max, tau, multipli
 
 
 @triton.jit
-def _output_add(scores, offs_n, sums, stats, values, WEIGHTED: tl.constexpr, ALPHA: tl.constexpr,
-                SKIP: tl.constexpr, ACC: tl.constexpr):
+def _output_add(scores, offs_n, sums, stats, values, WEIGHTED: tl.constexpr, SPLIT: tl.constexpr,
+                ALPHA: tl.constexpr, SKIP: tl.constexpr, ACC: tl.constexpr):
     """The output pass's sums one tile on: ``p v``, and under ``WEIGHTED`` ``g v`` and ``g`` (``g = p^(2 - alpha)``).
 
     ``stats`` = (row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale); ``values`` =
     (v_base, offs_dv, value_dim, lk, sv_n, sv_d).  Under ``SKIP`` a tile where no row has a positive weight
-    loads no V.
+    loads no V.  Under ``SPLIT`` (2-byte V) ``g v`` is two products, ``g``'s 2-byte rounding and its remainder,
+    so ``W`` carries no rounding of ``g``; for alpha = 1 ``weighted`` holds the remainder's product alone
+    (``W`` = ``acc`` + it).
     """
     acc, weighted, gppr_sum = sums
     row_max, tau, norm, multiplier, power, softmax, nan_rows, gppr_scale = stats
@@ -403,11 +405,17 @@ def _output_add(scores, offs_n, sums, stats, values, WEIGHTED: tl.constexpr, ALP
         live = _live(p, nan_rows)
     if live:
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
-        acc += mma(p.to(v_tile.dtype), v_tile, ACC)
+        p_rounded = p.to(v_tile.dtype)
+        acc += mma(p_rounded, v_tile, ACC)
         if WEIGHTED and ALPHA != 1.0:
             gppr = _gppr(u, mass, p, gppr_scale, softmax, ALPHA)  # 0 off the support (NaN rows: set after)
             gppr_sum += tl.sum(gppr, 1)
-            weighted += mma(gppr.to(v_tile.dtype), v_tile, ACC)
+            gppr_rounded = gppr.to(v_tile.dtype)
+            weighted += mma(gppr_rounded, v_tile, ACC)
+            if SPLIT:
+                weighted += mma((gppr - gppr_rounded.to(ACC)).to(v_tile.dtype), v_tile, ACC)
+        elif WEIGHTED and SPLIT:
+            weighted += mma((p - p_rounded.to(ACC)).to(v_tile.dtype), v_tile, ACC)
     return acc, weighted, gppr_sum
 
 
@@ -422,7 +430,7 @@ def _entmax_attention_forward_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, ALPHA: tl.constexpr,
-    WEIGHTED: tl.constexpr, SKIP: tl.constexpr,
+    WEIGHTED: tl.constexpr, SPLIT: tl.constexpr, SKIP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block of one (batch, head): threshold search, then ``out = p v`` (module docstring).
@@ -430,7 +438,8 @@ def _entmax_attention_forward_kernel(
     ``ALPHA`` 2 (sparsemax): the threshold passes take :func:`_pass_sums`' two-sum form.
     ``WEIGHTED``: the output pass also writes ``W = sum_j g_j v_j / sum_j g_j`` per row
     (``g = p^(2 - alpha)``, the sink's ``g`` in the denominator), so the backward's
-    ``delta = dO . W`` needs no pass over K and V.
+    ``delta = dO . W`` needs no pass over K and V; ``SPLIT``: without ``g``'s 2-byte rounding
+    (:func:`_output_add`).
     """
     bh = tl.program_id(1).to(tl.int64)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
@@ -529,11 +538,11 @@ def _entmax_attention_forward_kernel(
         start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                       HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        sums = _output_add(scores, offs_n, sums, stats, values, WEIGHTED, ALPHA, SKIP, ACC)
+        sums = _output_add(scores, offs_n, sums, stats, values, WEIGHTED, SPLIT, ALPHA, SKIP, ACC)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         scores, offs_n = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                       HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
-        sums = _output_add(scores, offs_n, sums, stats, values, WEIGHTED, ALPHA, SKIP, ACC)
+        sums = _output_add(scores, offs_n, sums, stats, values, WEIGHTED, SPLIT, ALPHA, SKIP, ACC)
     acc, weighted, gppr_sum = sums
     acc = tl.where(nan_rows[:, None], float("nan"), acc)
     row_base = bh * lq
@@ -542,8 +551,8 @@ def _entmax_attention_forward_kernel(
     out_ptrs = OUT + (row_base + offs_m)[:, None] * value_dim + offs_dv[None, :]
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=tile)
     if WEIGHTED:
-        if ALPHA == 1.0:
-            weighted = acc  # softmax: g = p, whose sum with the sink's is 1
+        if ALPHA == 1.0:  # softmax: g = p, whose sum with the sink's is 1
+            weighted = acc + weighted if SPLIT else acc
         else:
             weighted = weighted / tl.where(gppr_sum > 0, gppr_sum, 1.0)[:, None]
             weighted = tl.where(nan_rows[:, None], float("nan"), weighted)
@@ -930,7 +939,12 @@ def entmax_attention_forward(
             ``(B, Hq, Lq, Dv)`` more in memory in the accumulation dtype: ``W`` rounded to
             bfloat16 (FlashAttention-2 takes its ``delta`` from the bfloat16 ``out``) moved a
             learnable Scalable-Softmax multiplier's gradient, summed over rows, by 0.1 in a test
-            where the row pass's float32 ``delta`` was within 0.05.
+            where the row pass's float32 ``delta`` was within 0.05.  With 2-byte inputs and
+            ``sinks`` or ``logit_scale`` (whose gradients are sums over rows, where a rounding of
+            ``delta`` adds up) ``g v`` is also taken without ``g``'s 2-byte rounding: one product
+            more per tile (``g``'s remainder times ``v``).  Without it, ``p`` rounded to bfloat16
+            in ``W`` left that multiplier's gradient 0.056 off (of 0.053) on an H200, where
+            interpreted bfloat16 (read as float32) was exact.
 
     Returns:
         ``(out, stats, W)``: ``out`` ``(B, Hq, Lq, Dv)`` in ``q``'s dtype; ``stats``
@@ -947,9 +961,10 @@ def entmax_attention_forward(
     out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
     stats = shape.row_tensor(STATS, like=q)
     w = launch.empty(tuple(out.shape), call.acc_dtype, q.device) if weighted else None
+    split = w is not None and call.v.element_size() == 2 and (sinks is not None or logit_scale is not None)
     call.launch(_entmax_attention_forward_kernel, shape.query_grid, call.q, call.k, call.v, out, stats,
                 out if w is None else w, max_steps=2 * MAX_STEPS if q.dtype == torch.float64 else MAX_STEPS,
-                WEIGHTED=w is not None)
+                WEIGHTED=w is not None, SPLIT=split)
     return out, stats, w
 
 
@@ -1004,8 +1019,8 @@ def entmax_attention_backward(
     # bfloat16 (4 warps), while whole blocks without the cap and half blocks with 8 warps (float32) were
     # right.  The suspect, not a finding: with 4 warps a 32-row product cannot be one Hopper warpgroup MMA
     # (64 rows), so such tiles mix two MMA layouts.  The runtime-alpha half-block dk/dv in half precision
-    # never ran on a GPU.  Whether whole blocks mend the capped dk is untested on a GPU, so attention() still
-    # routes capped backward calls around the kernel on CUDA (routes/fused.py, _untrusted_capped_backward).
+    # never ran on a GPU.  Whole blocks mended the capped dk: on an H200 (2026-11-27, 346fb76) the capped
+    # half-precision kernel tests pass, so attention() takes the fused backward with a softcap too.
     # Another tile shape is safe here, not in the Self-Adjusted or top-k backward: a recomputed score may
     # differ from the forward's in its last bit, which moves an entmax weight by about as much but would drop
     # a key from their min/max or top-k set.
