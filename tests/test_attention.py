@@ -486,3 +486,30 @@ def test_half_precision_scores_are_not_rounded_before_a_top_k_selection(queries,
     out = attnorm.attention(q, k, v, attnorm.TopKSoftmax(1, backend=backend), scale=1.0)
     expected = torch.tensor([0.0, 1.0], dtype=torch.bfloat16, device=device).expand(1, 1, queries, 2)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+SYNC_SPECS = ["softmax:temperature=0.5", "ssmax", "ssmax:learnable=true,num_heads=4", "sparsemax", "entmax:alpha=1.5",
+              "topk:k=8", "sa_softmax"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host synchronisation is only observable on CUDA")
+@pytest.mark.parametrize("lq", [1, 40], ids=["decoding", "prefill"])
+@pytest.mark.parametrize("spec", SYNC_SPECS)
+def test_attention_never_synchronises_with_the_host_on_cuda(spec, lq):
+    """Every route attention() takes on CUDA, forward and backward, under ``set_sync_debug_mode("error")``: a
+    learnable Scalable-Softmax's decoding step once made its key count a tensor from a Python number (a blocking
+    host-to-device copy on every call)."""
+    normalizer = attnorm.make(spec).cuda()
+    q = torch.randn(2, 4, lq, 32, device="cuda", dtype=torch.bfloat16, requires_grad=lq > 1)
+    k, v = (torch.randn(2, 4, 96, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = causal_mask(96 - lq)
+    for _ in range(2):  # the first call compiles kernels and may synchronise
+        out = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+        torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+        if q.requires_grad:
+            out.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
