@@ -84,6 +84,7 @@ def test_every_mask_kind_matches_reference(kind, device):
     check(q, k, v, MASKS[kind](2, lq, 18, device), 3)
 
 
+@pytest.mark.slow  # attention_launch.SKIP_EMPTY_TILES is off by default (slower on an H200)
 @pytest.mark.parametrize("kind", ["causal", "documents"])
 def test_skipping_tiles_without_kept_keys_changes_no_bit(kind, blocks_of_16, monkeypatch, device):
     """``attention_launch.SKIP_EMPTY_TILES`` (off by default) skips the backward's products of tiles keeping no key;

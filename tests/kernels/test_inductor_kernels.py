@@ -6,6 +6,9 @@ with the decomposition on.  With it on, each graph must hold only Triton kernel 
 (``triton_kernel_wrapper_functional``, their mutated arguments found by lowering the
 kernels to TTIR for sm_90) and no opaque attnorm op; off, under symbolic sizes and in
 ``torch.export``, the op must stay whole.  Running the compiled kernels needs CUDA.
+
+The trace takes ~45 s on 2 cores for an opt-in feature (``ATTNORM_INDUCTOR_KERNELS=1``), so its tests are
+``slow`` (``bash scripts/test.sh -m slow``); the switch's own test runs by default.
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ ROWS = ["softmax:temperature=0.5", "ssmax", "ssmax:learnable=true,num_heads=3", 
         "entmax:alpha=1.3", "topk:k=3", "topk:k=0.25", "sa_softmax", "sa_softmax:normalized=false"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ROWS)
 def test_row_ops_decompose_into_one_kernel_forward_and_backward(traced, spec):
     assert traced[f"rows/{spec}"] == [{"kernels": 1, "ops": []}, {"kernels": 1, "ops": []}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("modifier", ["sink", "softcap"])
 @pytest.mark.parametrize("spec", ROWS)
 def test_row_ops_with_a_sink_or_a_cap_decompose_into_one_kernel_forward_and_backward(traced, spec, modifier):
@@ -54,16 +59,19 @@ def test_row_ops_with_a_sink_or_a_cap_decompose_into_one_kernel_forward_and_back
 
 @pytest.mark.parametrize("case", ["sparsemax", "entmax", "sa_softmax", "sa_softmax:normalized=false", "topk:k=3",
                                   "ssmax", "topk:k=0.25", "gqa", "self"])
+@pytest.mark.slow
 def test_fused_attention_decomposes_forward_and_backward(traced, case):
     forward, backward = traced[f"attention/{case}"]
     assert forward == {"kernels": 1, "ops": []}
     assert backward["ops"] == [] and backward["kernels"] >= 2  # dq and dk/dv kernels (and a row dot product)
 
 
+@pytest.mark.slow
 def test_decoding_kernel_decomposes(traced):
     assert traced["decoding/sa_softmax"] == [{"kernels": 2, "ops": []}]  # split and combine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["off", "dynamic", "export"])
 def test_the_op_stays_whole_when_off_under_symbolic_sizes_and_in_export(traced, case):
     graphs = traced[f"{case}/sparsemax"]
