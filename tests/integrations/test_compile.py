@@ -32,11 +32,12 @@ def graph_breaks(model, ids, mask) -> int:
     return torch._dynamo.explain(step)(ids, mask).graph_break_count
 
 
-# GPT-2 with every normalizer; Llama (rotary embeddings, GQA) with one fused-family and one
-# Self-Adjusted normalizer by default, the rest with -m slow (10-17 s each on 2 cores).
-DEFAULT_LLAMA = ("sparsemax", "sa_softmax")
+# By default GPT-2 with an SDPA-routed (ssmax), a fused entmax-family (sparsemax) and the top-k normalizer,
+# Llama (rotary embeddings, GQA) with Self-Adjusted: one of each route and kernel family.  The other pairs
+# (6-9 s each on 2 cores) run with -m slow.
+DEFAULT_PAIRS = {("gpt2", "ssmax"), ("gpt2", "sparsemax"), ("gpt2", "topk:k=3"), ("llama", "sa_softmax")}
 PAIRS = [pytest.param(model_name, normalizer, id=f"{model_name}-{normalizer}",
-                      marks=() if model_name == "gpt2" or normalizer in DEFAULT_LLAMA else pytest.mark.slow)
+                      marks=() if (model_name, normalizer) in DEFAULT_PAIRS else pytest.mark.slow)
          for model_name in MODELS for normalizer in NORMALIZERS]
 
 

@@ -212,8 +212,9 @@ print(json.dumps(build.build_info()))
 
 
 # func.jvp shares func.grad's cause (functorch's wrappers); each case is a new process (~9 s).
-@pytest.mark.parametrize("case", ["func.grad", "FakeTensorMode",
-                                  *(pytest.param(c, marks=pytest.mark.slow) for c in ("func.jvp", "jit.trace"))])
+@pytest.mark.parametrize("case", ["func.grad",
+                                  *(pytest.param(c, marks=pytest.mark.slow)
+                                    for c in ("FakeTensorMode", "func.jvp", "jit.trace"))])
 def test_the_first_call_of_a_process_may_come_inside_a_transform_or_mode(case, tmp_path):
     """Loading probes the library with a known call; inside ``torch.func.grad``/``jvp`` its new
     buffers were functorch wrappers (no data pointer: a RuntimeError), under a fake mode fake,
