@@ -193,7 +193,7 @@ def test_ops_pass_opcheck(device):
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.attnorm.self_adjusted_attention_fwd, (*args, True, 3.0, sinks),
                           test_utils=("test_schema", "test_faketensor"))
-    out, stats = torch.ops.attnorm.self_adjusted_attention_fwd(*args, True, 3.0, sinks)
+    out, stats, _ = torch.ops.attnorm.self_adjusted_attention_fwd(*args, True, 3.0, sinks)
     torch.library.opcheck(torch.ops.attnorm.self_adjusted_attention_bwd,
                           (q, k, v, out, torch.ones_like(out), stats, *args[3:], True, 3.0, sinks),
                           test_utils=("test_schema", "test_faketensor"))

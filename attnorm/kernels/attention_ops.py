@@ -15,7 +15,8 @@ op                                  outputs                                    p
 ``entmax_attention_bwd``            dq, dk, dv, d alpha per head ``(Hq,)``,
                                     d sinks and d logit_scale per row
                                     ``(B, Hq, Lq)``
-``self_adjusted_attention_fwd``     out, stats                                 7 numbers
+``self_adjusted_attention_fwd``     out, stats, out in float32 (half-precision 7 numbers
+                                    plain, ``float_out=True``; else empty)
 ``self_adjusted_attention_bwd``     dq, dk, dv, d sinks per row ``(B, Hq, Lq)``
 ``topk_attention_fwd``              out, stats, out in float32 (half-precision 5 numbers
                                     inputs, ``float_out=True``; else empty)
@@ -232,12 +233,12 @@ def _split_modifiers(values: tuple, count: int) -> tuple[tuple, float | None, Te
     return values[:count], extra[0], extra[1], extra[2]
 
 
-def _define_family(family: str, params: str, stats: int, float_out: bool = False) -> None:
+def _define_family(family: str, params: str, stats: int) -> None:
     """``attnorm::<family>_attention_{fwd,bwd}`` over ``triton/attention_<family>.py``'s two functions.
 
-    With ``float_out`` the forward takes ``bool float_out`` and returns a third tensor, the
-    output in the accumulation dtype (empty when not asked), which the backward takes as
-    ``Tensor? out_float`` for its ``delta`` (:func:`topk_attention`).
+    The forward takes ``bool float_out`` and returns a third tensor, the output in the
+    accumulation dtype (half-precision inputs with ``float_out``; else empty), which the
+    backward takes as ``Tensor? out_float`` for its ``delta`` (:func:`topk_attention`).
     """
     module = f"attention_{family}"
     count = len(params.split(","))
@@ -246,19 +247,15 @@ def _define_family(family: str, params: str, stats: int, float_out: bool = False
         function = getattr(_module(module), f"{family}_attention_forward")
         family_params, softcap, sinks, wanted = _split_modifiers(values, count)
         mask = AttentionMask(start, stop, dense, additive)
-        if not float_out:
-            return function(q, k, v, mask, scale, *family_params, softcap, sinks)
         out, stats, out_float = function(q, k, v, mask, scale, *family_params, softcap, sinks, bool(wanted))
         return out, stats, stats.new_empty(0) if out_float is None else out_float  # an op returns tensors
 
     def backward(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, *values):
         function = getattr(_module(module), f"{family}_attention_backward")
         family_params, softcap, sinks, out_float = _split_modifiers(values, count)
-        extra = ()
-        if float_out:
-            extra = (out_float if out_float is not None and out_float.numel() else None,)
+        out_float = out_float if out_float is not None and out_float.numel() else None
         dq, dk, dv, d_sinks = function(q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive),
-                                       scale, *family_params, softcap, sinks, *extra)
+                                       scale, *family_params, softcap, sinks, out_float)
         return dq, dk, dv, _row_grad(q, None) if d_sinks is None else d_sinks
 
     def fake_forward(q, k, v, start, stop, dense, additive, scale, *values):
@@ -269,59 +266,59 @@ def _define_family(family: str, params: str, stats: int, float_out: bool = False
     def fake_backward(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, *values):
         return *_grads_like(q, k, v), _row_grad(q, _split_modifiers(values, count)[2])
 
-    outputs, extra_in, extra_bwd = "(Tensor, Tensor)", "", ""
-    if float_out:
-        outputs, extra_in, extra_bwd = "(Tensor, Tensor, Tensor)", ", bool float_out=False", ", Tensor? out_float=None"
-    _define(f"{family}_attention_fwd", f"({_QKV}, {_MASK}, float scale, {params}, {_MODIFIERS}{extra_in}) -> {outputs}",
-            forward, fake_forward if float_out else _fake_forward(stats))
+    _define(f"{family}_attention_fwd",
+            f"({_QKV}, {_MASK}, float scale, {params}, {_MODIFIERS}, bool float_out=False) -> (Tensor, Tensor, Tensor)",
+            forward, fake_forward)
     _define(f"{family}_attention_bwd",
-            f"({_BWD}, {_MASK}, float scale, {params}, {_MODIFIERS}{extra_bwd}) -> (Tensor, Tensor, Tensor, Tensor)",
+            f"({_BWD}, {_MASK}, float scale, {params}, {_MODIFIERS}, Tensor? out_float=None) "
+            "-> (Tensor, Tensor, Tensor, Tensor)",
             backward, fake_backward)
 
 
 _define_family("self_adjusted", "bool normalized", 7)
-_define_family("topk", "float k_keep, bool is_fraction, float temperature", 5, float_out=True)
+_define_family("topk", "float k_keep, bool is_fraction, float temperature", 5)
 
 
 class _FamilyAttention(torch.autograd.Function):
     """Forward op, then the backward op on the saved ``q, k, v``, mask, sinks, ``out`` and stats (no ``Lq x Lk``).
 
-    ``float_out``: None for a family without that option (Self-Adjusted), else whether its
-    forward also returns the output in the accumulation dtype for the backward's ``delta``.
+    ``float_out``: whether the forward also returns the output in the accumulation dtype for
+    the backward's ``delta`` (kept for half-precision inputs only).
     """
 
     @staticmethod
     def forward(family, float_out, q, k, v, start, stop, dense, additive, sinks, scale, softcap, *params):
         forward_op = getattr(torch.ops.attnorm, f"{family}_attention_fwd").default
-        extra = () if float_out is None else (float_out,)
-        return ops.call(forward_op, q, k, v, start, stop, dense, additive, scale, *params, softcap, sinks, *extra)
+        return ops.call(forward_op, q, k, v, start, stop, dense, additive, scale, *params, softcap, sinks, float_out)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.family, float_out, q, k, v, start, stop, dense, additive, sinks, ctx.scale, ctx.softcap, *ctx.params = (
-            inputs
-        )
-        ctx.has_float_out = float_out is not None
+        ctx.family, _, q, k, v, start, stop, dense, additive, sinks, ctx.scale, ctx.softcap, *ctx.params = inputs
         ctx.save_for_backward(q, k, v, start, stop, dense, additive, sinks, *output)
         ctx.mark_non_differentiable(*output[1:])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, *_grad_rest):
-        q, k, v, start, stop, dense, additive, sinks, out, stats, *rest = ctx.saved_tensors
+        q, k, v, start, stop, dense, additive, sinks, out, stats, out_float = ctx.saved_tensors
         backward_op = getattr(torch.ops.attnorm, f"{ctx.family}_attention_bwd").default
-        extra = (rest[0] if rest[0].numel() else None,) if ctx.has_float_out else ()
         dq, dk, dv, d_sinks = ops.call(backward_op, q, k, v, out, grad_out.contiguous(), stats, start, stop, dense,
-                                       additive, ctx.scale, *ctx.params, ctx.softcap, sinks, *extra)
+                                       additive, ctx.scale, *ctx.params, ctx.softcap, sinks,
+                                       out_float if out_float.numel() else None)
         return (None, None, dq, dk, dv, None, None, None, None, _input_grad(ctx, 9, d_sinks, sinks), None, None,
                 *([None] * len(ctx.params)))
 
 
 def self_adjusted_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,
                             softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
-    """Fused Self-Adjusted Softmax attention (both variants); ``softcap``, ``sinks`` as :func:`entmax_attention`'s."""
+    """Fused Self-Adjusted Softmax attention (both variants); ``softcap``, ``sinks`` as :func:`entmax_attention`'s.
+
+    With half-precision inputs, the plain variant and a gradient to take, the forward also keeps
+    the output in float32 for the backward's ``P = rowsum(dO out)`` (as :func:`topk_attention`).
+    """
     q, k, v = _distinct(q, k, v)
-    return _FamilyAttention.apply("self_adjusted", None, q, k, v, *mask, sinks, scale, softcap, normalized)[0]
+    float_out = not normalized and ops.records_grad(q, k, v, sinks)
+    return _FamilyAttention.apply("self_adjusted", float_out, q, k, v, *mask, sinks, scale, softcap, normalized)[0]
 
 
 def topk_attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, k_keep: float,

@@ -341,8 +341,8 @@ for dtype in (torch.float32, torch.float16, torch.float64):
             attention_entmax.entmax_attention_backward(q, k, v, out, out, stats, mask, 0.3, 1.5, None, True,
                                                        softcap, sinks, rows)
             for normalized in (True, False):
-                out, stats = attention_self_adjusted.self_adjusted_attention_forward(q, k, v, mask, 0.3, normalized,
-                                                                                     softcap, sinks)
+                out, stats, _ = attention_self_adjusted.self_adjusted_attention_forward(q, k, v, mask, 0.3,
+                                                                                        normalized, softcap, sinks)
                 attention_self_adjusted.self_adjusted_attention_backward(q, k, v, out, out, stats, mask, 0.3,
                                                                          normalized, softcap, sinks)
             for keep, fraction in ((3.0, False), (0.3, True)):

@@ -328,17 +328,20 @@ def _forward_add(x, offs_n, sums, values, NORMALIZED: tl.constexpr, ONE_SUM: tl.
 
 @triton.jit
 def _self_adjusted_forward_kernel(
-    Q, K, V, OUT, STATS_PTR,
+    Q, K, V, OUT, OUT_FLOAT, STATS_PTR,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     heads, group, lq, lk, head_dim, value_dim, scale: tl.float64,
     key_start, key_stop, range_stride,
     dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn,
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, NORMALIZED: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, ONE_SUM: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, ONE_SUM: tl.constexpr, FLOAT_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
-    """One query block: online max/sum/min/tie counts and the sums ``A``, ``B`` in one pass (module docstring)."""
+    """One query block: online max/sum/min/tie counts and the sums ``A``, ``B`` in one pass (module docstring).
+
+    ``FLOAT_OUT``: the output is also stored unrounded, in the accumulation dtype, to ``OUT_FLOAT``.
+    """
     scale = as_acc(scale, ACC)
     bh = tl.program_id(1)
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
@@ -402,8 +405,11 @@ def _self_adjusted_forward_kernel(
     nan_row = nan_row | (sink_logit != sink_logit)
     out = tl.where(nan_row[:, None], float("nan"), out)
     rows = bh * lq + offs_m
-    tl.store(OUT + rows[:, None] * value_dim + offs_dv[None, :], out.to(OUT.dtype.element_ty),
-             mask=(offs_m < lq)[:, None] & (offs_dv < value_dim)[None, :])
+    out_offsets = rows[:, None] * value_dim + offs_dv[None, :]
+    out_tile = (offs_m < lq)[:, None] & (offs_dv < value_dim)[None, :]
+    tl.store(OUT + out_offsets, out.to(OUT.dtype.element_ty), mask=out_tile)
+    if FLOAT_OUT:
+        tl.store(OUT_FLOAT + out_offsets, out, mask=out_tile)
 
     state = tl.where(nan_row, 0, tl.where(posinf_row, 2, tl.where(live, 1, 0)))
     finite_row = state == 1
@@ -616,8 +622,8 @@ def _common(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask
 @replay.replayable
 def self_adjusted_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,
-    softcap: float | None = None, sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    softcap: float | None = None, sinks: Tensor | None = None, float_out: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Self-Adjusted Softmax attention: ``out = (phi(x) softmax(x)) v``, ``x = cap(scale q k^T) + additive``.
 
     One pass over K and V per query block (two in query blocks holding a row with a +inf
@@ -632,34 +638,45 @@ def self_adjusted_attention_forward(
         softcap: None, or the cap ``> 0``: ``cap(s) = softcap tanh(s / softcap)``.
         sinks: None, or each row's sink score, broadcastable to ``(B, Hq, Lq)``: one more key
             of value zero, inside the softmax, ``low`` and ``high``, its weight dropped.
+        float_out: for float16 / bfloat16 inputs, also return the output unrounded, for the
+            plain variant's ``P = rowsum(dO out)`` in :func:`self_adjusted_attention_backward`: one
+            more store per row (``4 Dv`` bytes), no other work (normalized sums its own ``P``, so
+            :func:`attnorm.kernels.attention_ops.self_adjusted_attention` asks for it for plain only).
 
     Returns:
-        ``(out, stats)``: ``(B, Hq, Lq, Dv)`` in q's dtype (zero rows where no key is allowed,
-        NaN rows where a score is NaN); ``(B, Hq, Lq, 7)`` in the accumulation dtype, laid out as
-        :data:`STATS` says (the sink counted as a key).
+        ``(out, stats, out_float)``: ``(B, Hq, Lq, Dv)`` in q's dtype (zero rows where no key is
+        allowed, NaN rows where a score is NaN); ``(B, Hq, Lq, 7)`` in the accumulation dtype, laid
+        out as :data:`STATS` says (the sink counted as a key); the output in the accumulation dtype
+        with ``float_out`` and half-precision inputs, else None.
     """
     shape = problem(q, k, v)
     out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
     stats = shape.row_tensor(STATS, like=q)
+    keep_float = float_out and q.dtype in (torch.float16, torch.bfloat16)
+    out_float = shape.row_tensor(shape.value_dim, like=q) if keep_float else None
     if out.numel() == 0 and stats.numel() == 0:
-        return out, stats
+        return out, stats, out_float
     q, k, v = dot_operands(q, k, v)
     strides, sizes, keywords = _common(shape, q, k, v, mask, scale, softcap, sinks)
     launch.launchable(_self_adjusted_forward_kernel)[shape.query_grid](
-        q, k, v, out, stats, *strides, *sizes, **keywords, NORMALIZED=bool(normalized),
-        ONE_SUM=not normalized and v.dtype != torch.float16, **shape.constants, **launch_options(shape, q),
+        q, k, v, out, out if out_float is None else out_float, stats, *strides, *sizes, **keywords,
+        NORMALIZED=bool(normalized), ONE_SUM=not normalized and v.dtype != torch.float16, FLOAT_OUT=keep_float,
+        **shape.constants, **launch_options(shape, q),
     )
-    return out, stats
+    return out, stats, out_float
 
 
 @replay.replayable
 def self_adjusted_attention_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, stats: Tensor, mask: AttentionMask,
     scale: float, normalized: bool, softcap: float | None = None, sinks: Tensor | None = None,
+    out_float: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of :func:`self_adjusted_attention_forward` by recomputation (formulas in the module docstring).
 
-    Plain: a pre-pass ``P = rowsum(dO * out)`` (no K/V), the dq kernel (one pass over K
+    Plain: a pre-pass ``P = rowsum(dO * out)`` (no K/V; from ``out_float``, the forward's
+    unrounded output, when given: ``g (1 + x) - P`` cancels, and from a float16 ``out`` dq and dk
+    were 2-3x further from float64 than the other families'), the dq kernel (one pass over K
     and V per query block).  Normalized: the dq kernel sums ``P = sum g y`` and
     ``Q = sum g w`` in a first pass over K and V, then accumulates dq in a second.  Then
     the dk/dv kernel (one pass over the group's q and dO per key block).  Rows in state 0,
@@ -678,7 +695,8 @@ def self_adjusted_attention_backward(
     dk = launch.empty(tuple(k.shape), k.dtype, k.device)
     dv = launch.empty(tuple(v.shape), v.dtype, v.device)
     # Plain: P = rowsum(dO * out) before the kernels; normalized: the dq kernel sums P itself.
-    total = shape.row_tensor(like=q) if normalized else row_dot(shape, out, grad_out)
+    total = shape.row_tensor(like=q) if normalized else row_dot(shape, out if out_float is None else out_float,
+                                                                grad_out)
     weighted = shape.row_tensor(like=q)
     d_sinks = None if sinks is None else shape.row_tensor(like=q)
     q, k, v, grad_out = dot_operands(q, k, v, grad_out)
