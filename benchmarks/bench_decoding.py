@@ -30,9 +30,10 @@ without it the route providers are left out, with a note saying why.
 Goals (H100, bf16, batch 8, 16 heads, head dim 64, KV 4k-64k): every normalizer <= 2x
 SDPA's decoding time, the logit scalings <= 1.1x.
 
-How it is measured: CUDA, ``triton.testing.do_bench`` (warm-up, L2 flushed); CPU,
-interleaved rounds of ``time.perf_counter`` (the ratio is the median of the rounds'
-ratios).  Each provider is isolated: one that fails becomes an error row.
+How it is measured: interleaved rounds, every provider once per round, the ratio the
+median of the rounds' ratios; a CUDA sample is ``triton.testing.do_bench``'s median over
+a short run (warm-up, L2 flushed), a CPU sample one call's ``time.perf_counter``.  Each
+provider is isolated: one that fails becomes an error row.
 
 Usage::
 
@@ -71,9 +72,13 @@ ROUTES = ("rows", "split_k")
 COLUMNS = ("normalizer", "kv_length", "queries", "batch", "heads", "head_dim", "dtype", "device", "median_ms",
            "p20_ms", "p80_ms", "ratio_vs_sdpa", "goal", "error", "versions")
 SETTINGS = {  # device: (kv lengths, batch, heads, head dim, dtype, rounds)
-    "cuda": ((4096, 8192, 16384, 32768, 65536), 8, 16, 64, torch.bfloat16, 1),
+    "cuda": ((4096, 8192, 16384, 32768, 65536), 8, 16, 64, torch.bfloat16, 7),
     "cpu": ((1024, 2048, 4096, 8192), 2, 8, 64, torch.float32, 15),
 }
+
+
+CUDA_REP_MS = 20
+"""``do_bench``'s ``rep`` per CUDA sample (milliseconds)."""
 
 
 def goal(spec: str) -> float:
@@ -159,34 +164,42 @@ def sdpa_with(lq: int, lk: int) -> Callable[..., torch.Tensor]:
 
 
 def time_providers(calls: dict[str, Callable], inputs, device: str, rounds: int, errors: dict) -> dict[str, list]:
-    """Seconds per call of each provider (CUDA: do_bench quantiles; CPU: one sample per round)."""
-    if device == "cuda":
-        from triton.testing import do_bench
+    """Seconds per call of each provider, one sample per round, the providers interleaved in each round.
 
-        samples = {}
-        for name, call in calls.items():
-            try:
-                with torch.no_grad():
-                    timed = do_bench(lambda call=call: call(*inputs), quantiles=[0.5, 0.2, 0.8])
-                samples[name] = [ms / 1e3 for ms in timed]
-            except Exception as error:  # one provider failing must not end the run
-                errors[name] = error_text(error)
-        return samples
+    CUDA: a sample is ``do_bench``'s median over a short run.  Timed one provider after another, the
+    host-bound calls (4k keys) came out faster in whichever run went second (an H200, 2026-11-27: sparsemax
+    12.9x then 2.4x SDPA), so every provider is now timed once per round and the ratio is the median of
+    the rounds' ratios, as on CPU.  CPU: a sample is one call's wall time.
+    """
+    timer = _cuda_sample if device == "cuda" else _cpu_sample
     samples = {}
     with torch.no_grad():
         for name, call in calls.items():
             try:
-                call(*inputs)  # warm-up (builds kernels)
+                call(*inputs)  # warm-up (builds kernels, records replays)
                 samples[name] = []
-            except Exception as error:
+            except Exception as error:  # one provider failing must not end the run
                 errors[name] = error_text(error)
         for _ in range(rounds):
             for name in list(samples):
-                start = time.perf_counter()
-                call = calls[name]
-                call(*inputs)
-                samples[name].append(time.perf_counter() - start)
+                try:
+                    samples[name].append(timer(calls[name], inputs))
+                except Exception as error:
+                    errors[name] = error_text(error)
+                    del samples[name]
     return samples
+
+
+def _cuda_sample(call: Callable, inputs) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(lambda: call(*inputs), warmup=5, rep=CUDA_REP_MS) / 1e3
+
+
+def _cpu_sample(call: Callable, inputs) -> float:
+    start = time.perf_counter()
+    call(*inputs)
+    return time.perf_counter() - start
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -73,3 +73,32 @@ def test_with_copies_switches_the_scores_kernel_off_for_the_call_only():
     sparsemax = attnorm.Sparsemax(backend="triton")
     seen = bench_decoding.with_copies(lambda: decoding.scores_kernel_applies(sparsemax, q, k))()
     assert seen is False and decoding.scores_kernel_applies(sparsemax, q, k)
+
+
+def test_cuda_timing_interleaves_providers_and_isolates_a_failing_one(monkeypatch):
+    """Every provider once per round (order effects cancel in the per-round ratios); a provider that fails in a
+    round becomes an error and leaves the others' rounds whole.  The CUDA sample itself is stubbed."""
+    order, calls_made = [], []
+
+    def sample(call, inputs):
+        order.append(call.name)
+        if call.name == "flaky" and len([n for n in order if n == "flaky"]) == 2:
+            raise RuntimeError("out of resources")
+        call(*inputs)
+        return 1.0
+
+    class Provider:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, *inputs):
+            calls_made.append(self.name)
+
+    monkeypatch.setattr(bench_decoding, "_cuda_sample", sample)
+    errors = {}
+    calls = {name: Provider(name) for name in ("sdpa", "flaky", "sparsemax")}
+    samples = bench_decoding.time_providers(calls, (), "cuda", 3, errors)
+    assert order == ["sdpa", "flaky", "sparsemax", "sdpa", "flaky", "sparsemax", "sdpa", "sparsemax"]
+    assert samples == {"sdpa": [1.0] * 3, "sparsemax": [1.0] * 3}
+    assert list(errors) == ["flaky"] and "out of resources" in errors["flaky"]
+    assert calls_made[:3] == ["sdpa", "flaky", "sparsemax"]  # the warm-up call of each, before any round
