@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from attnorm.kernels.ops import forward_mode
-from attnorm.kernels.rules import ssmax_multiplier
+from attnorm.kernels.rules import accumulation_dtype, ssmax_multiplier
 from attnorm.masks import StructuredMask
 from attnorm.normalizers import Normalizer
 from attnorm.routes.common import allowed_counts, interval, row_attends
@@ -56,20 +56,17 @@ def logit_multiplier(normalizer: Normalizer, mask, additive: Tensor | None, q: T
         return 1 / params["temperature"]
     if additive is not None:  # n would count the keys the additive mask leaves finite: not a mask SDPA takes
         return None
-    s, bias = params["s"], params["bias"]
-    # A structured mask that allows every key (a decoding step's causal mask) leaves n = Lk.
-    count = None if sdpa_mask_kind(mask, q.shape[-2], lk) == "none" else allowed_counts(mask, q, lk)
-    if count is None and not isinstance(s, Tensor) and not isinstance(bias, Tensor):
-        return s * math.log(max(lk, 1)) + bias
-    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    compute_dtype = accumulation_dtype(q.dtype)
     # Learnable s and bias are float32 parameters: widened first, since a 0-d count does not promote them.
-    s, bias = (value.to(compute_dtype) if isinstance(value, Tensor) else value for value in (s, bias))
-    if count is None:
-        # log n as a number: a count tensor made from a Python number would be a host-to-device copy, which
-        # waits for the GPU's queued work on every call (a decoding step's learnable Scalable-Softmax was
-        # 1.21x SDPA at 64k keys on an H200 with it, where a number multiplier is 1.00x).
+    s, bias = (value.to(compute_dtype) if isinstance(value, Tensor) else value
+               for value in (params["s"], params["bias"]))
+    if sdpa_mask_kind(mask, q.shape[-2], lk) == "none":
+        # Every key allowed (a decoding step's causal mask too): n = Lk, and log n a number.  A count tensor
+        # made from a Python number would be a host-to-device copy, which waits for the GPU's queued work on
+        # every call (a decoding step's learnable Scalable-Softmax was 1.21x SDPA at 64k keys on an H200 with
+        # it, where a number multiplier is 1.00x).
         return s * math.log(max(lk, 1)) + bias
-    return ssmax_multiplier(count.to(compute_dtype), s, bias)
+    return ssmax_multiplier(allowed_counts(mask, q, lk).to(compute_dtype), s, bias)
 
 
 def scaled_sdpa(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, additive: Tensor | None,
