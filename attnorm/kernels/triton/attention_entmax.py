@@ -407,15 +407,15 @@ def _output_add(scores, offs_n, sums, stats, values, WEIGHTED: tl.constexpr, SPL
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         p_rounded = p.to(v_tile.dtype)
         acc += mma(p_rounded, v_tile, ACC)
-        if WEIGHTED and ALPHA != 1.0:
-            gppr = _gppr(u, mass, p, gppr_scale, softmax, ALPHA)  # 0 off the support (NaN rows: set after)
-            gppr_sum += tl.sum(gppr, 1)
-            gppr_rounded = gppr.to(v_tile.dtype)
-            weighted += mma(gppr_rounded, v_tile, ACC)
+        if WEIGHTED:
+            g, g_rounded = p, p_rounded  # softmax: g = p, whose product is acc's
+            if ALPHA != 1.0:
+                g = _gppr(u, mass, p, gppr_scale, softmax, ALPHA)  # 0 off the support (NaN rows: set after)
+                gppr_sum += tl.sum(g, 1)
+                g_rounded = g.to(v_tile.dtype)
+                weighted += mma(g_rounded, v_tile, ACC)
             if SPLIT:
-                weighted += mma((gppr - gppr_rounded.to(ACC)).to(v_tile.dtype), v_tile, ACC)
-        elif WEIGHTED and SPLIT:
-            weighted += mma((p - p_rounded.to(ACC)).to(v_tile.dtype), v_tile, ACC)
+                weighted += mma((g - g_rounded.to(ACC)).to(v_tile.dtype), v_tile, ACC)
     return acc, weighted, gppr_sum
 
 
