@@ -46,7 +46,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from attnorm.kernels import backends, inductor, ops
-from attnorm.kernels.rules import AttentionMask, accumulation_dtype, sum_to_shape
+from attnorm.kernels.rules import AttentionMask, accumulation_dtype, keeps_float_output, sum_to_shape
 
 __all__ = ["entmax_attention", "self_adjusted_attention", "topk_attention"]
 
@@ -260,7 +260,7 @@ def _define_family(family: str, params: str, stats: int) -> None:
 
     def fake_forward(q, k, v, start, stop, dense, additive, scale, *values):
         out, row_stats = _fake_forward(stats)(q, k, v)
-        wanted = _split_modifiers(values, count)[3] and q.dtype in (torch.float16, torch.bfloat16)
+        wanted = keeps_float_output(q.dtype, _split_modifiers(values, count)[3])
         return out, row_stats, row_stats.new_empty(out.shape if wanted else (0,))
 
     def fake_backward(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, *values):

@@ -28,6 +28,7 @@ __all__ = [
     "attention_allowed",
     "allowed_count",
     "check_key_lengths",
+    "keeps_float_output",
     "masked_scores",
     "ssmax_multiplier",
     "sum_to_shape",
@@ -123,6 +124,12 @@ def ssmax_multiplier(n: Tensor, s: float | Tensor, bias: float | Tensor) -> Tens
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """What kernels accumulate (and store per-row statistics) in: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def keeps_float_output(dtype: torch.dtype, wanted: bool) -> bool:
+    """Whether a fused forward asked for its output in the accumulation dtype too (``float_out``) keeps it:
+    for float16 / bfloat16 inputs, whose rounded output would round the backward's ``delta``."""
+    return bool(wanted) and dtype in (torch.float16, torch.bfloat16)
 
 
 def sum_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:

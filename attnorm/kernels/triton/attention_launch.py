@@ -177,6 +177,10 @@ class Problem(NamedTuple):
         dtype = rules.accumulation_dtype(like.dtype)
         return launch.empty((self.batch, self.heads, self.lq, *extra), dtype, like.device)
 
+    def float_output(self, like: Tensor, wanted: bool) -> Tensor | None:
+        """The output ``(B, Hq, Lq, Dv)`` in the accumulation dtype when :func:`rules.keeps_float_output`, else None."""
+        return self.row_tensor(self.value_dim, like=like) if rules.keeps_float_output(like.dtype, wanted) else None
+
 
 def problem(q: Tensor, k: Tensor, v: Tensor) -> Problem:
     """Check the shapes of ``q`` ``(B, Hq, Lq, D)``, ``k`` ``(B, Hkv, Lk, D)``, ``v`` ``(B, Hkv, Lk, Dv)``.

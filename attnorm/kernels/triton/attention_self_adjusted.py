@@ -652,16 +652,15 @@ def self_adjusted_attention_forward(
     shape = problem(q, k, v)
     out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
     stats = shape.row_tensor(STATS, like=q)
-    keep_float = float_out and q.dtype in (torch.float16, torch.bfloat16)
-    out_float = shape.row_tensor(shape.value_dim, like=q) if keep_float else None
+    out_float = shape.float_output(q, float_out)
     if out.numel() == 0 and stats.numel() == 0:
         return out, stats, out_float
     q, k, v = dot_operands(q, k, v)
     strides, sizes, keywords = _common(shape, q, k, v, mask, scale, softcap, sinks)
     launch.launchable(_self_adjusted_forward_kernel)[shape.query_grid](
         q, k, v, out, out if out_float is None else out_float, stats, *strides, *sizes, **keywords,
-        NORMALIZED=bool(normalized), ONE_SUM=not normalized and v.dtype != torch.float16, FLOAT_OUT=keep_float,
-        **shape.constants, **launch_options(shape, q),
+        NORMALIZED=bool(normalized), ONE_SUM=not normalized and v.dtype != torch.float16,
+        FLOAT_OUT=out_float is not None, **shape.constants, **launch_options(shape, q),
     )
     return out, stats, out_float
 

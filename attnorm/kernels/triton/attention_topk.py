@@ -746,8 +746,7 @@ def topk_attention_forward(
     shape = problem(q, k, v)
     out = launch.empty((shape.batch, shape.heads, shape.lq, shape.value_dim), q.dtype, q.device)
     stats = shape.row_tensor(STATS, like=q)
-    keep_float = float_out and q.dtype in (torch.float16, torch.bfloat16)
-    out_float = shape.row_tensor(shape.value_dim, like=q) if keep_float else None
+    out_float = shape.float_output(q, float_out)
     if stats.numel() == 0:
         return out, stats, out_float
     k_param = launch.constant(float(k_keep), torch.float64, q.device)  # kept: no fill kernel per call
@@ -755,8 +754,8 @@ def topk_attention_forward(
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
     launch.launchable(_topk_forward_kernel)[shape.query_grid](
         q, k, v, out, out if out_float is None else out_float, stats, k_param, *strides, *sizes,
-        IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, FLOAT_OUT=keep_float, **constants, **_key_constants(q),
-        **launch_options(shape, q),
+        IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, FLOAT_OUT=out_float is not None, **constants,
+        **_key_constants(q), **launch_options(shape, q),
     )
     return out, stats, out_float
 
