@@ -60,13 +60,21 @@ def reference(q, k, v, keep, additive, scale, alpha, weights_only=False):
     allowed = scores != -math.inf
     if keep is not None:
         allowed = allowed & keep
+    # The limit of a row holding +inf scores: uniform over them, whatever alpha (no gradient reaches its scores).
+    infinite = allowed & (scores == math.inf)
+    posinf_row = infinite.any(-1, keepdim=True)
     # Finite fill: the package's bisection needs a finite max (rows with no allowed key are zeroed below).
     filled = torch.where(allowed, scores, torch.where(allowed.any(-1, keepdim=True), -1e30, 0.0))
+    filled = torch.where(posinf_row, 0.0, filled)
     if isinstance(alpha, float) and alpha == 1:
         weights = torch.softmax(filled, -1)
-    else:
-        weights = entmax.entmax_bisect(filled, alpha.view(1, -1, 1, 1), dim=-1, n_iter=100)
-    weights = weights * allowed.any(-1, keepdim=True)
+    else:  # softmax for heads at alpha = 1 (the bisection divides by alpha - 1)
+        softmax_head = (alpha == 1).view(1, -1, 1, 1)
+        bisected = entmax.entmax_bisect(filled, torch.where(softmax_head, 1.5, alpha.view(1, -1, 1, 1)), dim=-1,
+                                        n_iter=100)
+        weights = torch.where(softmax_head, torch.softmax(filled, -1), bisected)
+    uniform = infinite / infinite.sum(-1, keepdim=True).clamp_min(1)
+    weights = torch.where(posinf_row, uniform.to(weights.dtype), weights) * allowed.any(-1, keepdim=True)
     return weights if weights_only else weights @ v
 
 
@@ -391,6 +399,33 @@ def test_skipping_tiles_without_support_changes_no_bit(case, alpha, blocks_of_16
     for a, b in zip([plain[0], *plain[2], plain[3]], [skipped[0], *skipped[2], skipped[3]], strict=True):
         assert torch.equal(a, b)
     check(q, k, v, grad, mask, keep, additive, alpha)
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.5, 1.25, 1.0, "per-head"])
+def test_posinf_rows_are_uniform_over_their_infinite_keys(alpha, device):
+    """+inf scores (additive) in masked and inner key blocks: such a row's weights are uniform over its +inf keys
+    (also where a mask hides one of them, and in a row whose allowed keys are all +inf), its scores and alpha get
+    no gradient, ``dv`` takes its ``dO / count``; the other rows match the reference; a NaN beside +inf is NaN."""
+    q, k, v, grad = inputs(1, 2, 2, 24, 40, 16, device=device, seed=17)
+    mask, keep, _ = causal_case(1, 24, 40, device, 16)
+    additive = torch.zeros(24, 40)
+    additive[1, [2, 17, 33]] = math.inf  # three key blocks of 16; key 33 is past row 1's causal limit (17)
+    additive[6, 0] = math.inf  # a single +inf key
+    additive[9, :] = math.inf  # every allowed key +inf
+    additive[20, [5, 36]] = math.inf  # both inside row 20's range (keys <= 36)
+    mask = mask._replace(additive=additive.to(device))
+    alpha_heads = torch.tensor([1.0, 1.5], device=device) if alpha == "per-head" else None
+    alpha = 1.5 if alpha == "per-head" else alpha
+    check(q, k, v, grad, mask, keep, additive, alpha, alpha_heads)
+    out, _, (dq, dk, dv), d_alpha = run_kernels(q, k, v, grad, mask, alpha, alpha_heads)
+    torch.testing.assert_close(out[0, :, 1], v[0, :, [2, 17]].mean(1))
+    torch.testing.assert_close(out[0, :, 6], v[0, :, 0])
+    assert torch.equal(dq[0, :, [1, 6, 9, 20]], torch.zeros_like(dq[0, :, [1, 6, 9, 20]]))
+    additive[20, 9] = math.nan  # NaN beside +inf: the row is NaN
+    out, _, (dq, _, _), d_alpha = run_kernels(q, k, v, grad, mask._replace(additive=additive.to(device)), alpha,
+                                              alpha_heads)
+    assert out[0, :, 20].isnan().all() and dq[0, :, 20].isnan().all()
+    assert torch.isfinite(out[0, :, :20]).all() and torch.isfinite(dq[0, :, :20]).all()
 
 
 def test_nan_scores_give_nan_rows(device):

@@ -157,12 +157,22 @@ def _additive_mask():
     return additive
 
 
+def _posinf_mask():
+    """Additive, with +inf scores: in masked and inner key blocks, a row of them, one beside -inf."""
+    additive = torch.zeros(LQ, LK, dtype=torch.float64)
+    additive[1, [2, 20]] = math.inf
+    additive[4] = math.inf
+    additive[9, 0], additive[9, 5] = math.inf, -math.inf
+    return additive
+
+
 MASKS = {
     "none": lambda: None,
     "causal": lambda: attnorm.causal_mask(LK - LQ),
     "padding": lambda: attnorm.key_padding_mask(torch.tensor([17, 0])),  # batch 1: every real key masked
     "bool": _bool_mask,
     "additive": _additive_mask,
+    "posinf": _posinf_mask,
 }
 
 
@@ -195,7 +205,11 @@ def reference(normalize, params, q, k, v, attn_mask, softcap, sinks):
     if sinks is not None:
         x = torch.cat([x, sinks.view(1, H, 1, 1).expand(B, H, LQ, 1)], -1)
         allowed = torch.cat([allowed, torch.ones(B, H, LQ, 1, dtype=torch.bool)], -1)
-    weights = normalize(torch.where(allowed, x, 0.0), allowed, n, params) * allowed.any(-1, keepdim=True)
+    infinite = allowed & (x == math.inf)  # a row holding +inf: uniform over those (the softmax/entmax rule)
+    posinf_row = infinite.any(-1, keepdim=True)
+    weights = normalize(torch.where(allowed & ~posinf_row, x, 0.0), allowed, n, params)
+    uniform = infinite / infinite.sum(-1, keepdim=True).clamp_min(1)
+    weights = torch.where(posinf_row, uniform.double(), weights) * allowed.any(-1, keepdim=True)
     return weights[..., :LK] @ v
 
 
@@ -300,6 +314,14 @@ def test_top_k_ties_between_keys_and_the_sink_go_to_the_keys(family):
 def test_a_fully_masked_row_attends_only_its_sink(family):
     out = check(family, MASKS["bool"](), SOFTCAP, SINKS)
     assert (out[:, :, 3] == 0).all()
+
+
+@pytest.mark.parametrize("family", ["sparsemax", "entmax15", "entmax_learnable", "softmax_T"])
+def test_posinf_rows_are_uniform_over_their_infinite_keys(family):
+    """+inf additive scores with both modifiers on the entmax kernel: a row holding +inf is uniform over its +inf
+    keys (the sink, finite, gets nothing) and gives no gradient to its scores, the sink or the parameters."""
+    out = check(family, MASKS["posinf"](), SOFTCAP, SINKS)
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("family,dtype", [("entmax15", torch.float16), ("ssmax_learnable", torch.bfloat16),

@@ -82,8 +82,14 @@ accumulation (on an H100, 2026-11-26, float64 sparsemax matched to 1e-14).  Ever
 is :func:`.attention_blocks.mma`: float32 operands at full float32 precision, not
 TF32 (Triton's default, which put 1e-3 errors into float32 attention on the H100).  Head dims up to 256 (padded to
 a power of 2, at least 16).  A row with no allowed key gives a zero output and zero
-gradients; a NaN or +inf score at an allowed key makes its row NaN (output and
-gradients).
+gradients; a NaN score at an allowed key makes its row NaN (output and gradients).  A
+row holding +inf scores takes their limit, the rule of every attnorm normalizer: uniform
+weights over its +inf keys (the sink's too when it is +inf), whatever alpha, and no
+gradient to its scores, alpha, sink or logit multiplier.  Pass 1 counts +inf keys apart
+from NaN ones; such a row skips the threshold search and keeps ``m = +inf`` (its flag
+in the stats), ``N`` its +inf count and ``tau = -1`` (0 for softmax heads), so that the
+weights read the gap ``inf - inf`` as 0 (:func:`_weights`: two operations a score in
+every pass that computes weights) and the backward's ``g`` is 0 there (:func:`_gppr_scale`).
 
 **Softcap, sinks and a logit multiplier.**  The logits are
 ``c_i (cap tanh(scale q k^T / cap) + additive)`` with the cap under ``SOFTCAP`` (one
@@ -193,8 +199,13 @@ def _mass(u, power, softmax):
 
 @triton.jit
 def _weights(scores, row_max, tau, norm, multiplier, power, softmax):
-    """Gaps, unnormalised and final weights of a tile (NaN at allowed keys of a NaN row, whose ``N`` is NaN)."""
-    u = (scores - row_max[:, None]) * multiplier - tau[:, None]
+    """Gaps, unnormalised and final weights of a tile (NaN at allowed keys of a NaN row, whose ``N`` is NaN).
+
+    A row holding +inf has ``m = +inf``: its +inf keys' gap ``inf - inf`` (NaN) is read as 0, so ``u = -tau``
+    gives them a mass of 1 (:func:`_posinf_rows`), and every finite key's gap is -inf (two operations a score).
+    """
+    gap = scores - row_max[:, None]
+    u = tl.where(gap == gap, gap, 0.0) * multiplier - tau[:, None]
     mass = _mass(u, power, softmax)
     p = tl.where(scores != float("-inf"), mass / norm[:, None], 0.0)
     return u, mass, p
@@ -216,10 +227,22 @@ def _slope(u, mass, ALPHA: tl.constexpr):
 
 
 @triton.jit
+def _gppr_scale(alpha, norm, row_max, softmax):
+    """Per row, the factor of :func:`_gppr`: ``N^(alpha - 2)`` (1 for softmax heads), 0 in a row holding +inf.
+
+    A +inf row's weights are uniform over its +inf keys whatever its scores and alpha, so its
+    ``g``, hence every score gradient ``g (dP - delta)``, is 0 (:func:`_posinf_rows`).
+    """
+    factor = tl.where(softmax, 1.0, tl.exp2((alpha - 2) * tl.log2(norm)))
+    return tl.where(row_max == float("inf"), 0.0, factor)
+
+
+@triton.jit
 def _gppr(u, mass, p, gppr_scale, softmax, ALPHA: tl.constexpr):
-    """``p^(2 - alpha)`` on the support, as ``u^(p - 1) N^(alpha - 2)`` (no power of ``p`` needed)."""
+    """``p^(2 - alpha)`` on the support, as ``u^(p - 1) N^(alpha - 2)`` (no power of ``p`` needed); ``p`` times the
+    row's 0-or-1 factor for softmax heads (:func:`_gppr_scale`)."""
     if softmax:
-        gppr = p
+        gppr = p * gppr_scale[:, None]
     else:
         gppr = _slope(u, mass, ALPHA) * gppr_scale[:, None]
     return gppr
@@ -334,17 +357,36 @@ def _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
 
 
 @triton.jit
-def _max_add(scores, row_max, below, count, bad, ACC: tl.constexpr):
-    """The first pass's per-row max, ``sum(s - max)`` (rescaled as the max grows) and counts, one tile on."""
-    invalid = (scores != scores) | (scores == float("inf"))
-    finite = (scores != float("-inf")) & ~invalid
+def _posinf_rows(row_max, tau, norm, nan_rows, infinite, softmax, ACC: tl.constexpr):
+    """``(m, tau, N)`` with the rows holding +inf (and no NaN) set to their limit: uniform over the +inf keys.
+
+    Such a row gets ``m = +inf`` (its flag in the stats), ``N`` its count of +inf keys (the sink's
+    included) and ``tau`` -1 (0 for a softmax head), so that :func:`_weights` gives each +inf key
+    the mass 1 and every finite key 0, the rule of every attnorm normalizer; its score
+    gradients are 0 (:func:`_gppr_scale`).
+    """
+    posinf = (infinite > 0) & ~nan_rows
+    row_max = tl.where(posinf, float("inf"), row_max)
+    tau = tl.where(posinf, tl.where(softmax, 0.0, -1.0), tau)
+    norm = tl.where(posinf, infinite.to(ACC), norm)
+    return row_max, tau, norm
+
+
+@triton.jit
+def _max_add(scores, row_max, below, count, bad, infinite, ACC: tl.constexpr):
+    """The first pass's per-row max, ``sum(s - max)`` (rescaled as the max grows) and counts (finite, NaN and
+    +inf keys), one tile on."""
+    is_nan = scores != scores
+    is_inf = scores == float("inf")
+    finite = (scores != float("-inf")) & ~is_nan & ~is_inf
     new_max = tl.maximum(row_max, tl.max(tl.where(finite, scores, float("-inf")), 1))
     pivot = tl.where(new_max == float("-inf"), 0.0, new_max)  # -inf - -inf would be NaN
     shift = tl.where(count > 0, row_max, pivot) - pivot
     below += count.to(ACC) * shift + tl.sum(tl.where(finite, scores, pivot[:, None]) - pivot[:, None], 1)
     count += tl.sum(finite.to(tl.int32), 1)
-    bad += tl.sum(invalid.to(tl.int32), 1)
-    return new_max, below, count, bad
+    bad += tl.sum(is_nan.to(tl.int32), 1)
+    infinite += tl.sum(is_inf.to(tl.int32), 1)
+    return new_max, below, count, bad, infinite
 
 
 @triton.jit
@@ -460,23 +502,26 @@ def _entmax_attention_forward_kernel(
 
     # Pass 1: max, allowed count and sum(s - max) per row (the sum rescaled as the max grows);
     # the sink, an allowed key of every row, starts them.
-    sink_bad = (sink_logit != sink_logit) | (sink_logit == float("inf"))
-    sink_counts = (sink_logit != float("-inf")) & ~sink_bad
+    sink_bad = sink_logit != sink_logit
+    sink_infinite = sink_logit == float("inf")
+    sink_counts = (sink_logit != float("-inf")) & ~sink_bad & ~sink_infinite
     row_max = tl.where(sink_counts, sink_logit, float("-inf"))
     below = tl.zeros((BLOCK_M,), ACC)
     count = sink_counts.to(tl.int32)
     bad = sink_bad.to(tl.int32)
+    infinite = sink_infinite.to(tl.int32)
     for i in range(0, masked):  # the masked key blocks, then the inner ones
         start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                  HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        row_max, below, count, bad = _max_add(scores, row_max, below, count, bad, ACC)
+        row_max, below, count, bad, infinite = _max_add(scores, row_max, below, count, bad, infinite, ACC)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                  HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
-        row_max, below, count, bad = _max_add(scores, row_max, below, count, bad, ACC)
+        row_max, below, count, bad, infinite = _max_add(scores, row_max, below, count, bad, infinite, ACC)
     nan_rows = bad > 0
     row_max = tl.where(count > 0, row_max, 0.0)
+    posinf_rows = (infinite > 0) & ~nan_rows
 
     # Passes 2..I+1: safeguarded Newton on ||[z - tau]_+||_p = 1, scores shifted so that max z = 0.
     n = tl.maximum(count, 1).to(ACC)
@@ -484,7 +529,7 @@ def _entmax_attention_forward_kernel(
     high = -tl.exp2((1 - alpha) * tl.log2(n))
     hoelder = (below * multiplier - tl.exp2((2 - alpha) * tl.log2(n))) / n
     tau = tl.where(softmax, tl.zeros((BLOCK_M,), ACC), tl.maximum(low, hoelder))
-    active = tl.where(softmax, False, (count > 0) & ~nan_rows)
+    active = tl.where(softmax, False, (count > 0) & ~nan_rows & ~posinf_rows)
     mass = tl.zeros((BLOCK_M,), ACC)
     support = tl.zeros((BLOCK_M,), tl.int32)
     support_z = tl.zeros((BLOCK_M,), ACC)
@@ -521,10 +566,11 @@ def _entmax_attention_forward_kernel(
     if ALPHA == 1.5:
         norm = tl.where(settled, 1.0, norm)  # sum [z - tau]_+^2 = 1 at the closed-form root, to its rounding
     norm = tl.where(nan_rows, float("nan"), norm)
+    row_max, tau, norm = _posinf_rows(row_max, tau, norm, nan_rows, infinite, softmax, ACC)
 
     # Last pass: out = p v (under SKIP, no V for tiles without support; the sink's value is 0); under WEIGHTED
     # also sum g v and sum g for the backward's delta.
-    gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
+    gppr_scale = _gppr_scale(alpha, norm, row_max, softmax)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
     weighted = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
     gppr_sum = tl.zeros((BLOCK_M,), ACC)
@@ -658,7 +704,7 @@ def _entmax_attention_rows_kernel(
     v_base = V + batch * sv_b + kv_head * sv_h
     row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
     nan_rows = norm != norm
-    gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
+    gppr_scale = _gppr_scale(alpha, norm, row_max, softmax)
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
     sink_logit, row_scale = _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
                                            logit_scale_sh, logit_scale_sm, batch, head, offs_m, lq, HAS_SINK,
@@ -697,6 +743,7 @@ def _entmax_attention_rows_kernel(
     tl.store(DELTA + row_base + offs_m, delta, mask=inside)
     if ALPHA_GRAD:
         d_alpha = tl.where(softmax, 0.0, beta * (entropy_dp - entropy_sum / safe_sum * gppr_dp))
+        d_alpha = tl.where(row_max == float("inf"), 0.0, d_alpha)  # uniform whatever alpha
         tl.store(D_ALPHA + row_base + offs_m, tl.where(nan_rows, float("nan"), d_alpha), mask=inside)
 
 
@@ -731,7 +778,7 @@ def _entmax_attention_dq_kernel(
     v_base = V + batch * sv_b + kv_head * sv_h
     row_max, tau, norm = _load_stats(STATS_PTR, row_base, offs_m, lq)
     nan_rows = norm != norm
-    gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
+    gppr_scale = _gppr_scale(alpha, norm, row_max, softmax)
     inside = offs_m < lq
     delta = tl.load(DELTA + row_base + offs_m, mask=inside, other=0.0)
     row_start, row_stop, lo, hi = key_block_bounds(key_start, key_stop, range_stride, batch, offs_m, lq, lk, HAS_RANGE)
@@ -767,6 +814,7 @@ def _entmax_attention_dq_kernel(
         d_sink = -tl.sum(_gppr(sink_u, sink_mass, sink_p, gppr_scale, softmax, ALPHA), 1) * delta
         tl.store(D_SINK + row_base + offs_m, tl.where(nan_rows, float("nan"), d_sink), mask=inside)
     if HAS_LOGIT_SCALE:
+        d_row_scale = tl.where(row_max == float("inf"), 0.0, d_row_scale)  # its 0 ds times +inf scores: NaN
         tl.store(D_LOGIT_SCALE + row_base + offs_m, tl.where(nan_rows, float("nan"), d_row_scale), mask=inside)
 
 
@@ -819,7 +867,7 @@ def _entmax_attention_dkdv_kernel(
                 live = _live(p, norm != norm)
             if live:
                 dp = mma(do_tile, v_t, ACC)
-                gppr_scale = tl.exp2((alpha - 2) * tl.log2(norm))
+                gppr_scale = _gppr_scale(alpha, norm, row_max, softmax)
                 ds = _gppr(u, mass, p, gppr_scale, softmax, ALPHA) * (dp - delta[:, None])
                 if HAS_LOGIT_SCALE:
                     ds = ds * row_scale[:, None]
