@@ -363,6 +363,29 @@ def test_unbatched_and_three_dim_inputs():
     torch.testing.assert_close(attnorm.attention(q, k, v, FAST_CASES[1].build(), attn_mask=mask), expected)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # SDPA's CPU backward under vmap
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_torch_func_grad_jacrev_and_vmap_of_attention(case):
+    """``torch.func.grad``, ``jacrev`` and ``vmap`` through attention() (causal, GQA): the float64 reference's
+    gradient and output.  The SDPA route's memory-saving saved-tensor hooks (Scalable-Softmax) are refused by
+    torch.func, so the route leaves them out there."""
+    q, k, v = qkv(5, 5, heads=4, kv_heads=2)
+    normalizer = case.build()
+    cotangent = torch.randn(B, 4, 5, D + 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def loss(queries):
+        return (attnorm.attention(queries, k, v, normalizer, is_causal=True) * cotangent).sum()
+
+    leaf = q.clone().requires_grad_()
+    expected = torch.autograd.grad((reference_attention(case, leaf, k, v, allowed_of(5, 5, 0))[0] * cotangent).sum(),
+                                   leaf)[0]
+    torch.testing.assert_close(torch.func.grad(loss)(q), expected)
+    jacobian = torch.func.jacrev(lambda queries: attnorm.attention(queries, k, v, normalizer, is_causal=True))(q)
+    torch.testing.assert_close(torch.einsum("bhld,bhldxyzw->xyzw", cotangent, jacobian), expected)
+    mapped = torch.func.vmap(lambda *qkv: attnorm.attention(*qkv, normalizer, is_causal=True))(q, k, v)
+    torch.testing.assert_close(mapped, reference_attention(case, q, k, v, allowed_of(5, 5, 0))[0])
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "error::torch.jit.TracerWarning")
 @pytest.mark.parametrize("spec", ["softmax", "ssmax", "sparsemax", "entmax15", "topk:k=3", "self_adjusted_softmax"])
 def test_jit_trace_of_attention_reproduces_eager_on_new_values(spec):

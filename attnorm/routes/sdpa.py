@@ -79,7 +79,9 @@ def scaled_sdpa(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, a
     recompute = None
     if isinstance(multiplier, Tensor):
         unscaled, q = q, (q * multiplier).to(q.dtype)  # (..., Hq, Lq, D): c folded into the queries
-        if torch.is_grad_enabled() and q.requires_grad and not torch.compiler.is_compiling():
+        # Not under torch.func's grad/vjp/jacrev, which reject saved-tensor hooks (nor while compiling).
+        if (torch.is_grad_enabled() and q.requires_grad and not torch.compiler.is_compiling()
+                and not torch._C._are_functorch_transforms_active()):
             recompute = _RecomputedQueries(q, unscaled, multiplier)
     else:
         scale *= multiplier
@@ -114,7 +116,8 @@ class _RecomputedQueries:
     of (1, 4, 4096, 64) float32, forward + backward: peak 66.6 MiB without the hooks,
     54.6 MiB with them, 50.3 MiB for plain softmax (the rest is one layer's transient
     ``c q``, in the forward and again in the backward).  Eager only: under
-    ``torch.compile`` the compiler decides what to save.
+    ``torch.compile`` the compiler decides what to save, and ``torch.func`` transforms
+    (``grad``, ``vjp``, ``jacrev``) refuse saved-tensor hooks, so SDPA saves ``c q`` there.
     """
 
     def __init__(self, scaled: Tensor, queries: Tensor, multiplier: Tensor) -> None:
