@@ -138,6 +138,7 @@ from attnorm.kernels.triton.attention_blocks import (
     sink_scores,
 )
 from attnorm.kernels.triton.attention_launch import dot_operands, launch_options, narrow_cuda, problem, row_dot
+from attnorm.kernels.triton.attention_topk import _digit_histogram
 from attnorm.kernels.triton.entmax import _power
 
 __all__ = ["entmax_attention_backward", "entmax_attention_forward"]
@@ -147,6 +148,12 @@ MAX_STEPS = 50
 
 STATS = 3
 """Per-row statistics kept by the forward: row max ``m``, threshold ``tau``, normaliser ``N``."""
+
+HIST_BITS = 4
+"""The first threshold pass bins each row's ``z`` over ``(-1, 0]`` into ``2^HIST_BITS`` bins (:func:`_gap_histogram`)."""
+
+_HIST_BITS = tl.constexpr(HIST_BITS)
+_HIST_BINS = tl.constexpr(1 << HIST_BITS)
 
 
 # ---- tiles ---------------------------------------------------------------------------------
@@ -390,21 +397,68 @@ def _max_add(scores, row_max, below, count, bad, infinite, ACC: tl.constexpr):
 
 
 @triton.jit
-def _newton_add(scores, row_max, tau, multiplier, power, softmax, sums, ALPHA: tl.constexpr):
-    """``sums`` (:func:`_newton_sums`) with one tile's added."""
-    mass, slope, support, support_z, least = sums
-    block_mass, block_slope, block_support, block_z, block_least = _pass_sums(
-        (scores - row_max[:, None]) * multiplier, tau, power, softmax, ALPHA)
+def _gap_histogram(z, BLOCK_M: tl.constexpr):
+    """Per row of a tile of shifted logits ``z``, the keys in each of :data:`HIST_BINS` bins of ``(-1, 0]``.
+
+    Bin ``d`` holds ``-(B - d) / B < z <= -(B - 1 - d) / B`` (``B`` bins, the top bin ``z`` near the row's
+    max); keys at or below -1 (masked ones too), +inf and NaN count nowhere.  The counts are
+    :func:`.attention_topk._digit_histogram`'s (8-bit fields, four to a word, a row reduction per word).
+    """
+    scaled = -z * _HIST_BINS
+    inside = (scaled >= 0) & (scaled < _HIST_BINS)  # False for NaN
+    gap_bin = tl.where(inside, scaled, 0.0).to(tl.int32)  # floor: scaled >= 0
+    keys = tl.where(inside, _HIST_BINS - gap_bin, 0).to(tl.uint32)  # 1..B, 0 for none; digit = keys - 1
+    ones = tl.full((BLOCK_M,), 1, tl.uint32)
+    return _digit_histogram(keys, ones, tl.full((), 0, tl.uint32), BLOCK_M, tl.uint32, _HIST_BITS)
+
+
+@triton.jit
+def _histogram_floor(histogram, power, ACC: tl.constexpr):
+    """Per row, a lower bound of tau from :func:`_gap_histogram`'s counts ``c_d`` (-1, tau's own, without one).
+
+    Every key of bin ``d`` lies above the bin's lower edge ``L_d = -(B - d) / B``, so
+    ``F(e) = sum [z - e]_+^p`` is at least ``H(e) = sum_d c_d [L_d - e]_+^p`` (the keys below -1
+    and the sink add ``>= 0``), and the root of ``H`` is at or below tau.  Found in two steps on
+    the ``B`` counts alone: the largest edge ``L_j`` with ``H(L_j) >= 1`` (``H`` decreases), then
+    Newton on ``H`` from it (``H`` is convex there, so Newton climbs to the root without passing
+    it; exact after one step for sparsemax, where ``H`` is linear between edges), less a margin of
+    ``2^-20 (1 + |root|)`` against rounding.  Costs no pass over the keys.
+    """
+    counts = histogram.to(ACC)
+    digits = tl.arange(0, _HIST_BINS)
+    edges = (digits - _HIST_BINS).to(ACC) / _HIST_BINS
+    bound = tl.full((histogram.shape[0],), -1.0, ACC)
+    for j in tl.static_range(_HIST_BINS):
+        known = tl.sum(counts * _power((digits - j).to(ACC) / _HIST_BINS, power)[None, :], 1)
+        bound = tl.where(known >= 1, -(_HIST_BINS - j) / _HIST_BINS, bound)
+    for _ in tl.static_range(4):
+        gap = edges[None, :] - bound[:, None]
+        value = tl.sum(counts * _power(gap, power), 1)
+        slope = power * tl.sum(counts * _power(gap, power - 1), 1)
+        bound = tl.where(slope > 0, bound + (value - 1) / tl.where(slope > 0, slope, 1.0), bound)
+    return bound - (1 + tl.abs(bound)) * 0.00000095367431640625
+
+
+@triton.jit
+def _newton_add(scores, row_max, tau, multiplier, power, softmax, sums, ALPHA: tl.constexpr, HIST: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """``sums`` (:func:`_newton_sums`) with one tile's added (and under ``HIST`` its gap histogram)."""
+    mass, slope, support, support_z, least, histogram = sums
+    z = (scores - row_max[:, None]) * multiplier
+    block_mass, block_slope, block_support, block_z, block_least = _pass_sums(z, tau, power, softmax, ALPHA)
+    if HIST:
+        histogram += _gap_histogram(z, BLOCK_M)
     return (mass + block_mass, slope + block_slope, support + block_support, support_z + block_z,
-            tl.minimum(least, block_least))
+            tl.minimum(least, block_least), histogram)
 
 
 @triton.jit
 def _newton_sums(q_tile, keys, offs_m, span, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
                  HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr,
-                 HAS_LOGIT_SCALE: tl.constexpr, HAS_SINK: tl.constexpr, ALPHA: tl.constexpr,
+                 HAS_LOGIT_SCALE: tl.constexpr, HAS_SINK: tl.constexpr, ALPHA: tl.constexpr, HIST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
-    """One pass over the keys at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, support size, its ``sum z``.
+    """One pass over the keys at ``tau``: ``sum [u]_+^p``, ``sum [u]_+^(p-1)``, support size, its ``sum z``,
+    least ``z`` of the support, and under ``HIST`` the gap histogram (:func:`_gap_histogram`; else a 0).
 
     The sink, a column of its own, starts the sums.  ``span`` = ``(first, inner_lo, inner_hi,
     masked)``: the masked key blocks, then the inner ones (:func:`.attention_blocks.inner_key_blocks`).
@@ -414,17 +468,56 @@ def _newton_sums(q_tile, keys, offs_m, span, rows, masks, row_max, tau, multipli
     else:
         sums = (tl.zeros((BLOCK_M,), ACC), tl.zeros((BLOCK_M,), ACC), tl.zeros((BLOCK_M,), tl.int32),
                 tl.zeros((BLOCK_M,), ACC), tl.full((BLOCK_M,), float("inf"), ACC))
+    if HIST:
+        sums = (*sums, tl.zeros((BLOCK_M, _HIST_BINS), tl.int32))
+    else:
+        sums = (*sums, tl.zeros((), tl.int32))
     first, inner_lo, inner_hi, masked = span
     for i in range(0, masked):
         start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
         scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                  HAS_LOGIT_SCALE, BLOCK_N, ACC)
-        sums = _newton_add(scores, row_max, tau, multiplier, power, softmax, sums, ALPHA)
+        sums = _newton_add(scores, row_max, tau, multiplier, power, softmax, sums, ALPHA, HIST, BLOCK_M)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         scores, _ = _score_block(q_tile, keys, offs_m, start, rows, masks, HAS_DENSE, HAS_ADDITIVE, SOFTCAP,
                                  HAS_LOGIT_SCALE, BLOCK_N, ACC, False)
-        sums = _newton_add(scores, row_max, tau, multiplier, power, softmax, sums, ALPHA)
+        sums = _newton_add(scores, row_max, tau, multiplier, power, softmax, sums, ALPHA, HIST, BLOCK_M)
     return sums
+
+
+@triton.jit
+def _newton_step(sums, tau, low, high, active, settled, floor, step_count, alpha, max_steps, ALPHA: tl.constexpr):
+    """One pass's update of the threshold search: the closed-form stop (alpha 2, 1.5), the bracket, the step.
+
+    ``floor`` is a known lower bound of the root (the first pass's :func:`_histogram_floor`, else
+    ``low``): the step, then the bracket's low end, are raised to it.  A step from below the root
+    stays at or below it (Newton's on the convex ``F`` undershoots; the floor is below it too), so
+    the search still only climbs.
+    """
+    mass, slope, support, support_z, least = sums
+    if ALPHA == 2.0 or ALPHA == 1.5:
+        found, closed = _settle(tau, mass, slope, support, support_z, least, ALPHA)
+        found = found & active
+        settled = settled | found
+        tau = tl.where(found, closed, tau)
+        active = active & ~found
+    above = mass >= 1
+    low = tl.where(above, tau, low)
+    high = tl.where(above, high, tau)
+    sloped = slope > 0
+    newton = tau + (mass - _power(mass, 2 - alpha)) / tl.where(sloped, slope, 1.0)
+    step = tl.where(sloped & (newton >= low) & (newton <= high), newton, 0.5 * (low + high))
+    # After the step: a bracket raised first would send a Newton step below the floor to bisection,
+    # whose midpoint may pass the root (and a search that then steps back stops there).
+    step = tl.maximum(step, floor)
+    low = tl.maximum(low, floor)
+    step_count += 1
+    # A Newton step on the convex F only climbs (the first may descend once, should
+    # rounding put the start above the root): a step back is rounding noise at the root.
+    climbing = tl.where(step_count == 1, True, step > tau)
+    active = active & (step != tau) & climbing & (step_count < max_steps)
+    tau = tl.where(active, step, tau)
+    return tau, low, high, active, settled, step_count
 
 
 @triton.jit
@@ -534,31 +627,24 @@ def _entmax_attention_forward_kernel(
     support = tl.zeros((BLOCK_M,), tl.int32)
     support_z = tl.zeros((BLOCK_M,), ACC)
     settled = tl.zeros((BLOCK_M,), tl.int1)
-    step_count = 0
-    searching = True
+    # The first pass also bins each row's z over (-1, 0], whose counts bound tau from below: the
+    # next step starts there when Newton's own step falls short of it (fewer passes, same root).
+    mass, slope, support, support_z, least, histogram = _newton_sums(
+        q_tile, keys, offs_m, span, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
+        HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, ALPHA, True, BLOCK_M, BLOCK_N, ACC,
+    )
+    floor = tl.maximum(_histogram_floor(histogram, power, ACC), low)
+    tau, low, high, active, settled, step_count = _newton_step(
+        (mass, slope, support, support_z, least), tau, low, high, active, settled, floor, 0, alpha, max_steps, ALPHA)
+    searching = tl.max(active.to(tl.int32), 0) > 0
     while searching:
-        mass, slope, support, support_z, least = _newton_sums(
+        mass, slope, support, support_z, least, _ = _newton_sums(
             q_tile, keys, offs_m, span, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
-            HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, ALPHA, BLOCK_M, BLOCK_N, ACC,
+            HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, ALPHA, False, BLOCK_M, BLOCK_N, ACC,
         )
-        if ALPHA == 2.0 or ALPHA == 1.5:
-            found, closed = _settle(tau, mass, slope, support, support_z, least, ALPHA)
-            found = found & active
-            settled = settled | found
-            tau = tl.where(found, closed, tau)
-            active = active & ~found
-        above = mass >= 1
-        low = tl.where(above, tau, low)
-        high = tl.where(above, high, tau)
-        sloped = slope > 0
-        newton = tau + (mass - _power(mass, 2 - alpha)) / tl.where(sloped, slope, 1.0)
-        step = tl.where(sloped & (newton >= low) & (newton <= high), newton, 0.5 * (low + high))
-        step_count += 1
-        # A Newton step on the convex F only climbs (the first may descend once, should
-        # rounding put the start above the root): a step back is rounding noise at the root.
-        climbing = tl.where(step_count == 1, True, step > tau)
-        active = active & (step != tau) & climbing & (step_count < max_steps)
-        tau = tl.where(active, step, tau)
+        tau, low, high, active, settled, step_count = _newton_step(
+            (mass, slope, support, support_z, least), tau, low, high, active, settled, low, step_count, alpha,
+            max_steps, ALPHA)
         searching = tl.max(active.to(tl.int32), 0) > 0
     exact = (alpha != 1) & (power == 1)
     tau = tl.where(exact, (support_z - 1) / tl.maximum(support, 1).to(ACC), tau)

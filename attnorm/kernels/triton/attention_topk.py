@@ -169,14 +169,14 @@ def _digit_histogram(keys, prefix, shift, BLOCK_M: tl.constexpr, UKEY: tl.conste
     tile, took ~50 and all the registers (timed on an H200: 293 ms of a 310 ms top-k
     forward + backward at L = 16384).
     """
-    top: tl.constexpr = (1 << RADIX) - 1
-    words: tl.constexpr = (1 << RADIX) // 4
+    top: tl.constexpr = 2**RADIX - 1
+    words: tl.constexpr = 2**RADIX // 4
     # prefix has no bit below the digit: keys - prefix is the digit and the lower bits (and more above the prefix)
     digit = tl.minimum((keys - prefix[:, None]) >> shift.to(UKEY), top).to(tl.int32)
     one = tl.where(keys >= prefix[:, None], (1 << ((digit & 3) * 8)).to(tl.uint32), 0)
     word = digit >> 2
-    digits = tl.arange(0, 1 << RADIX)
-    histogram = tl.zeros((BLOCK_M, 1 << RADIX), tl.int32)
+    digits = tl.arange(0, 2**RADIX)
+    histogram = tl.zeros((BLOCK_M, 2**RADIX), tl.int32)
     for index in tl.static_range(words):
         packed = tl.sum(tl.where(word == index, one, 0).to(tl.uint32), 1)
         fields = ((packed[:, None] >> ((digits[None, :] & 3) * 8).to(tl.uint32)) & 255).to(tl.int32)
