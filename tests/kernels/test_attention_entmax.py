@@ -20,17 +20,22 @@ import torch
 pytest.importorskip("triton")
 
 import entmax  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import attnorm  # noqa: E402
 from attnorm.kernels.rules import AttentionMask  # noqa: E402
 from attnorm.kernels.triton import attention_entmax, attention_launch, launch  # noqa: E402
 from attnorm.kernels.triton.attention_entmax import (  # noqa: E402
+    _gap_histogram,
+    _histogram_floor,
     entmax_attention_backward,
     entmax_attention_forward,
 )
 from tests.conftest import poisoned_empty, slow_under_interpreter  # noqa: E402
 
 SCALE = 0.5
+F64 = torch.float64
 TOLERANCES = {  # (atol, rtol) for outputs and gradients
     torch.float64: (1e-9, 1e-8),
     torch.float32: (5e-5, 5e-4),
@@ -426,6 +431,48 @@ def test_posinf_rows_are_uniform_over_their_infinite_keys(alpha, device):
                                               alpha_heads)
     assert out[0, :, 20].isnan().all() and dq[0, :, 20].isnan().all()
     assert torch.isfinite(out[0, :, :20]).all() and torch.isfinite(dq[0, :, :20]).all()
+
+
+@triton.jit
+def _floor_kernel(Z, OUT, power, BLOCK_M: tl.constexpr, N: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)
+    z = tl.load(Z + rows[:, None] * N + tl.arange(0, N)[None, :])
+    tl.store(OUT + rows, _histogram_floor(_gap_histogram(z, BLOCK_M), power, tl.float32))
+
+
+def _threshold(z, power):
+    """Float64 root of ``sum [z - tau]_+^p = 1`` per row, by bisection on [-1, 0]."""
+    low, high = torch.full(z.shape[:1], -1.0, dtype=F64), torch.zeros(z.shape[:1], dtype=F64)
+    for _ in range(200):
+        middle = (low + high) / 2
+        above = (z - middle[:, None]).clamp_min(0).pow(power).sum(1) >= 1
+        low, high = torch.where(above, middle, low), torch.where(above, high, middle)
+    return low
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.5, 1.25, 1.7])
+def test_histogram_floor_is_a_lower_bound_within_a_bin(alpha, device):
+    """The first pass's gap histogram bounds tau from below, by at most a bin (1/16) and the margin: random rows,
+    scores on the bin edges (ties with them), one key, equal keys, keys below -1, a single dominant key."""
+    gen = torch.Generator().manual_seed(9)
+    n = 64
+    z = torch.randn(16, n, generator=gen, dtype=F64) * torch.linspace(0.05, 3, 16, dtype=F64)[:, None]
+    z[4] = torch.randint(-20, 1, (n,), generator=gen).to(F64) / 16  # on the edges
+    z[5] = -math.inf
+    z[5, 7] = 0.0  # one key
+    z[6] = 0.0  # every key equal
+    z[7] = -2.0 - torch.rand(n, generator=gen, dtype=F64)  # all far below the max, but the max itself
+    z[8] = torch.where(torch.rand(n, generator=gen) < 0.5, -math.inf, z[8])  # masked keys
+    z = z - z.amax(1, keepdim=True).clamp_min(-1e30)  # each row's max at 0
+    z[7, 3] = 0.0
+    z = (z * (alpha - 1)).to(torch.float32)  # the kernel's z = (alpha - 1)(s - m)
+    power = 1 / (alpha - 1)
+    out = torch.full((16,), math.nan, device=device)
+    _floor_kernel[(1,)](z.to(device), out, power, 16, n)
+    tau = _threshold(z.double().cpu(), power)
+    floor = out.double().cpu()
+    assert (floor <= tau).all(), (floor - tau)
+    assert (floor >= tau - 1 / 16 - 1e-5).all(), (tau - floor)
 
 
 def test_nan_scores_give_nan_rows(device):

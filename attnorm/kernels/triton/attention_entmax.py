@@ -26,7 +26,13 @@ Forward, per query block (``1 + I + 1`` passes over K, one over V):
    alpha of 2 or 1.5 each pass also takes its support's least ``z``: the threshold
    has a closed form on a known support (:func:`_settle`), and a row whose support
    keeps every ``z`` above it stops on that pass, without the pass that would only
-   confirm it (1.5-entmax then also skips Newton's last quadratic steps, ``N = 1``);
+   confirm it (1.5-entmax then also skips Newton's last quadratic steps, ``N = 1``).
+   The first of these passes also bins each row's ``z`` over ``(-1, 0]``, where tau lies,
+   into :data:`HIST_BITS` ``= 4``: 16 bins (:func:`_gap_histogram`: the packed 8-bit counts of
+   the top-k kernel's radix select, ~14 integer operations a score, that pass only; not for
+   softmax, alpha = 1); a key lies above its bin's lower edge, so the counts give ``F`` a lower
+   bound whose root is a lower bound of tau (:func:`_histogram_floor`, no pass over the keys),
+   and the second step starts there when Newton's own falls short of it;
 3. one output pass over K and V accumulating ``p v`` in float32 (float64 for
    float64 inputs).  Under :data:`.attention_launch.SKIP_EMPTY_TILES` a tile where no
    row of the block has a positive weight loads no V and skips its ``p v`` product; by
@@ -40,6 +46,14 @@ the loop (64-row blocks, q, k ~ N(0, 1), head dim 64, scale 1 / 8) takes, agains
 before: sparsemax 5.3 / 6.2 passes at Lk = 1024 / 16384 (6.5 / 7.5), 1.5-entmax
 5.0 / 5.8 (7.0 / 8.0); the stop costs ~3 (sparsemax) and ~4 (1.5) SASS instructions
 per score and pass (sm_90, ``scripts/sass_loops.py``: 15.1 -> 17.9 and 18.5 -> 22.5).
+The histogram's floor, counted on the kernel itself under the interpreter with blocks of 64
+(``scripts/threshold_passes.py``, same model of the scores), threshold passes per query block
+without -> with it: sparsemax 4.91 -> 3.59 (causal, L = 1024), 5.50 -> 4.00 (one query
+block, Lk = 4096), 6.00 -> 4.00 (Lk = 16384); 1.5-entmax 4.72 -> 4.00, 5.00 -> 4.00,
+6.00 -> 4.50; alpha = 1.25 (a runtime alpha) 5.66 -> 5.62, 6.00 -> 6.00 (with ``p = 4`` the
+counts bound ``F`` loosely).  32 bins (``HIST_BITS = 5``) gave 3.16 / 3.00 / 3.50 and
+3.84 / 4.00 / 4.00, for ~8 operations a score more in the first pass and twice the
+histogram's registers: untimed, a choice for a GPU run.
 The output is exact for sparsemax (to the rounding of the scores), accurate to a few
 ulps otherwise.
 
@@ -150,7 +164,8 @@ STATS = 3
 """Per-row statistics kept by the forward: row max ``m``, threshold ``tau``, normaliser ``N``."""
 
 HIST_BITS = 4
-"""The first threshold pass bins each row's ``z`` over ``(-1, 0]`` into ``2^HIST_BITS`` bins (:func:`_gap_histogram`)."""
+"""The first threshold pass bins each row's ``z`` over ``(-1, 0]`` into ``2^HIST_BITS`` bins (:func:`_gap_histogram`);
+each bit more doubles the packed counts' words (a row reduction each per tile)."""
 
 _HIST_BITS = tl.constexpr(HIST_BITS)
 _HIST_BINS = tl.constexpr(1 << HIST_BITS)
@@ -629,11 +644,14 @@ def _entmax_attention_forward_kernel(
     settled = tl.zeros((BLOCK_M,), tl.int1)
     # The first pass also bins each row's z over (-1, 0], whose counts bound tau from below: the
     # next step starts there when Newton's own step falls short of it (fewer passes, same root).
+    # Softmax (alpha = 1) has no threshold: this pass only sums its normaliser, and bins nothing.
     mass, slope, support, support_z, least, histogram = _newton_sums(
         q_tile, keys, offs_m, span, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
-        HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, ALPHA, True, BLOCK_M, BLOCK_N, ACC,
+        HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, ALPHA, ALPHA != 1.0, BLOCK_M, BLOCK_N, ACC,
     )
-    floor = tl.maximum(_histogram_floor(histogram, power, ACC), low)
+    floor = low
+    if ALPHA != 1.0:
+        floor = tl.maximum(_histogram_floor(histogram, power, ACC), low)
     tau, low, high, active, settled, step_count = _newton_step(
         (mass, slope, support, support_z, least), tau, low, high, active, settled, floor, 0, alpha, max_steps, ALPHA)
     searching = tl.max(active.to(tl.int32), 0) > 0
