@@ -465,6 +465,8 @@ def test_histogram_floor_is_a_lower_bound_within_a_bin(alpha, device):
     z[8] = torch.where(torch.rand(n, generator=gen) < 0.5, -math.inf, z[8])  # masked keys
     z = z - z.amax(1, keepdim=True).clamp_min(-1e30)  # each row's max at 0
     z[7, 3] = 0.0
+    z[9] = -torch.randint(1, 24, (n,), generator=gen).to(F64) / 16 + 1e-3  # just above the edges: a tight bound
+    z[9, 0] = 0.0
     z = (z * (alpha - 1)).to(torch.float32)  # the kernel's z = (alpha - 1)(s - m)
     power = 1 / (alpha - 1)
     out = torch.full((16,), math.nan, device=device)
@@ -473,6 +475,13 @@ def test_histogram_floor_is_a_lower_bound_within_a_bin(alpha, device):
     floor = out.double().cpu()
     assert (floor <= tau).all(), (floor - tau)
     assert (floor >= tau - 1 / 16 - 1e-5).all(), (tau - floor)
+    # The bound itself, from its definition: every key of (-1, 0] moved down to its bin's lower edge.
+    zd = z.double()
+    inside = (zd > -1) & (zd <= 0)
+    lower = torch.where(inside, -(torch.floor(-zd * 16) + 1) / 16, -math.inf)
+    expected = _threshold(lower, power)
+    expected = torch.where(expected > -1, expected - (1 + expected.abs()) * 2.0**-20, -1.0)  # the margin
+    assert torch.allclose(floor, expected, rtol=0, atol=1e-6), (floor - expected)
 
 
 def test_nan_scores_give_nan_rows(device):

@@ -168,6 +168,7 @@ HIST_BITS = 4
 each bit more doubles the packed counts' words (a row reduction each per tile)."""
 
 _HIST_BITS = tl.constexpr(HIST_BITS)
+_FLOOR_MARGIN = tl.constexpr(2.0**-20)
 _HIST_BINS = tl.constexpr(1 << HIST_BITS)
 
 
@@ -443,15 +444,17 @@ def _histogram_floor(histogram, power, ACC: tl.constexpr):
     digits = tl.arange(0, _HIST_BINS)
     edges = (digits - _HIST_BINS).to(ACC) / _HIST_BINS
     bound = tl.full((histogram.shape[0],), -1.0, ACC)
+    found = tl.zeros((histogram.shape[0],), tl.int1)
     for j in tl.static_range(_HIST_BINS):
-        known = tl.sum(counts * _power((digits - j).to(ACC) / _HIST_BINS, power)[None, :], 1)
-        bound = tl.where(known >= 1, -(_HIST_BINS - j) / _HIST_BINS, bound)
+        known = tl.sum(counts * _power((digits - j).to(ACC) / _HIST_BINS, power)[None, :], 1) >= 1
+        bound = tl.where(known, -(_HIST_BINS - j) / _HIST_BINS, bound)
+        found = found | known
     for _ in tl.static_range(4):
         gap = edges[None, :] - bound[:, None]
         value = tl.sum(counts * _power(gap, power), 1)
         slope = power * tl.sum(counts * _power(gap, power - 1), 1)
-        bound = tl.where(slope > 0, bound + (value - 1) / tl.where(slope > 0, slope, 1.0), bound)
-    return bound - (1 + tl.abs(bound)) * 0.00000095367431640625
+        bound = tl.where(found & (slope > 0), bound + (value - 1) / tl.where(slope > 0, slope, 1.0), bound)
+    return tl.where(found, bound - (1 + tl.abs(bound)) * _FLOOR_MARGIN, -1.0)
 
 
 @triton.jit
