@@ -29,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 SPECS = ("sparsemax", "entmax:alpha=1.5", "topk:k=64", "sa_softmax", "sa_softmax:normalized=false")
-SETTINGS = ("64x4x3", "64x4x3+skip", "64x4x3r168", "64x4x3r128", "64x4x2", "128x8x2", "128x4x2")
+SETTINGS = ("64x4x3", "64x4x3+nohist", "64x4x3+skip", "64x4x3r168", "64x4x3r128", "64x4x2", "128x8x2", "128x4x2")
 
 
 def launch_options(text: str) -> dict[str, int]:
@@ -45,28 +45,31 @@ def launch_options(text: str) -> dict[str, int]:
     return {"num_warps": warps, "num_stages": stages, **({"maxnreg": int(regs)} if regs else {})}
 
 
-def parse_setting(setting: str) -> tuple[int, dict[str, int], bool]:
-    """``BLOCKxWARPSxSTAGES[rREGS][+skip]`` -> (block, launch options, skip empty tiles).
+def parse_setting(setting: str) -> tuple[int, dict[str, int], bool, bool]:
+    """``BLOCKxWARPSxSTAGES[rREGS][+skip][+nohist]`` -> (block, launch options, skip empty tiles, histogram).
 
     ``rREGS`` caps the registers per thread (Triton's ``maxnreg``: 168 lets three 4-warp programs
     share an SM's 64K registers, 128 four, against two at the 255 the kernels take today);
-    ``+skip`` sets ``attention_launch.SKIP_EMPTY_TILES``.
+    ``+skip`` sets ``attention_launch.SKIP_EMPTY_TILES``; ``+nohist`` clears
+    ``attention_entmax.HISTOGRAM_FLOOR`` (the entmax forward's first-pass histogram).
     """
-    core, _, flag = setting.partition("+")
-    if flag not in ("", "skip"):
-        raise ValueError(f"unknown setting flag {flag!r} in {setting!r} (only +skip)")
+    core, *flags = setting.split("+")
+    unknown = set(flags) - {"skip", "nohist"}
+    if unknown:
+        raise ValueError(f"unknown setting flag {sorted(unknown)[0]!r} in {setting!r} (only +skip, +nohist)")
     block, _, options = core.partition("x")
-    return int(block), launch_options(options), flag == "skip"
+    return int(block), launch_options(options), "skip" in flags, "nohist" not in flags
 
 
 def apply(setting: str) -> None:
     """Patch the fused kernels' block size, launch options and tile skipping to ``setting`` (:func:`parse_setting`)."""
-    from attnorm.kernels.triton import attention_launch
+    from attnorm.kernels.triton import attention_entmax, attention_launch
 
-    block, options, skip = parse_setting(setting)
+    block, options, skip, histogram = parse_setting(setting)
     attention_launch.BLOCK_CUDA = block
     attention_launch.CUDA_OPTIONS = options
     attention_launch.SKIP_EMPTY_TILES = skip
+    attention_entmax.HISTOGRAM_FLOOR = histogram
 
 
 def inputs(args, requires_grad: bool = True):
@@ -148,7 +151,8 @@ def profile(spec: str, args) -> list[tuple[str, float, int]]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specs", nargs="+", default=list(SPECS))
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), help="BLOCKxWARPSxSTAGES[rREGS][+skip]")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS),
+                        help="BLOCKxWARPSxSTAGES[rREGS][+skip][+nohist]")
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)

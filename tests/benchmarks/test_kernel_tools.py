@@ -57,20 +57,23 @@ def test_scores_per_thread_come_from_the_dump_label():
 
 
 def test_tune_settings_patch_the_fused_kernels_block_and_options(monkeypatch):
-    from attnorm.kernels.triton import attention_launch
+    from attnorm.kernels.triton import attention_entmax, attention_launch
 
     monkeypatch.setattr(attention_launch, "BLOCK_CUDA", attention_launch.BLOCK_CUDA)
     monkeypatch.setattr(attention_launch, "CUDA_OPTIONS", attention_launch.CUDA_OPTIONS)
     monkeypatch.setattr(attention_launch, "SKIP_EMPTY_TILES", attention_launch.SKIP_EMPTY_TILES)
+    monkeypatch.setattr(attention_entmax, "HISTOGRAM_FLOOR", attention_entmax.HISTOGRAM_FLOOR)
     tune_attention.apply("128x8x2")
     assert attention_launch.BLOCK_CUDA == 128
     assert attention_launch.CUDA_OPTIONS == {"num_warps": 8, "num_stages": 2}
     assert attention_launch.SKIP_EMPTY_TILES is False
-    tune_attention.apply("64x4x3r168+skip")
+    assert attention_entmax.HISTOGRAM_FLOOR is True
+    tune_attention.apply("64x4x3r168+skip+nohist")
     assert attention_launch.BLOCK_CUDA == 64
     assert attention_launch.CUDA_OPTIONS == {"num_warps": 4, "num_stages": 3, "maxnreg": 168}
     assert attention_launch.SKIP_EMPTY_TILES is True
-    with pytest.raises(ValueError, match="only \\+skip"):
+    assert attention_entmax.HISTOGRAM_FLOOR is False
+    with pytest.raises(ValueError, match="only \\+skip, \\+nohist"):
         tune_attention.apply("64x4x3+fast")
 
 

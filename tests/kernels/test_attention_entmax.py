@@ -32,7 +32,7 @@ from attnorm.kernels.triton.attention_entmax import (  # noqa: E402
     entmax_attention_backward,
     entmax_attention_forward,
 )
-from tests.conftest import poisoned_empty, slow_under_interpreter  # noqa: E402
+from tests.conftest import fused_blocks, poisoned_empty, slow_under_interpreter  # noqa: E402
 
 SCALE = 0.5
 F64 = torch.float64
@@ -482,6 +482,32 @@ def test_histogram_floor_is_a_lower_bound_within_a_bin(alpha, device):
     expected = _threshold(lower, power)
     expected = torch.where(expected > -1, expected - (1 + expected.abs()) * 2.0**-20, -1.0)  # the margin
     assert torch.allclose(floor, expected, rtol=0, atol=1e-6), (floor - expected)
+
+
+@pytest.mark.parametrize("alpha", [2.0, pytest.param(1.5, marks=pytest.mark.slow)])
+def test_histogram_floor_saves_threshold_passes_and_changes_no_result(alpha, monkeypatch, device):
+    """With ``HISTOGRAM_FLOOR`` off the search starts from Hoelder's bound alone: the same reference results,
+    and (counted under the interpreter, where the pass is a Python call) more threshold passes."""
+    fused_blocks(monkeypatch, 64)  # a GPU's blocks: one query block, eight key blocks
+    q, k, v, grad = inputs(1, 2, 1, 64, 512, 16, device=device, seed=23)
+    mask, keep, additive = AttentionMask(), None, None
+    calls = []
+    original = attention_entmax._newton_sums
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    if device == "cpu":
+        monkeypatch.setattr(attention_entmax, "_newton_sums", counted)
+    passes = {}
+    for floor in (True, False):
+        monkeypatch.setattr(attention_entmax, "HISTOGRAM_FLOOR", floor)
+        calls.clear()
+        check(q, k, v, grad, mask, keep, additive, alpha)
+        passes[floor] = len(calls)
+    if device == "cpu":
+        assert passes[True] < passes[False], passes
 
 
 def test_nan_scores_give_nan_rows(device):

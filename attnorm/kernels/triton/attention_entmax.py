@@ -167,6 +167,16 @@ HIST_BITS = 4
 """The first threshold pass bins each row's ``z`` over ``(-1, 0]`` into ``2^HIST_BITS`` bins (:func:`_gap_histogram`);
 each bit more doubles the packed counts' words (a row reduction each per tile)."""
 
+HISTOGRAM_FLOOR = True
+"""Whether the first threshold pass bins ``z`` for a lower bound of tau (the ``HIST`` constexpr of the forward).
+
+On by default: 2 fewer threshold passes of ~6 at Lk = 16384 for sparsemax, 1.5 for 1.5-entmax
+(``scripts/threshold_passes.py``).  Its cost, untimed: ~14 operations a score in the first pass,
+and registers: the sm_90 bfloat16 forward, at 255 registers before, now spills 56-136 bytes a
+thread (Triton 3.6, ``scripts/compile_check.py``; 0 before).  ``scripts/tune_attention.py``'s
+``+nohist`` setting turns it off to time both on a GPU.
+"""
+
 _HIST_BITS = tl.constexpr(HIST_BITS)
 _FLOOR_MARGIN = tl.constexpr(2.0**-20)
 _HIST_BINS = tl.constexpr(1 << HIST_BITS)
@@ -482,14 +492,16 @@ def _newton_sums(q_tile, keys, offs_m, span, rows, masks, row_max, tau, multipli
     masked)``: the masked key blocks, then the inner ones (:func:`.attention_blocks.inner_key_blocks`).
     """
     if HAS_SINK:
-        sums = _pass_sums(((sink_logit - row_max) * multiplier)[:, None], tau, power, softmax, ALPHA)
+        mass, slope, support, support_z, least = _pass_sums(((sink_logit - row_max) * multiplier)[:, None], tau,
+                                                            power, softmax, ALPHA)
     else:
-        sums = (tl.zeros((BLOCK_M,), ACC), tl.zeros((BLOCK_M,), ACC), tl.zeros((BLOCK_M,), tl.int32),
-                tl.zeros((BLOCK_M,), ACC), tl.full((BLOCK_M,), float("inf"), ACC))
+        mass, slope, support = tl.zeros((BLOCK_M,), ACC), tl.zeros((BLOCK_M,), ACC), tl.zeros((BLOCK_M,), tl.int32)
+        support_z, least = tl.zeros((BLOCK_M,), ACC), tl.full((BLOCK_M,), float("inf"), ACC)
     if HIST:
-        sums = (*sums, tl.zeros((BLOCK_M, _HIST_BINS), tl.int32))
+        histogram = tl.zeros((BLOCK_M, _HIST_BINS), tl.int32)
     else:
-        sums = (*sums, tl.zeros((), tl.int32))
+        histogram = tl.zeros((), tl.int32)
+    sums = (mass, slope, support, support_z, least, histogram)
     first, inner_lo, inner_hi, masked = span
     for i in range(0, masked):
         start = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N)
@@ -583,7 +595,7 @@ def _entmax_attention_forward_kernel(
     softcap_ptr, sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb, logit_scale_sh, logit_scale_sm,
     HAS_RANGE: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, ALPHA: tl.constexpr,
-    WEIGHTED: tl.constexpr, SPLIT: tl.constexpr, SKIP: tl.constexpr,
+    WEIGHTED: tl.constexpr, SPLIT: tl.constexpr, SKIP: tl.constexpr, HIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One query block of one (batch, head): threshold search, then ``out = p v`` (module docstring).
@@ -648,12 +660,13 @@ def _entmax_attention_forward_kernel(
     # The first pass also bins each row's z over (-1, 0], whose counts bound tau from below: the
     # next step starts there when Newton's own step falls short of it (fewer passes, same root).
     # Softmax (alpha = 1) has no threshold: this pass only sums its normaliser, and bins nothing.
+    binned: tl.constexpr = HIST and ALPHA != 1.0
     mass, slope, support, support_z, least, histogram = _newton_sums(
         q_tile, keys, offs_m, span, rows, masks, row_max, tau, multiplier, power, softmax, sink_logit,
-        HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, ALPHA, ALPHA != 1.0, BLOCK_M, BLOCK_N, ACC,
+        HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_LOGIT_SCALE, HAS_SINK, ALPHA, binned, BLOCK_M, BLOCK_N, ACC,
     )
     floor = low
-    if ALPHA != 1.0:
+    if binned:
         floor = tl.maximum(_histogram_floor(histogram, power, ACC), low)
     tau, low, high, active, settled, step_count = _newton_step(
         (mass, slope, support, support_z, least), tau, low, high, active, settled, floor, 0, alpha, max_steps, ALPHA)
@@ -1119,7 +1132,7 @@ def entmax_attention_forward(
     split = w is not None and call.v.element_size() == 2 and (sinks is not None or logit_scale is not None)
     call.launch(_entmax_attention_forward_kernel, shape.query_grid, call.q, call.k, call.v, out, stats,
                 out if w is None else w, max_steps=2 * MAX_STEPS if q.dtype == torch.float64 else MAX_STEPS,
-                WEIGHTED=w is not None, SPLIT=split)
+                WEIGHTED=w is not None, SPLIT=split, HIST=HISTOGRAM_FLOOR)
     return out, stats, w
 
 
