@@ -172,9 +172,11 @@ HISTOGRAM_FLOOR = True
 
 On by default: 2 fewer threshold passes of ~6 at Lk = 16384 for sparsemax, 1.5 for 1.5-entmax
 (``scripts/threshold_passes.py``).  Its cost, untimed: ~14 operations a score in the first pass,
-and registers: the sm_90 bfloat16 forward, at 255 registers before, now spills 56-136 bytes a
-thread (Triton 3.6, ``scripts/compile_check.py``; 0 before).  ``scripts/tune_attention.py``'s
-``+nohist`` setting turns it off to time both on a GPU.
+and registers: the sm_90 forward for 2-byte inputs at head dim 64 (4 warps), at 255 registers
+before, now spills 56-136 bytes a thread where it spilled none (104-240 with an additive mask,
+against 104-136; Triton 3.6, ``scripts/compile_check.py``); head dim 128 (8 warps) and the softmax
+variants spill nothing.  ``scripts/tune_attention.py``'s ``+nohist`` setting turns it off to time
+both on a GPU.
 """
 
 _HIST_BITS = tl.constexpr(HIST_BITS)
