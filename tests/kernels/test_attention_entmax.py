@@ -406,7 +406,8 @@ def test_skipping_tiles_without_support_changes_no_bit(case, alpha, blocks_of_16
     check(q, k, v, grad, mask, keep, additive, alpha)
 
 
-@pytest.mark.parametrize("alpha", [2.0, 1.5, 1.25, 1.0, "per-head"])
+@pytest.mark.parametrize("alpha", [2.0, "per-head",
+                                   *(pytest.param(a, marks=pytest.mark.slow) for a in (1.5, 1.25, 1.0))])
 def test_posinf_rows_are_uniform_over_their_infinite_keys(alpha, device):
     """+inf scores (additive) in masked and inner key blocks: such a row's weights are uniform over its +inf keys
     (also where a mask hides one of them, and in a row whose allowed keys are all +inf), its scores and alpha get

@@ -316,7 +316,8 @@ def test_a_fully_masked_row_attends_only_its_sink(family):
     assert (out[:, :, 3] == 0).all()
 
 
-@pytest.mark.parametrize("family", ["sparsemax", "entmax15", "entmax_learnable", "softmax_T"])
+@pytest.mark.parametrize("family", ["sparsemax", "softmax_T", *(pytest.param(f, marks=pytest.mark.slow)
+                                                            for f in ("entmax15", "entmax_learnable"))])
 def test_posinf_rows_are_uniform_over_their_infinite_keys(family):
     """+inf additive scores with both modifiers on the entmax kernel: a row holding +inf is uniform over its +inf
     keys (the sink, finite, gets nothing) and gives no gradient to its scores, the sink or the parameters."""
