@@ -392,15 +392,15 @@ def _row_modifiers(sink, sink_sb, sink_sh, sink_sm, logit_scale, logit_scale_sb,
 
 
 @triton.jit
-def _posinf_rows(row_max, tau, norm, nan_rows, infinite, softmax, ACC: tl.constexpr):
-    """``(m, tau, N)`` with the rows holding +inf (and no NaN) set to their limit: uniform over the +inf keys.
+def _posinf_rows(row_max, tau, norm, posinf, infinite, softmax, ACC: tl.constexpr):
+    """``(m, tau, N)`` with the rows ``posinf`` (holding +inf, and no NaN) set to their limit: uniform over the
+    +inf keys (``infinite`` of them).
 
     Such a row gets ``m = +inf`` (its flag in the stats), ``N`` its count of +inf keys (the sink's
     included) and ``tau`` -1 (0 for a softmax head), so that :func:`_weights` gives each +inf key
     the mass 1 and every finite key 0, the rule of every attnorm normalizer; its score
     gradients are 0 (:func:`_gppr_scale`).
     """
-    posinf = (infinite > 0) & ~nan_rows
     row_max = tl.where(posinf, float("inf"), row_max)
     tau = tl.where(posinf, tl.where(softmax, 0.0, -1.0), tau)
     norm = tl.where(posinf, infinite.to(ACC), norm)
@@ -426,7 +426,7 @@ def _max_add(scores, row_max, below, count, bad, infinite, ACC: tl.constexpr):
 
 @triton.jit
 def _gap_histogram(z, BLOCK_M: tl.constexpr):
-    """Per row of a tile of shifted logits ``z``, the keys in each of :data:`HIST_BINS` bins of ``(-1, 0]``.
+    """Per row of a tile of shifted logits ``z``, the keys in each of ``2^HIST_BITS`` bins of ``(-1, 0]``.
 
     Bin ``d`` holds ``-(B - d) / B < z <= -(B - 1 - d) / B`` (``B`` bins, the top bin ``z`` near the row's
     max); keys at or below -1 (masked ones too), +inf and NaN count nowhere.  The counts are
@@ -688,7 +688,7 @@ def _entmax_attention_forward_kernel(
     if ALPHA == 1.5:
         norm = tl.where(settled, 1.0, norm)  # sum [z - tau]_+^2 = 1 at the closed-form root, to its rounding
     norm = tl.where(nan_rows, float("nan"), norm)
-    row_max, tau, norm = _posinf_rows(row_max, tau, norm, nan_rows, infinite, softmax, ACC)
+    row_max, tau, norm = _posinf_rows(row_max, tau, norm, posinf_rows, infinite, softmax, ACC)
 
     # Last pass: out = p v (under SKIP, no V for tiles without support; the sink's value is 0); under WEIGHTED
     # also sum g v and sum g for the backward's delta.
