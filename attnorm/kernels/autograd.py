@@ -398,8 +398,7 @@ def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None, s
     sink = _sink(sink, x)
     direct = _direct(implementation, x, mask, temperature, sink)
     if direct is not None:
-        modifiers = ops.modifiers(sink, softcap)
-        return direct.softmax_forward(x, mask, 0, temperature, 0.0, **modifiers, weights_only=True)[0]
+        return ops.weights(direct, "softmax", x, mask, {"temperature": temperature}, sink, softcap)
     value, rows = _split(temperature)
     args = (x, *mask, value, rows, sink, softcap, implementation)
     return _call(_Softmax, ops.softmax_fwd, args, 5, 6)  # rows, sink
@@ -414,7 +413,7 @@ def scalable_softmax(x: Tensor, mask: RowMask, s: Param, bias: Param, backend: s
     sink = _sink(sink, x)
     direct = _direct(implementation, x, mask, s, bias, sink)
     if direct is not None:
-        return direct.softmax_forward(x, mask, 1, s, bias, **ops.modifiers(sink, softcap), weights_only=True)[0]
+        return ops.weights(direct, "scalable_softmax", x, mask, {"s": s, "bias": bias}, sink, softcap)
     s_value, s_rows = _split(s)
     bias_value, bias_rows = _split(bias)
     args = (x, *mask, s_value, s_rows, bias_value, bias_rows, sink, softcap, implementation)
@@ -432,8 +431,7 @@ def topk_softmax(x: Tensor, mask: RowMask, k: int | float, temperature: Param, b
     sink = _sink(sink, x)
     direct = _direct(implementation, x, mask, temperature, sink)
     if direct is not None:
-        modifiers = ops.modifiers(sink, softcap)
-        return direct.topk_forward(x, mask, float(k), is_fraction, temperature, **modifiers, weights_only=True)[0]
+        return ops.weights(direct, "topk_softmax", x, mask, {"k": k, "temperature": temperature}, sink, softcap)
     value, rows = _split(temperature)
     args = (x, *mask, float(k), is_fraction, value, rows, sink, softcap, implementation)
     return _call(_TopKSoftmax, ops.topk_softmax_fwd, args, 7, 8)  # rows, sink
@@ -448,7 +446,7 @@ def entmax(x: Tensor, mask: RowMask, alpha: Param, backend: str | None, sink: Te
     sink = _sink(sink, x)
     direct = _direct(implementation, x, mask, alpha, sink)
     if direct is not None:
-        return direct.entmax_forward(x, mask, alpha, **ops.modifiers(sink, softcap), weights_only=True)[0]
+        return ops.weights(direct, "entmax", x, mask, {"alpha": alpha}, sink, softcap)
     value, rows = _split(alpha)
     args = (x, *mask, value, rows, sink, softcap, implementation)
     return _call(_Entmax, ops.entmax_fwd, args, 5, 6)  # rows, sink
@@ -463,7 +461,7 @@ def sparsemax(x: Tensor, mask: RowMask, backend: str | None, sink: Tensor | None
     sink = _sink(sink, x)
     direct = _direct(implementation, x, mask, sink)
     if direct is not None:
-        return direct.entmax_forward(x, mask, 2.0, **ops.modifiers(sink, softcap), weights_only=True)[0]
+        return ops.weights(direct, "sparsemax", x, mask, {}, sink, softcap)
     return _call(_Entmax, ops.entmax_fwd, (x, *mask, 2.0, None, sink, softcap, implementation), 6)
 
 
@@ -476,6 +474,6 @@ def self_adjusted_softmax(x: Tensor, mask: RowMask, normalized: bool, backend: s
     sink = _sink(sink, x)
     direct = _direct(implementation, x, mask, sink)
     if direct is not None:
-        return direct.self_adjusted_forward(x, mask, normalized, **ops.modifiers(sink, softcap), weights_only=True)[0]
+        return ops.weights(direct, "self_adjusted_softmax", x, mask, {"normalized": normalized}, sink, softcap)
     args = (x, *mask, normalized, sink, softcap, implementation)
     return _call(_SelfAdjustedSoftmax, ops.self_adjusted_softmax_fwd, args, 5)

@@ -372,6 +372,39 @@ def modifiers(sink: Tensor | None, softcap: float | None = None) -> dict[str, An
     return keywords
 
 
+def weights(functions: SimpleNamespace, kernel: str, x: Tensor, mask: RowMask, params: dict[str, Any],
+            sink: Tensor | None = None, softcap: float | None = None) -> Tensor:
+    """The weights alone of the row operation ``kernel`` from the :func:`functions` ``functions``' forward.
+
+    Each family's calling convention, written once: the forward runs with ``weights_only=True``
+    (what else it returns is read by a backward only).  ``kernel`` names the entry point of
+    :mod:`attnorm.kernels.autograd` (a normalizer's ``kernel``), ``params`` its parameters as a
+    normalizer's ``kernel_params()`` gives them (numbers, or per-row tensors ``(..., 1)``).
+
+    Raises:
+        KeyError: a ``kernel`` without row kernels.
+    """
+    keywords = modifiers(sink, softcap)
+    if kernel == "entmax" or kernel == "sparsemax":
+        alpha = 2.0 if kernel == "sparsemax" else params["alpha"]
+        return functions.entmax_forward(x, mask, alpha, **keywords, weights_only=True)[0]
+    if kernel == "softmax":
+        return functions.softmax_forward(x, mask, 0, params["temperature"], 0.0, **keywords, weights_only=True)[0]
+    if kernel == "scalable_softmax":
+        return functions.softmax_forward(x, mask, 1, params["s"], params["bias"], **keywords, weights_only=True)[0]
+    if kernel == "topk_softmax":
+        k = params["k"]
+        return functions.topk_forward(x, mask, float(k), isinstance(k, float), params["temperature"], **keywords,
+                                      weights_only=True)[0]
+    if kernel == "self_adjusted_softmax":
+        return functions.self_adjusted_forward(x, mask, params["normalized"], **keywords, weights_only=True)[0]
+    raise KeyError(f"no row kernels for {kernel!r}")
+
+
+ROW_KERNELS = frozenset({"softmax", "scalable_softmax", "topk_softmax", "entmax", "sparsemax", "self_adjusted_softmax"})
+"""The row operations :func:`weights` computes (every normalizer ``kernel`` with row kernels)."""
+
+
 def _row_mask(mask: Tensor | None, diagonal: int | None, key_lengths: Tensor | None) -> RowMask:
     # Building a NamedTuple costs more than the check (a sizeable share of a tiny call).
     if mask is None and diagonal is None and key_lengths is None:

@@ -158,6 +158,11 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
     # top-k selection or an entmax support would differ (decoding against the full sequence).
     half = q_rows.dtype in _HALF
     if half and decoding.scores_kernel_applies(normalizer, q_rows, k):
+        weights = None
+        if mask is None and additive_rows is None and sinks is None and softcap is None:
+            weights = decoding.row_weights(normalizer, q_rows, k, scale)  # scores and row kernel, one replay
+        if weights is not None:
+            return _attend(weights.to(q_rows.dtype), v, dropout_p, groups, q.shape[-3], stop - start)
         scores = decoding_scores(q_rows, k, scale)  # float32, K read in its own dtype (no float32 copy)
     else:
         q_wide, k_wide = (q_rows.float(), k.float()) if half else (q_rows, k)
@@ -190,11 +195,16 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
         weights = normalizer(scores, mask) if sinks is None else _with_sinks(normalizer, scores, mask, sinks)
     if half:
         weights = weights.to(q_rows.dtype)  # the weights a half-precision call returns and multiplies v with
+    return _attend(weights, v, dropout_p, groups, q.shape[-3], stop - start)
+
+
+def _attend(weights: Tensor, v: Tensor, dropout_p: float, groups: int, heads: int, rows: int) -> tuple[Tensor, Tensor]:
+    """``(dropout(weights) v, weights)``: ``weights`` ``(..., Hq, rows, Lk)``, ``heads`` Hq (``groups`` per v head)"""
     attended = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     if groups > 1:
-        lead, rows = weights.shape[:-3], stop - start
+        lead = weights.shape[:-3]
         stacked = attended.reshape(*lead, v.shape[-3], groups * rows, v.shape[-2])
-        return torch.matmul(stacked, v).reshape(*lead, q.shape[-3], rows, v.shape[-1]), weights
+        return torch.matmul(stacked, v).reshape(*lead, heads, rows, v.shape[-1]), weights
     return torch.matmul(attended, v), weights
 
 

@@ -25,9 +25,12 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+from torch.nn.modules import module as _module
 
+from attnorm.kernels import ops
 from attnorm.kernels.decoding_ops import self_adjusted_decoding
 from attnorm.kernels.ops import forward_mode, records_grad
+from attnorm.normalizers.base import Normalizer
 from attnorm.routes.common import kernel_mask
 from attnorm.routes.fused import _runs_triton
 
@@ -38,6 +41,7 @@ __all__ = [
     "attention",
     "get_route",
     "route",
+    "row_weights",
     "scores_kernel_applies",
     "supports",
     "use_route",
@@ -159,3 +163,45 @@ def scores_kernel_applies(normalizer, q: Tensor, k: Tensor) -> bool:
     if records_grad(q, k) or forward_mode():
         return False
     return bool(getattr(normalizer, "kernel", "")) and _runs_triton(normalizer, q)
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` would run a hook (its own or a global one) besides ``forward``."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _module._global_forward_hooks or _module._global_forward_pre_hooks
+                or _module._global_backward_hooks or _module._global_backward_pre_hooks)
+
+
+def row_weights(normalizer, q: Tensor, k: Tensor, scale: float) -> Tensor | None:
+    """The unmasked float32 weights ``(B, Hq, Lq, Lk)`` of the rows route in one replayed call, or None.
+
+    Call where :func:`scores_kernel_applies` holds and the call has no mask, additive mask,
+    sink or cap.  The weights are those of ``normalizer(decoding_scores(q, k, scale))``, bit
+    for bit (:func:`~attnorm.kernels.triton.attention_decoding.decoding_weights_forward`
+    launches the same two kernels), without the host time of the layers between them: on
+    an eager decoding step the module, its rules, the row op's entry point and a second
+    replay key cost more than the launches (``scripts/launch_overhead.py``).  None, and the
+    caller goes the long way, unless the normalizer is one of attnorm's row normalizers
+    called as is (``Normalizer.forward``, no hook on the module nor a global one, parameters
+    that are numbers, not learnable tensors) and nothing watches the call
+    (:func:`attnorm.kernels.ops.plain`: no compile, trace, ``torch.func`` transform,
+    dispatch or function mode, autocast, profiler).
+    """
+    kernel = getattr(normalizer, "kernel", None)
+    if kernel not in ops.ROW_KERNELS or type(normalizer).forward is not Normalizer.forward or _hooked(normalizer):
+        return None
+    if not ops.plain(q, k) or q.numel() == 0 or k.numel() == 0:
+        return None
+    params = normalizer.kernel_params()
+    for value in params.values():
+        if isinstance(value, Tensor):
+            return None
+    global _WEIGHTS_FORWARD
+    if _WEIGHTS_FORWARD is None:  # imported on first use: Triton may be absent
+        from attnorm.kernels.triton.attention_decoding import decoding_weights_forward
+
+        _WEIGHTS_FORWARD = decoding_weights_forward
+    return _WEIGHTS_FORWARD(q, k, float(scale), kernel, tuple(params.items()))
+
+
+_WEIGHTS_FORWARD = None

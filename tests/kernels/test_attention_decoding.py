@@ -400,3 +400,76 @@ def test_scores_kernel_applies_only_where_it_can(device):
     assert not decoding.scores_kernel_applies(sparsemax, q.requires_grad_(), k)
     with torch.no_grad():
         assert decoding.scores_kernel_applies(sparsemax, q, k)
+
+
+ONE_CALL_NORMALIZERS = {
+    "sparsemax": lambda: attnorm.Sparsemax(backend="triton"),
+    "entmax 1.5": lambda: attnorm.Entmax(1.5, backend="triton"),
+    "top-5": lambda: attnorm.TopKSoftmax(5, backend="triton"),
+    "top-20%": lambda: attnorm.TopKSoftmax(0.2, backend="triton"),
+    "sa": lambda: attnorm.SelfAdjustedSoftmax(backend="triton"),
+    "sa plain": lambda: attnorm.SelfAdjustedSoftmax(normalized=False, backend="triton"),
+    "softmax T": lambda: attnorm.Softmax(temperature=0.5, backend="triton"),
+    "ssmax": lambda: attnorm.ScalableSoftmax(s=0.7, bias=0.1, backend="triton"),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_CALL_NORMALIZERS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_one_call_weights_equal_the_scores_op_then_the_module(name, dtype, device):
+    """``row_weights``: bit for bit the scores op followed by the module (GQA, 3 rows, a partial key block)."""
+    q, k, _ = make_qkv(2, 4, 2, 3, 37, 16, 16, dtype, device, seed=1)
+    normalizer = ONE_CALL_NORMALIZERS[name]()
+    with torch.no_grad():
+        got = decoding.row_weights(normalizer, q, k, SCALE)
+        want = normalizer(decoding_ops.decoding_scores(q, k, SCALE))
+    assert got is not None and got.shape == (2, 4, 3, 37) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_decoding_step_takes_the_one_call_weights_and_equals_the_long_way(monkeypatch, device):
+    q, k, v = make_qkv(2, 4, 2, 1, 40, 16, 16, torch.bfloat16, device)
+    normalizer = attnorm.Entmax(1.5, backend="triton")
+    mask = attnorm.causal_mask(40 - 1)  # a decoding step's causal mask: every key allowed
+    taken = []
+    original = decoding.row_weights
+    monkeypatch.setattr(decoding, "row_weights", lambda *args: taken.append(original(*args)) or taken[-1])
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+    assert len(taken) == 1 and taken[0] is not None
+    monkeypatch.setattr(decoding, "row_weights", lambda *args: None)
+    torch.testing.assert_close(out, attnorm.attention(q, k, v, normalizer, attn_mask=mask), rtol=0, atol=0)
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    weights = attnorm.Entmax(1.5, backend="reference")(q64 @ k64.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25)
+    torch.testing.assert_close(out.double(), weights @ v64.repeat_interleave(2, dim=1), atol=2e-2, rtol=2e-2)
+
+
+class _Counted(attnorm.Sparsemax):
+    def forward(self, scores, mask=None, **modifiers):
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().forward(scores, mask, **modifiers)
+
+
+def test_one_call_weights_leave_what_a_module_call_would_show(device):
+    """Hooks, an overridden forward, learnable parameters, a watching mode, a gradient: the module's own route."""
+    q, k, v = make_qkv(1, 2, 2, 1, 24, 16, 16, torch.float16, device)
+    assert decoding.row_weights(attnorm.Sparsemax(backend="triton"), q, k, SCALE) is not None
+    hooked, seen = attnorm.Sparsemax(backend="triton"), []
+    hooked.register_forward_hook(lambda module, inputs, output: seen.append(output))
+    assert decoding.row_weights(hooked, q, k, SCALE) is None
+    attnorm.attention(q, k, v, hooked)
+    assert len(seen) == 1 and seen[0].shape == (1, 2, 1, 24)
+    counted = _Counted(backend="triton")
+    attnorm.attention(q, k, v, counted)
+    assert counted.calls == 1
+    learnable = attnorm.Entmax(1.5, learnable=True, backend="triton")
+    assert decoding.row_weights(learnable, q, k, SCALE) is None
+    with torch.no_grad():
+        assert decoding.row_weights(learnable, q, k, SCALE) is None  # a tensor alpha: the module broadcasts it
+
+    class Watching(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Watching():
+        assert decoding.row_weights(attnorm.Sparsemax(backend="triton"), q, k, SCALE) is None
+    assert not decoding.scores_kernel_applies(attnorm.Sparsemax(backend="triton"), q.requires_grad_(), k)

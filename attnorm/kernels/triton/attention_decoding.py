@@ -84,14 +84,15 @@ decoding (bound by the bytes of K and V) has to spare.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnorm.kernels import rules
-from attnorm.kernels.rules import AttentionMask
+from attnorm.kernels import ops, rules
+from attnorm.kernels.rules import NO_MASK, AttentionMask
 from attnorm.kernels.triton import launch, replay
 from attnorm.kernels.triton.attention_blocks import (
     as_acc,
@@ -111,6 +112,7 @@ __all__ = [
     "PROGRAMS_PER_SM",
     "SCORE_BLOCKS_PER_PROGRAM",
     "decoding_scores_forward",
+    "decoding_weights_forward",
     "self_adjusted_decoding_forward",
     "split_count",
 ]
@@ -446,3 +448,22 @@ def decoding_scores_forward(q: Tensor, k: Tensor, scale: float) -> Tensor:
         **options,
     )
     return out
+
+
+@replay.replayable
+def decoding_weights_forward(q: Tensor, k: Tensor, scale: float, kernel: str,
+                             params: tuple[tuple[str, Any], ...]) -> Tensor:
+    """Unmasked weights ``(B, Hq, Lq, Lk)`` of the rows route in one call: :func:`decoding_scores_forward`,
+    then the row kernel of ``kernel`` over the float32 scores (:func:`attnorm.kernels.ops.weights`).
+
+    The same two launches, in the same order, as the scores op followed by the normalizer
+    module, so the weights are bit for bit the same; as one replayable function, an eager
+    decoding step keys and replays both launches at once (:mod:`.replay`: one key, the
+    scores and weights allocated, two direct launches) instead of passing through the
+    scores op, the module, its rules and the row op's entry point with a key of its own.
+    ``params``: the normalizer's ``kernel_params()`` as ``(name, number)`` pairs (numbers
+    only: a learnable parameter takes the module's route).  Forward only, no mask, no sink,
+    no cap: :func:`attnorm.routes.decoding.row_weights` says when a call qualifies.
+    """
+    scores = decoding_scores_forward(q, k, scale)
+    return ops.weights(ops.functions("triton"), kernel, scores, NO_MASK, dict(params))
