@@ -41,6 +41,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 MODULES: dict[str, Callable[[], torch.nn.Module]] = {}
+DECODING: dict[str, torch.nn.Module] = {}
 
 
 class _Utils:
@@ -114,6 +115,12 @@ def install() -> None:
         "SelfAdjustedSoftmax": lambda: attnorm.SelfAdjustedSoftmax(backend="triton"),
         "ScalableSoftmax": lambda: attnorm.ScalableSoftmax(backend="triton"),
     })
+    DECODING.update({  # the rows route (scores, row kernel, w v) and, for Self-Adjusted, the split-K kernel
+        "Sparsemax": attnorm.Sparsemax(backend="triton"),
+        "Entmax(1.5)": attnorm.Entmax(1.5, backend="triton"),
+        "TopKSoftmax(k=4)": attnorm.TopKSoftmax(4, backend="triton"),
+        "SelfAdjustedSoftmax": attnorm.SelfAdjustedSoftmax(backend="triton"),
+    })
 
 
 def best_us(call: Callable[[], object], calls: int, rounds: int) -> float:
@@ -141,11 +148,16 @@ def measure(calls: int, rounds: int, names: list[str] | None = None,
             x = torch.randn(4, 16, requires_grad=grad)
             cases[(name, "requires grad" if grad else "no grad")] = lambda module=module, x=x: module(x)
     if decoding:
-        q = torch.randn(2, 4, 1, 64, dtype=torch.bfloat16)
-        k, v = (torch.randn(2, 4, 256, 64, dtype=torch.bfloat16) for _ in range(2))
-        sparsemax, mask = attnorm.Sparsemax(backend="triton"), attnorm.causal_mask(255)
-        cases[("attention(Sparsemax) decoding", "no grad")] = (
-            lambda: attnorm.attention(q, k, v, sparsemax, attn_mask=mask))
+        # float16, not bfloat16: off CUDA the kernels read bfloat16 as float32 copies (a torch operation per
+        # call, which no replay repeats), so a bfloat16 step here would time copies a GPU never makes.
+        q = torch.randn(2, 4, 1, 64, dtype=torch.float16)
+        k, v = (torch.randn(2, 4, 64, 64, dtype=torch.float16) for _ in range(2))
+        mask = attnorm.causal_mask(63)  # a decoding step's: every key allowed
+        for name, normalizer in DECODING.items():
+            if names and name not in names:
+                continue
+            cases[(f"attention({name}) decoding", "no grad")] = (
+                lambda normalizer=normalizer: attnorm.attention(q, k, v, normalizer, attn_mask=mask))
     results = {case: [float("inf"), float("inf")] for case in cases}
     initial = fast_launch.enabled()
     for switch in (False, True):  # compile every variant and keep it before timing
@@ -176,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=300, help="calls per timed block")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the best block counts)")
     parser.add_argument("--modules", nargs="+", help="module names (default: all)")
-    parser.add_argument("--no-decoding", action="store_true", help="leave out the decoding attention call")
+    parser.add_argument("--no-decoding", action="store_true", help="leave out the decoding attention calls")
     parser.add_argument("--out", type=Path, help="write launch_overhead_cpu.md here")
     args = parser.parse_args(argv)
     install()
@@ -185,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "launch_overhead_cpu.md").write_text(
-            "Host time per eager call on a 4x16 tensor (and one decoding attention call), Triton's launch path "
+            "Host time per eager call on a 4x16 tensor (and decoding attention calls), Triton's launch path "
             "against attnorm's direct launch, without a GPU (`scripts/launch_overhead.py`).\n\n" + table
         )
     return 0

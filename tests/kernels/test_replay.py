@@ -33,6 +33,7 @@ def replaying(monkeypatch):
     standin.install(monkeypatch, launches)
     monkeypatch.setattr(fast_launch, "_KEPT", {})
     monkeypatch.setattr(replay, "_PLANS", {})
+    monkeypatch.setattr(replay, "_SEEN", {})
 
     monkeypatch.setattr(launch, "empty", poisoned_empty)
     replays = []
@@ -97,14 +98,14 @@ FORWARDS = [
 def test_forwards_replay_what_they_compute_as_written(replaying, call, replayable):
     _, replays = replaying
     shape = (2, 3, 37)
-    for seed in range(3):
+    for seed in range(4):
         x = scores(shape, seed)
         want = written(call, x)
         before = len(replays)
         got = call(x)
         assert_same(got, want)
         replayed = len(replays) > before
-        assert replayed == (replayable and seed > 0), (seed, replayed)  # the first call records
+        assert replayed == (replayable and seed > 1), (seed, replayed)  # the first runs as written, the second records
     assert replay.planned() == ((1, 0) if replayable else (0, 1))
 
 
@@ -113,7 +114,7 @@ def test_backwards_replay(replaying):
     x = scores((4, 50), 0)
     y, multiplier, log_count = written(softmax.softmax_forward, x, NO_MASK, 1, 0.4, 0.1)
     sparse, gate = written(entmax.entmax_forward, x, NO_MASK, 1.5)
-    for seed in range(3):
+    for seed in range(4):
         g = scores((4, 50), seed + 10).nan_to_num(neginf=0.0)
         for call in (lambda g=g: softmax.softmax_backward(y, g, multiplier, x, 2),
                      lambda g=g: softmax.softmax_backward(y, g, multiplier, x, 0, softcap=2.0),
@@ -131,7 +132,7 @@ def test_modules_replay_forward_and_backward(replaying):
                attnorm.ScalableSoftmax(backend="triton"), attnorm.TopKSoftmax(4, backend="triton"),
                attnorm.SelfAdjustedSoftmax(backend="triton")]
     for module in modules:
-        for seed in range(3):
+        for seed in range(4):
             x = scores((3, 20), seed).requires_grad_()
             g = scores((3, 20), seed + 5).nan_to_num(neginf=0.0)
             want = written(module, x)
@@ -140,7 +141,7 @@ def test_modules_replay_forward_and_backward(replaying):
             got = module(x)
             (got_grad,) = torch.autograd.grad(got, x, g)
             assert_same((got, got_grad), (want, want_grad))
-            if seed:
+            if seed > 1:
                 assert len(replays) == count + 2, type(module).__name__  # forward and backward replayed
             with torch.no_grad():
                 assert_same(module(x), want.detach())
@@ -155,7 +156,7 @@ def test_decoding_weights_replay_both_launches_as_one_plan(replaying, kernel, pa
     from attnorm.kernels.triton import attention_decoding
 
     launches, replays = replaying
-    for seed in range(3):
+    for seed in range(4):
         generator = torch.Generator().manual_seed(seed)
         q = torch.randn(2, 4, 1, 16, generator=generator).half()
         k = torch.randn(2, 2, 37, 16, generator=generator).half()
@@ -164,7 +165,7 @@ def test_decoding_weights_replay_both_launches_as_one_plan(replaying, kernel, pa
         got = attention_decoding.decoding_weights_forward(q, k, 0.25, kernel, params)
         assert_same(got, want)
         assert got.shape == (2, 4, 1, 37) and got.dtype == torch.float32
-        if seed:
+        if seed > 1:
             assert len(replays) == count + 1 and len(launches) == launched + 2
             assert got._base is None  # allocated in the result's shape, not a view of the kernel's (rows, L) output
     assert replay.planned() == (1, 0)
@@ -184,7 +185,7 @@ def test_each_key_part_gets_its_own_plan(replaying):
     ]
     for call in calls:
         want = written(call)
-        for _ in range(2):
+        for _ in range(3):
             assert_same(call(), want)
     replayable, refused = replay.planned()
     assert replayable + refused == len(calls)
@@ -210,7 +211,7 @@ def test_what_a_recording_refuses(replaying):
         return x  # no launch at all
 
     for function in (filled, computed, unlaunched):
-        for _ in range(2):
+        for _ in range(3):
             function(x)
     assert replay.planned() == (0, 3)
 
@@ -219,11 +220,12 @@ def test_aliased_inputs_record_again(replaying):
     x = scores((3, 16), 0).nan_to_num(neginf=0.0)
     y, multiplier, _ = written(softmax.softmax_forward, x, NO_MASK, 0, 1.0, 0.0)
     written(softmax.softmax_backward, y, y, multiplier, None, 0)
-    softmax.softmax_backward(y, y, multiplier, None, 0)  # y as its own gradient: which one a launch read is moot
+    for _ in range(2):  # seen, then recorded: y as its own gradient, which one a launch read is moot
+        softmax.softmax_backward(y, y, multiplier, None, 0)
     assert replay.planned() == (0, 0)
     g = torch.ones_like(y)
     want = written(softmax.softmax_backward, y, g, multiplier, None, 0)
-    for _ in range(2):
+    for _ in range(3):
         assert_same(softmax.softmax_backward(y, g, multiplier, None, 0), want)
     assert replay.planned() == (1, 0)
     assert_same(softmax.softmax_backward(y, y, multiplier, None, 0),
@@ -235,7 +237,7 @@ def test_not_replayed_with_a_hook_or_switched_off(replaying, monkeypatch):
 
     _, replays = replaying
     x = scores((2, 16), 0)
-    for _ in range(2):
+    for _ in range(3):
         softmax.softmax_forward(x, NO_MASK, 0, 1.0, 0.0)
     assert replay.planned() == (1, 0) and len(replays) == 1
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *args: None)
@@ -250,13 +252,36 @@ def test_not_replayed_with_a_hook_or_switched_off(replaying, monkeypatch):
     assert replay.planned() == (0, 0)
 
 
+def test_a_key_is_recorded_on_its_second_call(replaying, monkeypatch):
+    """A shape that never comes back (a KV cache growing by a key per step) is run as written, never recorded."""
+    launches, replays = replaying
+    recordings = []
+    monkeypatch.setattr(replay, "_make_plan", lambda *args, real=replay._make_plan: recordings.append(1) or real(*args))
+    x = scores((3, 64), 0)
+    for length in range(40, 64):
+        assert_same(softmax.softmax_forward(x[:, :length], NO_MASK, 0, 1.0, 0.0),
+                    written(softmax.softmax_forward, x[:, :length], NO_MASK, 0, 1.0, 0.0))
+    assert recordings == [] and replays == [] and replay.planned() == (0, 0)
+    for _ in range(3):  # length 40 was seen: recorded now, then replayed
+        softmax.softmax_forward(x[:, :40], NO_MASK, 0, 1.0, 0.0)
+    assert recordings == [1] and len(replays) == 2 and replay.planned() == (1, 0)
+    monkeypatch.setattr(replay, "MAX_SEEN", 4)
+    for length in range(10, 16):  # new keys: a full memory starts afresh
+        softmax.softmax_forward(x[:, :length], NO_MASK, 0, 1.0, 0.0)
+    assert len(replay._SEEN) <= 4
+    softmax.softmax_forward(x[:, :41], NO_MASK, 0, 1.0, 0.0)  # seen before the memory started afresh: forgotten
+    assert recordings == [1]
+
+
 def test_plans_keep_no_tensor_of_the_recorded_call(replaying):
     import gc
     import weakref
 
     x = scores((4, 300), 0)
-    result = softmax.softmax_forward(x, NO_MASK, 1, 0.5, 0.0)
+    softmax.softmax_forward(x, NO_MASK, 1, 0.5, 0.0)
+    result = softmax.softmax_forward(x, NO_MASK, 1, 0.5, 0.0)  # the second call records
     watched = [weakref.ref(t) for t in (x, *result[:2])]
+    replaying[0].clear()  # the stand-in's own log of launched values
     del x, result
     gc.collect()
     assert replay.planned() == (1, 0) and all(ref() is None for ref in watched)

@@ -8,7 +8,9 @@ slow CPU with a stand-in driver, ``scripts/launch_overhead.py``).  Every one of 
 values follows from the call's *metadata* alone.  With :mod:`attnorm.kernels.fast_launch`
 on, :func:`replayable` functions therefore run once under a recorder and keep a **plan**
 per call key; a later call with that key allocates the outputs and calls the compiled
-kernels' launchers with the recorded arguments, its tensors swapped in.
+kernels' launchers with the recorded arguments, its tensors swapped in.  A key is recorded
+the second time it is called (the first runs as written, :data:`MAX_SEEN`): shapes that
+never repeat, such as a KV cache growing by a key per decoding step, cost no recording.
 
 **The key** of a call: the function; for each tensor among the arguments (walking tuples
 such as a ``RowMask``) its dtype, shape, strides, device and whether its data pointer is
@@ -62,6 +64,15 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 _PLANS: dict[tuple, Any] = {}
 _REFUSED = object()
 """The plan of a key whose recording was refused: the call runs as written."""
+_SEEN: dict[tuple, None] = {}
+"""Keys called once and not recorded yet (see :data:`MAX_SEEN`)."""
+MAX_SEEN = 1024
+"""Keys remembered between a first call and a second: more, and the memory starts afresh.
+
+A key is recorded on its second call, not its first.  A decoding step against a growing KV
+cache has a new shape, so a new key, every step, and never comes back: recording each one
+(a recording, a plan, a slot among :data:`fast_launch.MAX_KEPT`) made such a step slower
+than running it as written; now it costs the key and one entry here."""
 _INPUT, _OUTPUT = 0, 1
 DEVICE_TYPES = frozenset({"cuda"})
 """Devices whose calls are replayed (the tests' direct-launch stand-in adds ``"cpu"``)."""
@@ -85,8 +96,9 @@ class _Plan(NamedTuple):
 
 
 def clear() -> None:
-    """Forget every plan."""
+    """Forget every plan (and every key seen once)."""
     _PLANS.clear()
+    _SEEN.clear()
 
 
 def planned() -> tuple[int, int]:
@@ -249,6 +261,11 @@ def replayable(function: _F) -> _F:
             return function(*args, **kwargs)
         if plan is not None:
             return _replay(plan, inputs, stream)
+        if key not in _SEEN:  # a first sighting: run as written; record if the key comes back
+            if len(_SEEN) >= MAX_SEEN:
+                _SEEN.clear()
+            _SEEN[key] = None
+            return function(*args, **kwargs)
         versions = [t._version for t in inputs]
         record = fast_launch.Recording()
         fast_launch.set_recording(record)
