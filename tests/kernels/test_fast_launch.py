@@ -55,6 +55,7 @@ class Compiled:
 def switched_on(monkeypatch):
     monkeypatch.setattr(fast_launch, "_ENABLED", True)
     monkeypatch.setattr(fast_launch, "_KEPT", {})
+    monkeypatch.setattr(fast_launch, "_KEPT_CLASSES", {})
     monkeypatch.setattr(fast_launch, "_device_and_stream", lambda: (0, 1234))
 
 
@@ -97,6 +98,49 @@ def test_key_is_finer_than_tritons_specialisation():
     assert fast_launch.key(kernel, 0, (base, (1, 2), 1, 0.5, True), {"BLOCK": 16}) is None  # a tuple: not taken
     assert fast_launch.key(kernel, 0, (base, base, 1, 0.5, True), {"BLOCK": 16}) != fast_launch.key(
         kernel, 1, (base, base, 1, 0.5, True), {"BLOCK": 16})  # another device
+
+
+def test_class_key_is_finer_than_tritons_specialisation_and_coarser_than_the_key():
+    """Integers of non-constexpr parameters by Triton's classes only: still one specialisation per class key."""
+    kernel = make_kernel()
+    base = torch.zeros(64, dtype=torch.float32)
+    tensors = [base, base[1:], base.to(torch.float16)]
+    ints = [0, 1, 2, 15, 16, 17, 31, 32, 48, -16, -17, 2**31 - 1, 2**31, 2**31 + 16, 2**40, 2**40 + 1]
+    by_class, keys = {}, set()
+    for x, n, extra, block, ints_block in itertools.product(tensors, ints, (3, 16, 17), (16, 64), (16, 32)):
+        kwargs = dict(BLOCK=block, num_warps=4, extra=extra)
+        args = (x, base, n, 0.25, True)
+        launch_key = fast_launch.key(kernel, 0, args, kwargs)
+        _, plan, values = fast_launch._planned(kernel, args, kwargs)
+        class_key = fast_launch._class_key(launch_key, plan, values)
+        _, specialization, options = triton_binding(kernel, args, kwargs)
+        seen = by_class.setdefault(class_key, (specialization, options))
+        assert seen == (specialization, options), (n, extra, block, seen, specialization)
+        keys.add(launch_key)
+    assert len(by_class) < len(keys)  # 15 and 17, 16 and 32 share a class
+    # a constexpr keeps its value: BLOCK 16 and 32 (both divisible by 16) are two classes
+    args = (base, base, 17, 0.25, True)
+    classes = set()
+    for block in (16, 32):
+        launch_key = fast_launch.key(kernel, 0, args, {"BLOCK": block})
+        classes.add(fast_launch._class_key(launch_key, *fast_launch._planned(kernel, args, {"BLOCK": block})[1:]))
+    assert len(classes) == 2
+
+
+def test_integer_of_a_known_class_launches_directly(switched_on, monkeypatch):
+    """A new length of a class already compiled (a growing KV cache) takes the direct launch, not Triton's path."""
+    kernel = make_kernel()
+    compiled, triton_calls = Compiled(), []
+    monkeypatch.setattr(kernel, "run", lambda *args, grid, warmup, **kwargs: triton_calls.append(args) or compiled)
+    x = torch.zeros(8)
+    fast_launch.launch(kernel, (1,), (x, x, 17, 0.5, True), {"BLOCK": 64})
+    for n in (19, 33, 1000001):
+        fast_launch.launch(kernel, (2,), (x, x, n, 0.5, True), {"BLOCK": 64})
+    assert len(triton_calls) == 1 and [call[9 + 2] for call in compiled.calls] == [19, 33, 1000001]
+    fast_launch.launch(kernel, (2,), (x, x, 48, 0.5, True), {"BLOCK": 64})  # divisible by 16: another class
+    fast_launch.launch(kernel, (2,), (x, x, 1, 0.5, True), {"BLOCK": 64})  # 1: Triton makes it a constant
+    fast_launch.launch(kernel, (2,), (x, x, 17, 0.5, True), {"BLOCK": 32})  # another constexpr value
+    assert len(triton_calls) == 4
 
 
 def test_first_launch_is_tritons_then_direct(switched_on, monkeypatch):
@@ -170,6 +214,7 @@ def test_cuda_results_equal_triton_launch(monkeypatch):
     from attnorm.kernels.triton import replay
 
     monkeypatch.setattr(fast_launch, "_KEPT", {})
+    monkeypatch.setattr(fast_launch, "_KEPT_CLASSES", {})
     monkeypatch.setattr(replay, "_PLANS", {})
     x = torch.randn(6, 300, device="cuda", requires_grad=True)
     g = torch.randn(6, 300, device="cuda")
