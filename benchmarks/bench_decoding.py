@@ -21,6 +21,14 @@ of q and k (``torch.matmul``), the route before the scores kernel
 (:func:`attnorm.routes.decoding.scores_kernel_applies`), so one run shows what the
 kernel saves.
 
+With ``--growing`` the KV cache grows by one key per call, as in generation: each call of
+every provider attends to the first ``n`` keys of a longer cache, ``n`` one more than the
+call before (from the KV length up, wrapping after :data:`GROW_SPAN` steps), with the mask
+made per call.  A fixed length repeats one shape, which attnorm's replay of Triton calls
+(``attnorm/kernels/triton/replay.py``) serves from a recorded plan; a growing cache has a
+new shape every step and runs the Python launchers as written, so this is the host time a
+generation loop sees.  No route providers in this mode.
+
 The second table gives ``split_k / rows`` per KV length: below 1 split-K is faster,
 and the family's entry in ``DECODING_ROUTES`` should be ``"split_k"``.  On CPU the
 split-K kernel runs only under Triton's interpreter (``TRITON_INTERPRET=1``, the
@@ -42,13 +50,16 @@ Usage::
     python benchmarks/bench_decoding.py --device cpu --quick    # seconds
     python benchmarks/bench_decoding.py --specs sa_softmax sa_softmax:normalized=false   # the route choice
     python benchmarks/bench_decoding.py --copies --specs sparsemax topk:k=64    # the scores kernel's saving
+    python benchmarks/bench_decoding.py --growing               # a new KV length every call, as in generation
 
-Writes ``bench_decoding_<device>.csv`` and ``.md`` into ``--out`` (default ``benchmarks/results/``).
+Writes ``bench_decoding_<device>.csv`` and ``.md`` into ``--out`` (default ``benchmarks/results/``),
+``bench_decoding_<device>_growing`` with ``--growing``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -81,12 +92,30 @@ CUDA_REP_MS = 20
 """``do_bench``'s ``rep`` per CUDA sample (milliseconds)."""
 
 
+GROW_SPAN = 2048
+"""Steps a ``--growing`` provider takes before its KV length wraps around (more than the replay's memory of keys)."""
+
+
+def growing(call: Callable[..., torch.Tensor], lk: int) -> Callable[..., torch.Tensor]:
+    """``call`` on the first ``n`` keys of the cache, ``n = lk, lk + 1, ...`` call after call (``--growing``)."""
+    step = itertools.count()
+
+    def grown(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = lk + next(step) % GROW_SPAN
+        return call(q, k[:, :, :n], v[:, :, :n])
+
+    return grown
+
+
 def goal(spec: str) -> float:
     return 1.1 if spec.startswith(("softmax", "ssmax")) else 2.0
 
 
-def attend_with(spec: str, device: str, lq: int, lk: int) -> Callable[..., torch.Tensor]:
+def attend_with(spec: str, device: str, lq: int, lk: int | None) -> Callable[..., torch.Tensor]:
+    """``attnorm.attention`` under the bottom-right causal mask; ``lk`` None: the mask made per call (``--growing``)."""
     normalizer = attnorm.make(spec).to(device)
+    if lk is None:
+        return lambda q, k, v: attnorm.attention(q, k, v, normalizer, attn_mask=attnorm.causal_mask(k.shape[-2] - lq))
     mask = attnorm.causal_mask(lk - lq)
     return lambda q, k, v: attnorm.attention(q, k, v, normalizer, attn_mask=mask)
 
@@ -207,7 +236,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     lengths = args.lengths or ((256, 512) if args.quick else lengths)
     rounds = 2 if args.quick else rounds
     specs = [spec.format(heads=heads) for spec in args.specs or SPECS]
-    routed = [spec for spec in specs if has_split_k(spec)]
+    routed = [] if args.growing else [spec for spec in specs if has_split_k(spec)]
     if routed and (reason := split_k_unavailable(args.device)):
         print(f"route providers left out: {reason}")
         routed = []
@@ -215,16 +244,22 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows = []
     for lk in lengths:
         generator = torch.Generator(device=args.device).manual_seed(0)
+        cache = lk + GROW_SPAN if args.growing else lk
         q, k, v = (torch.randn(batch, heads, length, head_dim, device=args.device, dtype=dtype, generator=generator)
-                   for length in (args.queries, lk, lk))
+                   for length in (args.queries, cache, cache))
         calls, errors = {"sdpa": sdpa_with(args.queries, lk)}, {}
         for spec in specs:
             try:
-                calls[spec] = attend_with(spec, args.device, args.queries, lk)
+                calls[spec] = attend_with(spec, args.device, args.queries, None if args.growing else lk)
             except Exception as error:
                 errors[spec] = error_text(error)
             if args.copies and spec in calls and on_rows_route(spec):
                 calls[spec + COPIES] = with_copies(calls[spec])
+        if args.growing:
+            if args.queries > 1:
+                calls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]))
+            calls = {name: growing(call, lk) for name, call in calls.items()}
         for spec in routed:
             for route in ROUTES:
                 try:
@@ -293,6 +328,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--specs", nargs="+", help="normalizer specs ({heads} = the run's heads)")
     parser.add_argument("--copies", action="store_true",
                         help=f"also time rows-route families with scores from float32 copies ('<spec>{COPIES}')")
+    parser.add_argument("--growing", action="store_true",
+                        help="a KV cache one key longer every call, as in generation (no replayed shape)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
@@ -306,14 +343,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     rows = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"bench_decoding_{args.device}"
+    name = f"bench_decoding_{args.device}" + ("_growing" if args.growing else "")
     write_csv(args.out / f"{name}.csv", rows, COLUMNS)
     table = report(rows)
     routes = route_report(rows)
     if routes:
         table += f"\n\nRoute choice: split-K time over scores-as-rows time (below 1: split-K is faster).\n\n{routes}"
     (args.out / f"{name}.md").write_text(
-        f"Decoding, {args.queries} query row(s), forward only; SDPA in ms, the rest as a ratio to it.\n\n"
+        f"Decoding, {args.queries} query row(s), forward only"
+        f"{', the KV cache one key longer every call' if args.growing else ''}; SDPA in ms, the rest as a ratio "
+        f"to it.\n\n"
         f"{table}\n\n{rows[0]['versions'] if rows else ''}\n"
     )
     print(table)

@@ -102,3 +102,19 @@ def test_cuda_timing_interleaves_providers_and_isolates_a_failing_one(monkeypatc
     assert samples == {"sdpa": [1.0] * 3, "sparsemax": [1.0] * 3}
     assert list(errors) == ["flaky"] and "out of resources" in errors["flaky"]
     assert calls_made[:3] == ["sdpa", "flaky", "sparsemax"]  # the warm-up call of each, before any round
+
+
+def test_growing_cache_attends_to_one_more_key_every_call(tmp_path, monkeypatch):
+    """``--growing``: every provider sees a new KV length each call, and the run writes its own files."""
+    import attnorm
+
+    seen = []
+    real = attnorm.attention
+    monkeypatch.setattr(attnorm, "attention", lambda q, k, *args, **kwargs: seen.append(k.shape[-2]) or real(
+        q, k, *args, **kwargs))
+    assert bench_decoding.main(["--device", "cpu", "--quick", "--growing", "--lengths", "40", "--specs", "sparsemax",
+                                "--out", str(tmp_path)]) == 0
+    assert seen[:3] == [40, 41, 42] and len(set(seen)) == len(seen)
+    rows = list(csv.DictReader(open(tmp_path / "bench_decoding_cpu_growing.csv", newline="")))
+    assert {row["normalizer"] for row in rows} == {"sdpa", "sparsemax"} and not [row for row in rows if row["error"]]
+    assert "one key longer every call" in (tmp_path / "bench_decoding_cpu_growing.md").read_text()

@@ -107,7 +107,7 @@ def test_class_key_is_finer_than_tritons_specialisation_and_coarser_than_the_key
     tensors = [base, base[1:], base.to(torch.float16)]
     ints = [0, 1, 2, 15, 16, 17, 31, 32, 48, -16, -17, 2**31 - 1, 2**31, 2**31 + 16, 2**40, 2**40 + 1]
     by_class, keys = {}, set()
-    for x, n, extra, block, ints_block in itertools.product(tensors, ints, (3, 16, 17), (16, 64), (16, 32)):
+    for x, n, extra, block in itertools.product(tensors, ints, (3, 16, 17), (16, 64)):
         kwargs = dict(BLOCK=block, num_warps=4, extra=extra)
         args = (x, base, n, 0.25, True)
         launch_key = fast_launch.key(kernel, 0, args, kwargs)
