@@ -27,6 +27,7 @@ Writes ``launch_overhead_cpu.md`` into ``--out`` when given.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -41,6 +42,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 MODULES: dict[str, Callable[[], torch.nn.Module]] = {}
+GROWTH = 4096
+"""KV lengths a growing-cache case steps through before it wraps (more than the replay remembers)."""
 DECODING: dict[str, torch.nn.Module] = {}
 
 
@@ -123,6 +126,19 @@ def install() -> None:
     })
 
 
+def _growing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: torch.nn.Module) -> Callable[[], object]:
+    """A decoding step whose KV cache is one key longer than the step before (from 64, wrapping after GROWTH)."""
+    import attnorm
+
+    lengths = itertools.count()
+
+    def step():
+        n = 64 + next(lengths) % GROWTH
+        return attnorm.attention(q, k[:, :, :n], v[:, :, :n], normalizer)
+
+    return step
+
+
 def best_us(call: Callable[[], object], calls: int, rounds: int) -> float:
     best = float("inf")
     for _ in range(rounds):
@@ -158,6 +174,14 @@ def measure(calls: int, rounds: int, names: list[str] | None = None,
                 continue
             cases[(f"attention({name}) decoding", "no grad")] = (
                 lambda normalizer=normalizer: attnorm.attention(q, k, v, normalizer, attn_mask=mask))
+        # generation: the KV cache one key longer every call, a new shape each time (never replayed)
+        # (one head of width 16: the CPU's own products stay small beside the host time at any length)
+        qg = torch.randn(1, 1, 1, 16, dtype=torch.float16)
+        kc, vc = (torch.randn(1, 1, 64 + GROWTH, 16, dtype=torch.float16) for _ in range(2))
+        for name, normalizer in DECODING.items():
+            if names and name not in names or name == "SelfAdjustedSoftmax":
+                continue
+            cases[(f"attention({name}) decoding, growing KV", "no grad")] = _growing(qg, kc, vc, normalizer)
     results = {case: [float("inf"), float("inf")] for case in cases}
     initial = fast_launch.enabled()
     for switch in (False, True):  # compile every variant and keep it before timing
