@@ -19,20 +19,14 @@ kept kernel is always the one Triton would pick:
 
 * each tensor: its dtype and whether its data pointer is 16-byte aligned (Triton's
   pointer specialisation), never its values;
-* every other argument and option (``num_warps``, ``num_stages``, constexprs): its exact
-  type and value (Triton keys integers only by range, divisibility by 16 and being 1:
-  exact values only make more keys);
+* an integer bound to a parameter that is not a ``tl.constexpr``: only what Triton
+  specialises it on (equal to 1, divisible by 16, within int32, within int64:
+  :func:`_int_classes`; a test holds the key to Triton's own binder, under Triton 3.6
+  and 3.9), so lengths, strides and counts that change from call to call (a KV cache one
+  key longer every decoding step) keep the key of the kernel already compiled for them;
+* every other argument and option (``num_warps``, ``num_stages``, constexprs, floats,
+  bools): its exact type and value (Triton keys floats by type alone: more keys, no wrong one);
 * the kernel, the current CUDA device, and Triton's ``debug`` and instrumentation knobs.
-
-**The class key.**  A launch whose exact key is new looks for the same kernel under a
-second, coarser key before it takes Triton's path: there an integer bound to a parameter
-that is not a ``tl.constexpr`` counts only by what Triton specialises it on (equal to 1,
-divisible by 16, within int32, within int64: :func:`_int_class`, checked against
-``native_specialize_impl`` of Triton 3.6 and 3.9), everything else as in the exact key.
-Still finer than Triton's key, so still the kernel Triton would pick; and a launch whose
-lengths change every call (a KV cache growing by a key per decoding step: new sizes and
-strides, the same specialisation) takes the direct launch instead of Triton's
-``JITFunction.run`` at every step.
 
 Not taken (Triton's own path, every time): off CUDA (the interpreter's functions are not
 ``JITFunction`` objects), while a launch hook is installed (a profiler such as Proton
@@ -78,7 +72,6 @@ MAX_KEPT = 4096
 
 _ENABLED = os.environ.get("ATTNORM_FAST_LAUNCH", "1") != "0"
 _KEPT: dict[tuple, Any] = {}
-_KEPT_CLASSES: dict[tuple, Any] = {}
 _PLANS: dict[tuple, Any] = {}
 _MISSING = inspect.Parameter.empty
 _SCALARS = frozenset((bool, int, float, str, type(None)))
@@ -91,15 +84,14 @@ _STATE = threading.local()
 class _Plan(NamedTuple):
     """How to read one call shape's values: ``values`` is ``(*args, *kwargs.values(), *defaults)``.
 
-    ``scalars`` gives every scalar (the exact key); ``fixed`` those the class key keeps
-    exact, ``ints`` the integers bound to parameters that are not ``tl.constexpr``.
+    ``scalars``: the values the key holds as they are; ``ints``: the integers bound to
+    parameters that are not ``tl.constexpr``, which it holds by class (:func:`_int_classes`).
     """
 
     tensors: Callable[[tuple], tuple]
     scalars: Callable[[tuple], tuple]
     order: Callable[[tuple], tuple]
     defaults: tuple[Any, ...]
-    fixed: Callable[[tuple], tuple]
     ints: Callable[[tuple], tuple]
 
 
@@ -135,24 +127,24 @@ def _make_plan(kernel: Any, kinds: tuple[type, ...], positional: int, names: tup
         if kernel_params is not None and len(kernel_params) == len(parameters) and \
                 getattr(kernel_params[i], "is_constexpr", True) is False:
             specialised.add(order[-1])  # Triton keys a value here by its type and specialisation, not itself
-    tensors, scalars, fixed, ints = [], [], [], []
+    tensors, scalars, ints = [], [], []
     for i, kind in enumerate(kinds):
         if issubclass(kind, torch.Tensor):
             tensors.append(i)
+        elif kind is int and i in specialised:
+            ints.append(i)
         elif kind in _SCALARS or kind.__module__.startswith("triton") and kind.__hash__ is not None:
             scalars.append(i)  # tl.dtype and tl.constexpr values of constexpr arguments are hashable
-            (ints if kind is int and i in specialised else fixed).append(i)
         else:
             return None  # a tuple, a TensorDescriptor, ...
-    return _Plan(_getter(tensors), _getter(scalars), _getter(order), defaults, _getter(fixed), _getter(ints))
+    return _Plan(_getter(tensors), _getter(scalars), _getter(order), defaults, _getter(ints))
 
 
-def _int_class(value: int) -> int:
-    """What Triton specialises a non-constexpr integer on: 1 itself, else divisibility by 16 and int32/int64 range."""
-    if value == 1:
-        return 1
-    return (2 if value & 15 == 0 else 0) + (4 if -2147483648 <= value < 2147483648 else 0) + (
-        8 if -9223372036854775808 <= value < 9223372036854775808 else 0)
+def _int_classes(values: tuple[int, ...]) -> tuple[int, ...]:
+    """What Triton specialises each non-constexpr integer on: -1 for 1 itself (a constant to Triton), else bit 0
+    divisibility by 16, bit 1 int32 range, bit 2 int64 range (Triton's ``i32``/``i64``/``u64``)."""
+    return tuple([-1 if v == 1 else (v & 15 == 0) + 2 * (-2147483648 <= v < 2147483648)
+                  + 4 * (-9223372036854775808 <= v < 9223372036854775808) for v in values])
 
 
 def _planned(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, _Plan | None, tuple]:
@@ -195,15 +187,9 @@ def key(kernel: Any, device: int, args: tuple[Any, ...], kwargs: dict[str, Any])
 def _key(plan_key: tuple, plan: _Plan, values: tuple, device: int) -> tuple:
     knobs = _knobs()
     tensors = plan.tensors(values)
-    return (plan_key, device, plan.scalars(values), tuple([t.dtype for t in tensors]),
+    return (plan_key, device, plan.scalars(values), _int_classes(plan.ints(values)), tuple([t.dtype for t in tensors]),
             tuple([t.data_ptr() % 16 == 0 for t in tensors]), knobs.runtime.debug,
             knobs.compilation.instrumentation_mode)
-
-
-def _class_key(launch_key: tuple, plan: _Plan, values: tuple) -> tuple:
-    """The class key (module docstring) of a launch whose exact key is ``launch_key``."""
-    return (launch_key[0], launch_key[1], plan.fixed(values), tuple([_int_class(v) for v in plan.ints(values)]),
-            *launch_key[3:])
 
 
 def _knobs() -> Any:
@@ -282,22 +268,14 @@ def launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: di
     plan_key, plan, values = _planned(kernel, args, kwargs)
     launch_key = None if plan is None else _key(plan_key, plan, values, device)
     compiled = None if launch_key is None else _KEPT.get(launch_key)
-    if compiled is None and launch_key is not None:
-        class_key = _class_key(launch_key, plan, values)
-        compiled = _KEPT_CLASSES.get(class_key)
-        if compiled is not None and len(_KEPT) < MAX_KEPT:
-            _KEPT[launch_key] = compiled  # the next launch with this exact key skips the class key
-        if compiled is None:
-            compiled = kernel[grid](*args, **kwargs)
-            if compiled is not None and len(_KEPT_CLASSES) < MAX_KEPT:
-                _KEPT_CLASSES[class_key] = compiled
-            if compiled is not None and len(_KEPT) < MAX_KEPT:
-                _KEPT[launch_key] = compiled
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if launch_key is not None and compiled is not None and len(_KEPT) < MAX_KEPT:
+            _KEPT[launch_key] = compiled
+        if plan is None:
+            _spoil()
+        else:
             _note_launch(compiled, grid, plan.order((*values, *plan.defaults)))
-            return
-    elif compiled is None:
-        kernel[grid](*args, **kwargs)
-        _spoil()
         return
     bound = plan.order((*values, *plan.defaults))
     _note_launch(compiled, grid, bound)

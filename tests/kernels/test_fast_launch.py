@@ -55,7 +55,6 @@ class Compiled:
 def switched_on(monkeypatch):
     monkeypatch.setattr(fast_launch, "_ENABLED", True)
     monkeypatch.setattr(fast_launch, "_KEPT", {})
-    monkeypatch.setattr(fast_launch, "_KEPT_CLASSES", {})
     monkeypatch.setattr(fast_launch, "_device_and_stream", lambda: (0, 1234))
 
 
@@ -100,31 +99,25 @@ def test_key_is_finer_than_tritons_specialisation():
         kernel, 1, (base, base, 1, 0.5, True), {"BLOCK": 16})  # another device
 
 
-def test_class_key_is_finer_than_tritons_specialisation_and_coarser_than_the_key():
-    """Integers of non-constexpr parameters by Triton's classes only: still one specialisation per class key."""
+def test_lengths_share_a_key_within_tritons_integer_classes():
+    """Integers of non-constexpr parameters count by Triton's classes: 15 and 17 share a key, 16 and 17 do not;
+    a constexpr keeps its value (16 and 32 are two keys), and every key still maps to one specialisation."""
     kernel = make_kernel()
     base = torch.zeros(64, dtype=torch.float32)
-    tensors = [base, base[1:], base.to(torch.float16)]
-    ints = [0, 1, 2, 15, 16, 17, 31, 32, 48, -16, -17, 2**31 - 1, 2**31, 2**31 + 16, 2**40, 2**40 + 1]
-    by_class, keys = {}, set()
-    for x, n, extra, block in itertools.product(tensors, ints, (3, 16, 17), (16, 64)):
-        kwargs = dict(BLOCK=block, num_warps=4, extra=extra)
-        args = (x, base, n, 0.25, True)
-        launch_key = fast_launch.key(kernel, 0, args, kwargs)
-        _, plan, values = fast_launch._planned(kernel, args, kwargs)
-        class_key = fast_launch._class_key(launch_key, plan, values)
+    ints = [0, 1, 2, 15, 16, 17, 31, 32, 48, -16, -17, 2**31 - 1, 2**31, 2**31 + 16, 2**40, 2**40 + 1, 2**63, 2**63 + 1]
+    by_key = {}
+    for n, extra in itertools.product(ints, (3, 16, 17)):
+        args, kwargs = (base, base, n, 0.25, True), dict(BLOCK=16, num_warps=4, extra=extra)
         _, specialization, options = triton_binding(kernel, args, kwargs)
-        seen = by_class.setdefault(class_key, (specialization, options))
-        assert seen == (specialization, options), (n, extra, block, seen, specialization)
-        keys.add(launch_key)
-    assert len(by_class) < len(keys)  # 15 and 17, 16 and 32 share a class
-    # a constexpr keeps its value: BLOCK 16 and 32 (both divisible by 16) are two classes
-    args = (base, base, 17, 0.25, True)
-    classes = set()
-    for block in (16, 32):
-        launch_key = fast_launch.key(kernel, 0, args, {"BLOCK": block})
-        classes.add(fast_launch._class_key(launch_key, *fast_launch._planned(kernel, args, {"BLOCK": block})[1:]))
-    assert len(classes) == 2
+        seen = by_key.setdefault(fast_launch.key(kernel, 0, args, kwargs), (specialization, options))
+        assert seen == (specialization, options), (n, extra, seen, specialization)
+    assert len(by_key) < len(ints) * 3
+
+    def key(n, block=16):
+        return fast_launch.key(kernel, 0, (base, base, n, 0.25, True), {"BLOCK": block})
+
+    assert key(15) == key(17) == key(1001) != key(16) == key(32) != key(1)
+    assert key(17, block=16) != key(17, block=32)
 
 
 def test_integer_of_a_known_class_launches_directly(switched_on, monkeypatch):
@@ -214,7 +207,6 @@ def test_cuda_results_equal_triton_launch(monkeypatch):
     from attnorm.kernels.triton import replay
 
     monkeypatch.setattr(fast_launch, "_KEPT", {})
-    monkeypatch.setattr(fast_launch, "_KEPT_CLASSES", {})
     monkeypatch.setattr(replay, "_PLANS", {})
     x = torch.randn(6, 300, device="cuda", requires_grad=True)
     g = torch.randn(6, 300, device="cuda")

@@ -32,7 +32,6 @@ def replaying(monkeypatch):
     launches = []
     standin.install(monkeypatch, launches)
     monkeypatch.setattr(fast_launch, "_KEPT", {})
-    monkeypatch.setattr(fast_launch, "_KEPT_CLASSES", {})
     monkeypatch.setattr(replay, "_PLANS", {})
     monkeypatch.setattr(replay, "_SEEN", {})
 
