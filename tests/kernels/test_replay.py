@@ -273,6 +273,22 @@ def test_a_key_is_recorded_on_its_second_call(replaying, monkeypatch):
     assert recordings == [1]
 
 
+def test_inference_mode_records_and_replays(replaying):
+    """Inference tensors have no version counter (reading one raised, failing every call under inference mode)."""
+    import attnorm
+
+    _, replays = replaying
+    module = attnorm.Sparsemax(backend="triton")
+    with torch.inference_mode():
+        for seed in range(4):
+            x = scores((3, 20), seed)
+            want = written(module, x)
+            got = module(x)
+            assert got.is_inference()
+            assert_same(got, want)
+    assert len(replays) == 2 and replay.planned() == (1, 0)
+
+
 def test_plans_keep_no_tensor_of_the_recorded_call(replaying):
     import gc
     import weakref
