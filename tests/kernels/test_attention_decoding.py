@@ -473,3 +473,22 @@ def test_one_call_weights_leave_what_a_module_call_would_show(device):
     with Watching():
         assert decoding.row_weights(attnorm.Sparsemax(backend="triton"), q, k, SCALE) is None
     assert not decoding.scores_kernel_applies(attnorm.Sparsemax(backend="triton"), q.requires_grad_(), k)
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=slow_under_interpreter(name == "sparsemax"))
+                                  for name in ["sparsemax", "entmax:alpha=1.5", "topk:k=5", "sa_softmax", "ssmax"]])
+def test_inference_mode_runs_every_route_twice_and_again(name, device):
+    """Under ``torch.inference_mode`` (inference tensors: no version counter) a module call, a decoding step, a
+    fused call and their repeats (recorded, replayed on CUDA) equal the same calls under ``no_grad``."""
+    normalizer = attnorm.make(name)
+    normalizer.backend = "triton"
+    q, k, v = make_qkv(1, 2, 2, 17, 20, 16, 16, torch.float16, device)
+    calls = [lambda: normalizer(q.float() @ k.float().transpose(-1, -2)),
+             lambda: attnorm.attention(q[:, :, -1:], k, v, normalizer, attn_mask=attnorm.causal_mask(19)),
+             lambda: attnorm.attention(q, k, v, normalizer, attn_mask=attnorm.causal_mask(4))]
+    with torch.no_grad():
+        wants = [call() for call in calls]
+    with torch.inference_mode():
+        for _ in range(3 if device == "cuda" else 1):  # on CUDA: run as written, recorded, replayed
+            for call, want in zip(calls, wants, strict=True):
+                torch.testing.assert_close(call(), want, rtol=0, atol=0)
