@@ -147,10 +147,11 @@ def test_modules_replay_forward_and_backward(replaying):
                 assert_same(module(x), want.detach())
 
 
-@pytest.mark.parametrize(("kernel", "params"), [("sparsemax", ()), ("entmax", (("alpha", 1.5),)),
-                                               ("topk_softmax", (("k", 5), ("temperature", 1.0))),
-                                               ("self_adjusted_softmax", (("normalized", False),))],
-                         ids=["sparsemax", "entmax15", "top5", "sa-plain"])
+@pytest.mark.parametrize(("kernel", "params"), [
+    pytest.param("sparsemax", (), id="sparsemax"),
+    pytest.param("entmax", (("alpha", 1.5),), marks=pytest.mark.slow, id="entmax15"),
+    pytest.param("topk_softmax", (("k", 5), ("temperature", 1.0)), id="top5"),
+    pytest.param("self_adjusted_softmax", (("normalized", False),), marks=pytest.mark.slow, id="sa-plain")])
 def test_decoding_weights_replay_both_launches_as_one_plan(replaying, kernel, params):
     """The rows route's scores kernel and row kernel keyed once and replayed together (float16: no copies off CUDA)."""
     from attnorm.kernels.triton import attention_decoding
