@@ -115,6 +115,8 @@ def _make_plan(kernel: Any, kinds: tuple[type, ...], positional: int, names: tup
     keyword = {name: positional + i for i, name in enumerate(names)}
     order, specialised = [], set()
     kernel_params = getattr(kernel, "params", None)
+    if kernel_params is not None and len(kernel_params) != len(parameters):
+        kernel_params = None  # not Triton's list of this signature: every value keyed as it is
     for i, parameter in enumerate(parameters):
         if i < positional:
             order.append(i)
@@ -124,8 +126,7 @@ def _make_plan(kernel: Any, kinds: tuple[type, ...], positional: int, names: tup
             order.append(passed + i)
         else:
             return None  # Triton's path raises its own error
-        if kernel_params is not None and len(kernel_params) == len(parameters) and \
-                getattr(kernel_params[i], "is_constexpr", True) is False:
+        if kernel_params is not None and getattr(kernel_params[i], "is_constexpr", True) is False:
             specialised.add(order[-1])  # Triton keys a value here by its type and specialisation, not itself
     tensors, scalars, ints = [], [], []
     for i, kind in enumerate(kinds):

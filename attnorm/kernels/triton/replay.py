@@ -257,6 +257,16 @@ def _replay(plan: _Plan, inputs: list[Tensor], stream: int) -> Any:
     return plan.result(outputs, inputs)
 
 
+def _recorded(function: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, fast_launch.Recording]:
+    """``(function(*args, **kwargs), the recording of its launches and outputs)``."""
+    record = fast_launch.Recording()
+    fast_launch.set_recording(record)
+    try:
+        return function(*args, **kwargs), record
+    finally:
+        fast_launch.set_recording(None)
+
+
 def replayable(function: _F) -> _F:
     """``function`` (a Triton backend function), replayed from its plan when :mod:`.fast_launch` is on (module doc)."""
 
@@ -279,18 +289,9 @@ def replayable(function: _F) -> _F:
             _SEEN[key] = None
             # under a recording nobody reads, so that the replayable functions it calls run as written
             # without keys of their own (their calls come back only as part of this one)
-            fast_launch.set_recording(fast_launch.Recording())
-            try:
-                return function(*args, **kwargs)
-            finally:
-                fast_launch.set_recording(None)
+            return _recorded(function, args, kwargs)[0]
         versions = [_version(t) for t in inputs]
-        record = fast_launch.Recording()
-        fast_launch.set_recording(record)
-        try:
-            result = function(*args, **kwargs)
-        finally:
-            fast_launch.set_recording(None)
+        result, record = _recorded(function, args, kwargs)
         if _aliased(inputs) or _aliased(record.outputs):
             return result  # which tensor a launch read is ambiguous: record the next call afresh
         changed = versions != [_version(t) for t in inputs]
