@@ -126,15 +126,27 @@ def install() -> None:
     })
 
 
-def _growing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: torch.nn.Module) -> Callable[[], object]:
-    """A decoding step whose KV cache is one key longer than the step before (from 64, wrapping after GROWTH)."""
+LAYERS = 12
+"""Attention layers per generation step in the many-layer growing-cache case."""
+
+
+def _growing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: torch.nn.Module,
+             layers: int = 1) -> Callable[[], object]:
+    """A decoding step whose KV cache is one key longer than the step before (from 64, wrapping after GROWTH).
+
+    With ``layers > 1`` the step runs that many attention layers, each on a cache of its own
+    of the step's length (as a model's layers are): the step's shapes repeat once per layer.
+    """
     import attnorm
 
     lengths = itertools.count()
+    caches = [(k, v)] + [(k.clone(), v.clone()) for _ in range(layers - 1)]
 
     def step():
         n = 64 + next(lengths) % GROWTH
-        return attnorm.attention(q, k[:, :, :n], v[:, :, :n], normalizer)
+        for k_layer, v_layer in caches:
+            out = attnorm.attention(q, k_layer[:, :, :n], v_layer[:, :, :n], normalizer)
+        return out
 
     return step
 
@@ -182,6 +194,9 @@ def measure(calls: int, rounds: int, names: list[str] | None = None,
             if names and name not in names or name == "SelfAdjustedSoftmax":
                 continue
             cases[(f"attention({name}) decoding, growing KV", "no grad")] = _growing(qg, kc, vc, normalizer)
+            cases[(f"attention({name}) decoding, growing KV, {LAYERS} layers (per layer)", "no grad")] = _growing(
+                qg, kc, vc, normalizer, LAYERS)
+    per_call = {case: LAYERS if "layers" in case[0] else 1 for case in cases}
     results = {case: [float("inf"), float("inf")] for case in cases}
     initial = fast_launch.enabled()
     for switch in (False, True):  # compile every variant and keep it before timing
@@ -193,7 +208,8 @@ def measure(calls: int, rounds: int, names: list[str] | None = None,
         for switch in (False, True):
             fast_launch.set_enabled(switch)
             for case, call in cases.items():
-                results[case][switch] = min(results[case][switch], best_us(call, calls, 1))
+                results[case][switch] = min(results[case][switch],
+                                            best_us(call, max(1, calls // per_call[case]), 1) / per_call[case])
     fast_launch.set_enabled(initial)
     return [(*case, *results[case]) for case in cases]
 

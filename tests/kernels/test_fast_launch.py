@@ -9,6 +9,7 @@ what they are given.  The references are Triton's own generated binder (what
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -207,7 +208,7 @@ def test_cuda_results_equal_triton_launch(monkeypatch):
     from attnorm.kernels.triton import replay
 
     monkeypatch.setattr(fast_launch, "_KEPT", {})
-    monkeypatch.setattr(replay, "_PLANS", {})
+    monkeypatch.setattr(replay, "_PLANS", OrderedDict())
     x = torch.randn(6, 300, device="cuda", requires_grad=True)
     g = torch.randn(6, 300, device="cuda")
     q, k, v = (torch.randn(2, 4, 130, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -10,6 +10,7 @@ running the function as written (fast launch off), outputs poisoned with NaN fir
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -32,8 +33,8 @@ def replaying(monkeypatch):
     launches = []
     standin.install(monkeypatch, launches)
     monkeypatch.setattr(fast_launch, "_KEPT", {})
-    monkeypatch.setattr(replay, "_PLANS", {})
-    monkeypatch.setattr(replay, "_SEEN", {})
+    monkeypatch.setattr(replay, "_PLANS", OrderedDict())
+    monkeypatch.setattr(replay, "_SEEN", OrderedDict())
 
     monkeypatch.setattr(launch, "empty", poisoned_empty)
     replays = []
@@ -269,11 +270,43 @@ def test_a_key_is_recorded_on_its_second_call(replaying, monkeypatch):
         softmax.softmax_forward(x[:, :40], NO_MASK, 0, 1.0, 0.0)
     assert recordings == [1] and len(replays) == 2 and replay.planned() == (1, 0)
     monkeypatch.setattr(replay, "MAX_SEEN", 4)
-    for length in range(10, 16):  # new keys: a full memory starts afresh
+    for length in range(10, 16):  # new keys: a full memory forgets its oldest
         softmax.softmax_forward(x[:, :length], NO_MASK, 0, 1.0, 0.0)
-    assert len(replay._SEEN) <= 4
-    softmax.softmax_forward(x[:, :41], NO_MASK, 0, 1.0, 0.0)  # seen before the memory started afresh: forgotten
-    assert recordings == [1]
+    assert list(replay._SEEN)[-1] is not None and len(replay._SEEN) == 4
+    softmax.softmax_forward(x[:, :41], NO_MASK, 0, 1.0, 0.0)  # seen before it was forgotten: run as written
+    softmax.softmax_forward(x[:, :15], NO_MASK, 0, 1.0, 0.0)  # one of the last four seen: recorded
+    assert recordings == [1, 1]
+
+
+def test_a_full_table_drops_its_least_recently_used_plan(replaying, monkeypatch):
+    """Past MAX_PLANS the plan used longest ago goes: new shapes keep being recorded and replayed.
+
+    A table that kept its first plans forever recorded every later key's calls without keeping
+    the plan (a generation or a training run meeting thousands of lengths made every new shape's
+    call slower than with the switch off, for the rest of the process)."""
+    _, replays = replaying
+    recordings = []
+    monkeypatch.setattr(replay, "_make_plan", lambda *args, real=replay._make_plan: recordings.append(1) or real(*args))
+    monkeypatch.setattr(replay, "MAX_PLANS", 2)
+    x = scores((3, 64), 0)
+
+    def call(length):
+        got = softmax.softmax_forward(x[:, :length], NO_MASK, 0, 1.0, 0.0)
+        assert_same(got, written(softmax.softmax_forward, x[:, :length], NO_MASK, 0, 1.0, 0.0))
+
+    for length in (20, 20, 30, 30):  # two plans: the table is full
+        call(length)
+    assert len(recordings) == 2 and replay.planned() == (2, 0)
+    call(20)  # replayed: 20 is now the more recent
+    assert len(replays) == 1
+    for _ in range(3):  # a new key is recorded, kept (30 goes) and replayed
+        call(40)
+    assert len(recordings) == 3 and len(replays) == 2 and replay.planned() == (2, 0)
+    call(20)  # still kept
+    assert len(replays) == 3 and len(recordings) == 3
+    call(30)
+    call(30)  # dropped: seen again, recorded again
+    assert len(recordings) == 4 and len(replays) == 3
 
 
 def test_inference_mode_records_and_replays(replaying):

@@ -40,13 +40,15 @@ Allocations are aligned (the caching allocator rounds blocks to 512 bytes), so t
 pointer specialisation never changes.  Not recorded or replayed: under ``torch.compile``
 or a tracer (tensors there are not plain), while a CUDA graph is being captured (a
 constant made then is filled only at replay), with a launch hook installed, or with the
-switch off.  Plans are never dropped; at most :data:`fast_launch.MAX_KEPT` are kept.
+switch off.  At most :data:`MAX_PLANS` plans are kept, the least recently used dropped
+first (a plan holds no tensor; its compiled kernels stay kept by :mod:`.fast_launch`).
 :func:`clear` forgets them (after patching a module-level block size, say).
 """
 
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -61,18 +63,29 @@ from attnorm.kernels.triton import launch
 __all__ = ["clear", "planned", "replayable"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_PLANS: dict[tuple, Any] = {}
+_PLANS: OrderedDict[tuple, Any] = OrderedDict()
+"""Plans by call key, least recently used first."""
 _REFUSED = object()
 """The plan of a key whose recording was refused: the call runs as written."""
-_SEEN: dict[tuple, None] = {}
-"""Keys called once and not recorded yet (see :data:`MAX_SEEN`)."""
+MAX_PLANS = 4096
+"""Most plans kept; past it the least recently used is dropped.
+
+Dropping matters: a process that meets many shapes (generation against a growing KV cache,
+a new length every step; training on varying lengths) fills any table, and a full table
+that kept its first plans forever recorded every later key's calls without keeping the
+plan, so each such call cost a recording on top of the code as written (~120 against
+~67 us, switch off, on the stand-in of ``scripts/launch_overhead.py``)."""
+_SEEN: OrderedDict[tuple, None] = OrderedDict()
+"""Keys called once and not recorded yet (see :data:`MAX_SEEN`), oldest first."""
 MAX_SEEN = 1024
-"""Keys remembered between a first call and a second: more, and the memory starts afresh.
+"""Keys remembered between a first call and a second; past it the oldest is forgotten.
 
 A key is recorded on its second call, not its first.  A decoding step against a growing KV
-cache has a new shape, so a new key, every step, and never comes back: recording each one
-(a recording, a plan, a slot among :data:`fast_launch.MAX_KEPT`) made such a step slower
-than running it as written; now it costs the key and one entry here."""
+cache has a new shape, so a new key, every step: with one attention layer that key never
+comes back, and recording each one (a recording, a plan, a slot among :data:`MAX_PLANS`)
+made such a step slower than running it as written; now it costs the key and one entry
+here.  With many layers of one shape, the step's key comes back once per layer: the second
+layer records it and the others replay it."""
 _INPUT, _OUTPUT = 0, 1
 DEVICE_TYPES = frozenset({"cuda"})
 """Devices whose calls are replayed (the tests' direct-launch stand-in adds ``"cpu"``)."""
@@ -257,6 +270,24 @@ def _replay(plan: _Plan, inputs: list[Tensor], stream: int) -> Any:
     return plan.result(outputs, inputs)
 
 
+def _touch(key: tuple) -> None:
+    """Mark ``key``'s plan as just used (another thread may have dropped it meanwhile)."""
+    try:
+        _PLANS.move_to_end(key)
+    except KeyError:
+        pass
+
+
+def _keep(table: OrderedDict, key: tuple, value: Any, limit: int) -> None:
+    """``table[key] = value``, first dropping the oldest entries past ``limit - 1``."""
+    try:
+        while len(table) >= limit:
+            table.popitem(last=False)
+    except KeyError:  # emptied by another thread meanwhile
+        pass
+    table[key] = value
+
+
 def _recorded(function: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, fast_launch.Recording]:
     """``(function(*args, **kwargs), the recording of its launches and outputs)``."""
     record = fast_launch.Recording()
@@ -279,14 +310,13 @@ def replayable(function: _F) -> _F:
             return function(*args, **kwargs)
         key, inputs, stream = keyed
         plan = _PLANS.get(key)
-        if plan is _REFUSED:
-            return function(*args, **kwargs)
         if plan is not None:
+            _touch(key)
+            if plan is _REFUSED:
+                return function(*args, **kwargs)
             return _replay(plan, inputs, stream)
         if key not in _SEEN:  # a first sighting: run as written; record if the key comes back
-            if len(_SEEN) >= MAX_SEEN:
-                _SEEN.clear()
-            _SEEN[key] = None
+            _keep(_SEEN, key, None, MAX_SEEN)
             # under a recording nobody reads, so that the replayable functions it calls run as written
             # without keys of their own (their calls come back only as part of this one)
             return _recorded(function, args, kwargs)[0]
@@ -296,8 +326,8 @@ def replayable(function: _F) -> _F:
             return result  # which tensor a launch read is ambiguous: record the next call afresh
         changed = versions != [_version(t) for t in inputs]
         plan = None if changed else _make_plan(record, inputs, result)
-        if len(_PLANS) < fast_launch.MAX_KEPT:
-            _PLANS[key] = _REFUSED if plan is None else plan
+        _SEEN.pop(key, None)
+        _keep(_PLANS, key, _REFUSED if plan is None else plan, MAX_PLANS)
         return result
 
     return replayed  # type: ignore[return-value]
