@@ -676,3 +676,38 @@ def test_package_import_fails_cleanly_without_triton():
         "    raise SystemExit('imported without triton')\n"
     )
     subprocess.run([sys.executable, "-c", program], check=True)
+
+
+WEIGHTS_ONLY = {  # name -> call(x, sink, softcap, weights_only): the forward's outputs
+    "softmax": lambda x, sink, cap, only: kernels.softmax_forward(x, RowMask(), 0, 0.7, 0.0, sink, cap,
+                                                                  weights_only=only),
+    "ssmax": lambda x, sink, cap, only: kernels.softmax_forward(x, RowMask(), 1, 0.6, 0.1, sink, cap,
+                                                                weights_only=only),
+    "topk": lambda x, sink, cap, only: kernels.topk_forward(x, RowMask(), 5, False, 1.5, sink, cap, weights_only=only),
+    "sparsemax": lambda x, sink, cap, only: kernels.entmax_forward(x, RowMask(), 2.0, sink, cap, weights_only=only),
+    "sa": lambda x, sink, cap, only: kernels.self_adjusted_forward(x, RowMask(), True, sink, cap, weights_only=only),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("modifiers", ["none", "sink and cap"])
+@pytest.mark.parametrize("name", list(WEIGHTS_ONLY))
+def test_weights_only_skips_the_statistics_and_keeps_the_weights(name, modifiers, path, device, monkeypatch):
+    """``weights_only=True`` (every no-grad module call and decoding step) allocates and writes no per-row
+    statistics: None comes back in their place, and the weights (and a sink's weight) are bit for bit those
+    of the full call, outputs poisoned first."""
+    length = row_length(path, monkeypatch)
+    generator = torch.Generator().manual_seed(11)
+    x = (torch.randn(4, length, generator=generator) * 4).to(device)
+    x[0, 2] = math.inf  # a row holding +inf: the statistics differ there
+    x[-1] = -math.inf  # a fully masked row
+    sink, cap = ((torch.randn(4, generator=generator).to(device), 3.0) if modifiers != "none" else (None, None))
+    full = WEIGHTS_ONLY[name](x, sink, cap, False)
+    only = WEIGHTS_ONLY[name](x, sink, cap, True)
+    assert len(only) == len(full)
+    torch.testing.assert_close(only[0], full[0], rtol=0, atol=0, equal_nan=True)
+    assert not only[0].isnan().any()
+    statistics = only[1:len(only) - (sink is not None)]
+    assert statistics and all(value is None for value in statistics)
+    if sink is not None:
+        torch.testing.assert_close(only[-1], full[-1], rtol=0, atol=0)

@@ -255,9 +255,9 @@ def _entmax_forward_kernel(
     length, x_row_stride, out_row_stride, max_iters,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr,
     BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
-    COMPUTE: tl.constexpr,
+    COMPUTE: tl.constexpr, WEIGHTS_ONLY: tl.constexpr,
 ):
-    """alpha-entmax of one row (see the module docstring for the method).
+    """alpha-entmax of one row (see the module docstring for the method); ``WEIGHTS_ONLY``: no gate written.
 
     Passes over the row and bytes moved: a single-block row reads x once and writes
     y once, ``L * (in + out)``, plus one per-row gate; every Newton step works on the
@@ -392,7 +392,8 @@ def _entmax_forward_kernel(
             store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
             if HAS_SINK:
                 sink_weight += at_sink(cols, length, y)
-    tl.store(GATE + row, tl.where(posinf_row, 0.0, 1.0))
+    if not WEIGHTS_ONLY:
+        tl.store(GATE + row, tl.where(posinf_row, 0.0, 1.0))
     if HAS_SINK:
         store_sink(SINK_WEIGHT, row, sink_weight, nan_row)
 
@@ -510,6 +511,9 @@ def entmax_forward(
         softcap: a cap ``> 0``, or None: entmax of ``c(x) = softcap tanh(x / softcap)``
             (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
 
+        weights_only: skip what only a backward reads: ``gate`` is None (one allocation and
+            one store per row less).
+
     Returns:
         ``(y, gate)``: weights like ``x``; ``gate`` per row ``x.shape[:-1]``, 1, or 0 in rows
         holding +inf.  With a ``sink``, ``(y, gate, sink_weight)``: the sink's weight per row.
@@ -518,18 +522,19 @@ def entmax_forward(
         ValueError: ``sink`` of another shape, or a ``softcap`` that is not a finite number > 0.
     """
     run = launch.prepare(x, sink is not None)
-    gate = run.row_stats()
+    gate = None if weights_only else run.row_stats()
     sink_weight = run.row_stats() if sink is not None else None
     masking = launch.mask_args(mask, x)
+    unwritten = run.out  # a pointer the kernel never writes through (WEIGHTS_ONLY, or no sink)
     launch.run(
         _entmax_forward_kernel, run,
-        run.rows, run.out, gate, *launch.row_param(alpha, x), *masking.args,
-        *launch.sink_scores(sink, x), gate if sink_weight is None else sink_weight, launch.softcap_arg(softcap, x),
-        run.length, run.rows.stride(0), run.out.stride(0), _max_iterations(x),
+        run.rows, run.out, unwritten if gate is None else gate, *launch.row_param(alpha, x), *masking.args,
+        *launch.sink_scores(sink, x), unwritten if sink_weight is None else sink_weight,
+        launch.softcap_arg(softcap, x), run.length, run.rows.stride(0), run.out.stride(0), _max_iterations(x),
         BLOCK=run.config.block, SINGLE=run.config.single, HAS_SINK=sink is not None, SOFTCAP=softcap is not None,
-        COMPUTE=launch.compute_dtype(x), **masking.constants,
+        COMPUTE=launch.compute_dtype(x), WEIGHTS_ONLY=gate is None, **masking.constants,
     )
-    outputs = (run.out.reshape(x.shape), gate.reshape(x.shape[:-1]))
+    outputs = (run.out.reshape(x.shape), None if gate is None else gate.reshape(x.shape[:-1]))
     return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
 
 

@@ -91,9 +91,9 @@ def _self_adjusted_forward_kernel(
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, NORMALIZED: tl.constexpr,
     BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
-    COMPUTE: tl.constexpr,
+    COMPUTE: tl.constexpr, WEIGHTS_ONLY: tl.constexpr,
 ):
-    """SA-Softmax of one row; writes its stats ``(c0, c1, low, high, gate)`` for the backward.
+    """SA-Softmax of one row; writes its stats ``(c0, c1, low, high, gate)`` for the backward (not ``WEIGHTS_ONLY``).
 
     Passes over the row and bytes moved: a single-block row reads x once and writes
     the output once, ``L * (in + out)``, plus 5 per-row scalars (4 bytes each, 8 for
@@ -152,13 +152,14 @@ def _self_adjusted_forward_kernel(
             store_row(OUT, row, cols, length, out_row_stride, out, nan_row)
             if HAS_SINK:
                 sink_weight += at_sink(cols, length, out)
-    gate = live & ~posinf_row
-    stats = STATS + row * 5  # a fresh (rows, 5) tensor
-    tl.store(stats, tl.where(gate, top, 0.0))
-    tl.store(stats + 1, tl.where(gate, tl.log(tl.where(gate, total, 1.0)), 0.0))
-    tl.store(stats + 2, low)
-    tl.store(stats + 3, high)
-    tl.store(stats + 4, tl.where(gate, 1.0, 0.0))
+    if not WEIGHTS_ONLY:
+        gate = live & ~posinf_row
+        stats = STATS + row * 5  # a fresh (rows, 5) tensor
+        tl.store(stats, tl.where(gate, top, 0.0))
+        tl.store(stats + 1, tl.where(gate, tl.log(tl.where(gate, total, 1.0)), 0.0))
+        tl.store(stats + 2, low)
+        tl.store(stats + 3, high)
+        tl.store(stats + 4, tl.where(gate, 1.0, 0.0))
     if HAS_SINK:
         store_sink(SINK_WEIGHT, row, sink_weight, nan_row)
 
@@ -307,6 +308,8 @@ def self_adjusted_forward(
             and the softmax).
         softcap: a cap ``> 0``, or None: SA-Softmax of ``c(x) = softcap tanh(x / softcap)``
             (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
+        weights_only: skip what only a backward reads: ``stats`` is None (one allocation and
+            five stores per row less).
 
     Returns:
         ``(y, stats)``: weights like ``x``; ``stats`` of shape ``x.shape[:-1] + (5,)`` in the
@@ -319,18 +322,19 @@ def self_adjusted_forward(
         ValueError: ``sink`` of another shape, or a ``softcap`` that is not a finite number > 0.
     """
     run = launch.prepare(x, sink is not None)
-    stats = run.row_stats(_STATS)
+    stats = None if weights_only else run.row_stats(_STATS)
     sink_weight = run.row_stats() if sink is not None else None
     masking = launch.mask_args(mask, x)
+    unwritten = run.out  # a pointer the kernel never writes through (WEIGHTS_ONLY, or no sink)
     launch.run(
         _self_adjusted_forward_kernel, run,
-        run.rows, run.out, stats, *masking.args,
-        *launch.sink_scores(sink, x), stats if sink_weight is None else sink_weight, launch.softcap_arg(softcap, x),
-        run.length, run.rows.stride(0), run.out.stride(0),
+        run.rows, run.out, unwritten if stats is None else stats, *masking.args,
+        *launch.sink_scores(sink, x), unwritten if sink_weight is None else sink_weight,
+        launch.softcap_arg(softcap, x), run.length, run.rows.stride(0), run.out.stride(0),
         BLOCK=run.config.block, SINGLE=run.config.single, NORMALIZED=bool(normalized), HAS_SINK=sink is not None,
-        SOFTCAP=softcap is not None, COMPUTE=launch.compute_dtype(x), **masking.constants,
+        SOFTCAP=softcap is not None, COMPUTE=launch.compute_dtype(x), WEIGHTS_ONLY=stats is None, **masking.constants,
     )
-    outputs = (run.out.reshape(x.shape), stats.reshape(*x.shape[:-1], _STATS))
+    outputs = (run.out.reshape(x.shape), None if stats is None else stats.reshape(*x.shape[:-1], _STATS))
     return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
 
 

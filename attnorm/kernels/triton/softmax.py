@@ -68,7 +68,7 @@ def _softmax_forward_kernel(
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, VARIANT: tl.constexpr,
     BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
-    COMPUTE: tl.constexpr,
+    COMPUTE: tl.constexpr, WEIGHTS_ONLY: tl.constexpr,
 ):
     """``y = softmax(m x)`` for one row; writes ``m`` (0 in +inf rows) and, for variant 1, ``log max(n, 1)``.
 
@@ -143,9 +143,10 @@ def _softmax_forward_kernel(
             store_row(OUT, row, cols, length, out_row_stride, y, nan_row)
             if HAS_SINK:
                 sink_weight += at_sink(cols, length, y)
-    tl.store(MULTIPLIER + row, tl.where(posinf_row, 0.0, multiplier))
-    if VARIANT == 1:
-        tl.store(LOG_COUNT + row, tl.log(tl.maximum(count, 1).to(COMPUTE)))
+    if not WEIGHTS_ONLY:  # the per-row values only a backward reads
+        tl.store(MULTIPLIER + row, tl.where(posinf_row, 0.0, multiplier))
+        if VARIANT == 1:
+            tl.store(LOG_COUNT + row, tl.log(tl.maximum(count, 1).to(COMPUTE)))
     if HAS_SINK:
         store_sink(SINK_WEIGHT, row, sink_weight, nan_row)
 
@@ -283,6 +284,9 @@ def softmax_forward(
         softcap: a cap ``> 0``, or None: the softmax of ``c(x) = softcap tanh(x / softcap)``
             (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
 
+        weights_only: skip what only a backward reads: ``multiplier`` and ``log_count`` are
+            None (one or two allocations and stores per row less).
+
     Returns:
         ``(y, multiplier, log_count)``: weights like ``x``; ``m`` per row ``x.shape[:-1]``
         (0 in rows holding +inf); ``log(max(n, 1))`` per row for variant 1, None for 0.
@@ -295,23 +299,26 @@ def softmax_forward(
     if variant not in (0, 1):
         raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
     run = launch.prepare(x, sink is not None)
-    multiplier = run.row_stats()
-    log_count = run.row_stats() if variant == 1 else None
+    multiplier = None if weights_only else run.row_stats()
+    log_count = run.row_stats() if variant == 1 and not weights_only else None
     sink_weight = run.row_stats() if sink is not None else None
     masking = launch.mask_args(mask, x)
+    unwritten = run.out  # a pointer the kernel never writes through (WEIGHTS_ONLY, variant 0, or no sink)
     launch.run(
         _softmax_forward_kernel, run,
-        run.rows, run.out, multiplier, multiplier if log_count is None else log_count,
+        run.rows, run.out, unwritten if multiplier is None else multiplier,
+        unwritten if log_count is None else log_count,
         *launch.row_param(first, x), *launch.row_param(second, x), *masking.args,
-        *launch.sink_scores(sink, x), multiplier if sink_weight is None else sink_weight,
+        *launch.sink_scores(sink, x), unwritten if sink_weight is None else sink_weight,
         launch.softcap_arg(softcap, x),
         run.length, run.rows.stride(0), run.out.stride(0),
         BLOCK=run.config.block, SINGLE=run.config.single, VARIANT=variant, HAS_SINK=sink is not None,
-        SOFTCAP=softcap is not None, COMPUTE=launch.compute_dtype(x), **masking.constants,
+        SOFTCAP=softcap is not None, COMPUTE=launch.compute_dtype(x), WEIGHTS_ONLY=multiplier is None,
+        **masking.constants,
     )
     per_row = x.shape[:-1]
     log_count = None if log_count is None else log_count.reshape(per_row)
-    outputs = (run.out.reshape(x.shape), multiplier.reshape(per_row), log_count)
+    outputs = (run.out.reshape(x.shape), None if multiplier is None else multiplier.reshape(per_row), log_count)
     return outputs if sink_weight is None else (*outputs, sink_weight.reshape(per_row))
 
 

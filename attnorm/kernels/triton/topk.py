@@ -221,6 +221,7 @@ def _topk_forward_kernel(
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, IS_FRACTION: tl.constexpr,
     BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
     COMPUTE: tl.constexpr, KEY: tl.constexpr, KEY_BITS: tl.constexpr, DIGIT_BITS: tl.constexpr,
+    WEIGHTS_ONLY: tl.constexpr,
 ):
     """Top-k softmax of one row; also writes ``1 / temperature`` (0 in +inf rows) for the backward.
 
@@ -319,7 +320,8 @@ def _topk_forward_kernel(
             ties_before += tl.sum(ties.to(tl.int32), 0)
             if HAS_SINK:
                 sink_weight += at_sink(cols, length, y)
-    tl.store(MULTIPLIER + row, tl.where(posinf_row, 0.0, scale))
+    if not WEIGHTS_ONLY:
+        tl.store(MULTIPLIER + row, tl.where(posinf_row, 0.0, scale))
     if HAS_SINK:
         store_sink(SINK_WEIGHT, row, sink_weight, nan_row)
 
@@ -345,6 +347,9 @@ def topk_forward(
         softcap: a cap ``> 0``, or None: top-k of ``c(x) = softcap tanh(x / softcap)``
             (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
 
+        weights_only: skip what only a backward reads: ``multiplier`` is None (one allocation
+            and one store per row less).
+
     Returns:
         ``(y, multiplier)``: weights like ``x``; ``1 / temperature`` per row ``x.shape[:-1]``,
         0 in rows holding +inf.  With a ``sink``, ``(y, multiplier, sink_weight)``: the sink's
@@ -354,20 +359,23 @@ def topk_forward(
         ValueError: ``sink`` of another shape, or a ``softcap`` that is not a finite number > 0.
     """
     run = launch.prepare(x, sink is not None)
-    multiplier = run.row_stats()
+    multiplier = None if weights_only else run.row_stats()
     sink_weight = run.row_stats() if sink is not None else None
+    unwritten = run.out  # a pointer the kernel never writes through (WEIGHTS_ONLY, or no sink)
     masking = launch.mask_args(mask, x)
     wide = x.dtype == torch.float64
     k_value = launch.constant(float(k), torch.float64, x.device)  # kept: no fill kernel per call
     launch.run(
         _topk_forward_kernel, run,
-        run.rows, run.out, multiplier, k_value, *launch.row_param(temperature, x), *masking.args,
-        *launch.sink_scores(sink, x), multiplier if sink_weight is None else sink_weight,
+        run.rows, run.out, unwritten if multiplier is None else multiplier, k_value,
+        *launch.row_param(temperature, x), *masking.args,
+        *launch.sink_scores(sink, x), unwritten if sink_weight is None else sink_weight,
         launch.softcap_arg(softcap, x),
         run.length, run.rows.stride(0), run.out.stride(0),
         BLOCK=run.config.block, SINGLE=run.config.single, IS_FRACTION=bool(is_fraction), HAS_SINK=sink is not None,
         SOFTCAP=softcap is not None, COMPUTE=launch.compute_dtype(x), KEY=tl.int64 if wide else tl.int32,
-        KEY_BITS=64 if wide else 32, DIGIT_BITS=STREAMED_DIGIT_BITS, **masking.constants,
+        KEY_BITS=64 if wide else 32, DIGIT_BITS=STREAMED_DIGIT_BITS, WEIGHTS_ONLY=multiplier is None,
+        **masking.constants,
     )
-    outputs = (run.out.reshape(x.shape), multiplier.reshape(x.shape[:-1]))
+    outputs = (run.out.reshape(x.shape), None if multiplier is None else multiplier.reshape(x.shape[:-1]))
     return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
