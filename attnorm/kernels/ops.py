@@ -373,18 +373,21 @@ def modifiers(sink: Tensor | None, softcap: float | None = None) -> dict[str, An
 
 
 def weights(functions: SimpleNamespace, kernel: str, x: Tensor, mask: RowMask, params: dict[str, Any],
-            sink: Tensor | None = None, softcap: float | None = None) -> Tensor:
+            sink: Tensor | None = None, softcap: float | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
     """The weights alone of the row operation ``kernel`` from the :func:`functions` ``functions``' forward.
 
     Each family's calling convention, written once: the forward runs with ``weights_only=True``
     (what else it returns is read by a backward only).  ``kernel`` names the entry point of
     :mod:`attnorm.kernels.autograd` (a normalizer's ``kernel``), ``params`` its parameters as a
     normalizer's ``kernel_params()`` gives them (numbers, or per-row tensors ``(..., 1)``).
+    ``out_dtype``: the weights' dtype when not ``x``'s (Triton's forwards only).
 
     Raises:
         KeyError: a ``kernel`` without row kernels.
     """
     keywords = modifiers(sink, softcap)
+    if out_dtype is not None:  # Triton's forwards only (the decoding route's weights in the query's dtype)
+        keywords["out_dtype"] = out_dtype
     if kernel == "entmax" or kernel == "sparsemax":
         alpha = 2.0 if kernel == "sparsemax" else params["alpha"]
         return functions.entmax_forward(x, mask, alpha, **keywords, weights_only=True)[0]

@@ -162,7 +162,7 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
         if mask is None and additive_rows is None and sinks is None and softcap is None:
             weights = decoding.row_weights(normalizer, q_rows, k, scale)  # scores and row kernel, one replay
         if weights is not None:
-            return _attend(weights.to(q_rows.dtype), v, dropout_p, groups, q.shape[-3], stop - start)
+            return _attend(weights, v, dropout_p, groups, q.shape[-3], stop - start)  # in q's dtype
         scores = decoding_scores(q_rows, k, scale)  # float32, K read in its own dtype (no float32 copy)
     else:
         q_wide, k_wide = (q_rows.float(), k.float()) if half else (q_rows, k)

@@ -173,10 +173,10 @@ def _hooked(module: torch.nn.Module) -> bool:
 
 
 def row_weights(normalizer, q: Tensor, k: Tensor, scale: float) -> Tensor | None:
-    """The unmasked float32 weights ``(B, Hq, Lq, Lk)`` of the rows route in one replayed call, or None.
+    """The unmasked weights ``(B, Hq, Lq, Lk)`` of the rows route in one replayed call, in ``q``'s dtype, or None.
 
     Call where :func:`scores_kernel_applies` holds and the call has no mask, additive mask,
-    sink or cap.  The weights are those of ``normalizer(decoding_scores(q, k, scale))``, bit
+    sink or cap.  The weights are those of ``normalizer(decoding_scores(q, k, scale)).to(q.dtype)``, bit
     for bit (:func:`~attnorm.kernels.triton.attention_decoding.decoding_weights_forward`
     launches the same two kernels), without the host time of the layers between them: on
     an eager decoding step the module, its rules, the row op's entry point and a second

@@ -59,3 +59,28 @@ def test_patched_model_compiles_like_sdpa_and_matches_eager(model_name, normaliz
         (grad,) = torch.autograd.grad(logits.square().sum(), [model.get_input_embeddings().weight])
     torch.testing.assert_close(logits, expected)
     torch.testing.assert_close(grad, expected_grad)
+
+
+@pytest.mark.parametrize("normalizer", [pytest.param(name, marks=() if name == "sparsemax" else pytest.mark.slow)
+                                        for name in NORMALIZERS])
+def test_static_cache_generation_compiles_whole_and_matches_eager_generation(normalizer):
+    """Transformers' static KV cache with the model's forward compiled ``fullgraph=True``: the recipe that
+    lets a GPU replay decoding steps from CUDA graphs (``mode="reduce-overhead"``), which takes the host
+    time of attnorm's eager layers out of every step.  Greedy generation of a left-padded batch gives the
+    eager model's tokens and logits with its default (dynamic) cache."""
+    from tests.integrations.test_transformers import padded_batch
+
+    model = tiny_llama()
+    ids, mask, _ = padded_batch("left", (7, 4))
+    settings = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                    return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad(), patch(model, normalizer):
+        expected = model.generate(ids, **settings)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+        try:
+            got = model.generate(ids, cache_implementation="static", **settings)
+        finally:
+            del model.forward  # the class's forward again
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)

@@ -419,14 +419,16 @@ ONE_CALL_NORMALIZERS = {
                  marks=slow_under_interpreter(dtype == torch.float16 or name == "sparsemax"))
     for dtype in (torch.float16, torch.bfloat16) for name in ONE_CALL_NORMALIZERS])
 def test_one_call_weights_equal_the_scores_op_then_the_module(name, dtype, device):
-    """``row_weights``: bit for bit the scores op followed by the module (GQA, 3 rows, a partial key block)."""
+    """``row_weights``: bit for bit the scores op followed by the module and ``.to(q.dtype)``, the row kernel
+    rounding as it stores (GQA, 3 rows, a partial key block)."""
     q, k, _ = make_qkv(2, 4, 2, 3, 37, 16, 16, dtype, device, seed=1)
     normalizer = ONE_CALL_NORMALIZERS[name]()
     with torch.no_grad():
         got = decoding.row_weights(normalizer, q, k, SCALE)
-        want = normalizer(decoding_ops.decoding_scores(q, k, SCALE))
-    assert got is not None and got.shape == (2, 4, 3, 37) and got.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+        wide = normalizer(decoding_ops.decoding_scores(q, k, SCALE))
+    assert got is not None and got.shape == (2, 4, 3, 37) and got.dtype == dtype
+    assert wide.dtype == torch.float32 and not torch.equal(wide, wide.to(dtype).float())  # the rounding shows
+    torch.testing.assert_close(got, wide.to(dtype), rtol=0, atol=0)
 
 
 def test_decoding_step_takes_the_one_call_weights_and_equals_the_long_way(monkeypatch, device):

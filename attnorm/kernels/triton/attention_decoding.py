@@ -453,17 +453,23 @@ def decoding_scores_forward(q: Tensor, k: Tensor, scale: float) -> Tensor:
 @replay.replayable
 def decoding_weights_forward(q: Tensor, k: Tensor, scale: float, kernel: str,
                              params: tuple[tuple[str, Any], ...]) -> Tensor:
-    """Unmasked weights ``(B, Hq, Lq, Lk)`` of the rows route in one call: :func:`decoding_scores_forward`,
-    then the row kernel of ``kernel`` over the float32 scores (:func:`attnorm.kernels.ops.weights`).
+    """Unmasked weights ``(B, Hq, Lq, Lk)`` of the rows route in one call, in ``q``'s dtype:
+    :func:`decoding_scores_forward`, then the row kernel of ``kernel`` over the float32 scores
+    (:func:`attnorm.kernels.ops.weights`), which rounds the weights it stores to ``q``'s dtype.
 
     The same two launches, in the same order, as the scores op followed by the normalizer
-    module, so the weights are bit for bit the same; as one replayable function, an eager
-    decoding step keys and replays both launches at once (:mod:`.replay`: one key, the
-    scores and weights allocated, two direct launches) instead of passing through the
-    scores op, the module, its rules and the row op's entry point with a key of its own.
+    module and ``.to(q.dtype)``, so the weights are bit for bit the same (the kernel rounds
+    to nearest even on CUDA, as ``Tensor.to``; Triton's interpreter truncates to bfloat16, so
+    there torch casts) without the cast's launch and float32 weights.  As
+    one replayable function, an eager decoding step keys and replays both launches at once
+    (:mod:`.replay`: one key, the scores and weights allocated, two direct launches) instead
+    of passing through the scores op, the module, its rules and the row op's entry point
+    with a key of its own.
     ``params``: the normalizer's ``kernel_params()`` as ``(name, number)`` pairs (numbers
     only: a learnable parameter takes the module's route).  Forward only, no mask, no sink,
     no cap: :func:`attnorm.routes.decoding.row_weights` says when a call qualifies.
     """
     scores = decoding_scores_forward(q, k, scale)
-    return ops.weights(ops.functions("triton"), kernel, scores, NO_MASK, dict(params))
+    if q.dtype == torch.bfloat16 and not q.is_cuda:  # Triton's interpreter truncates to bfloat16: torch rounds
+        return ops.weights(ops.functions("triton"), kernel, scores, NO_MASK, dict(params)).to(q.dtype)
+    return ops.weights(ops.functions("triton"), kernel, scores, NO_MASK, dict(params), out_dtype=q.dtype)

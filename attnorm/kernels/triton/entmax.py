@@ -495,7 +495,7 @@ def _max_iterations(x: Tensor) -> int:
 @replay.replayable
 def entmax_forward(
     x: Tensor, mask: rules.RowMask, alpha: float | Tensor, sink: Tensor | None = None, softcap: float | None = None,
-    weights_only: bool = False,
+    weights_only: bool = False, out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, ...]:
     """alpha-entmax over the allowed positions of each row, any ``alpha >= 1`` per row.
 
@@ -513,6 +513,8 @@ def entmax_forward(
 
         weights_only: skip what only a backward reads: ``gate`` is None (one allocation and
             one store per row less).
+        out_dtype: the weights' dtype, ``x``'s by default (the decoding route's float32 scores
+            give their weights in the query's half dtype, rounded as ``Tensor.to`` rounds).
 
     Returns:
         ``(y, gate)``: weights like ``x``; ``gate`` per row ``x.shape[:-1]``, 1, or 0 in rows
@@ -521,7 +523,7 @@ def entmax_forward(
     Raises:
         ValueError: ``sink`` of another shape, or a ``softcap`` that is not a finite number > 0.
     """
-    run = launch.prepare(x, sink is not None)
+    run = launch.prepare(x, sink is not None, out_dtype)
     gate = None if weights_only else run.row_stats()
     sink_weight = run.row_stats() if sink is not None else None
     masking = launch.mask_args(mask, x)

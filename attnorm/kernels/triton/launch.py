@@ -124,15 +124,19 @@ class Launch(NamedTuple):
         return empty((self.rows.shape[0], *extra), rules.accumulation_dtype(self.rows.dtype), self.rows.device)
 
 
-def prepare(source: Tensor, sink: bool = False) -> Launch:
-    """Rows of ``source``, an output shaped like them (same dtype) and the block configuration.
+def prepare(source: Tensor, sink: bool = False, dtype: torch.dtype | None = None) -> Launch:
+    """Rows of ``source``, an output shaped like them (``dtype``, by default ``source``'s) and the block configuration.
+
+    The kernels round what they store to the output's dtype (``store_row``: round to nearest
+    even, as ``Tensor.to``), so a float32 row may be written straight into a half-precision output.
 
     With ``sink`` the kernel also walks the sink after each row: blocks are chosen for
     ``L + 1`` positions (a row of a power-of-two length takes a block twice as wide, and a
     row of :data:`SINGLE_BLOCK_MAX` the multi-pass path).
     """
     rows = rows_view(source)
-    return Launch(rows, empty(tuple(rows.shape), source.dtype, source.device), block_config(rows.shape[1] + sink))
+    return Launch(rows, empty(tuple(rows.shape), dtype or source.dtype, source.device),
+                  block_config(rows.shape[1] + sink))
 
 
 def run(kernel: Any, launch: Launch, *args: Any, **constants: Any) -> None:

@@ -24,6 +24,7 @@ gradient is 0): its output value and the gradient reaching its score come out pe
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -295,7 +296,7 @@ def _self_adjusted_backward_kernel(
 @replay.replayable
 def self_adjusted_forward(
     x: Tensor, mask: rules.RowMask, normalized: bool, sink: Tensor | None = None, softcap: float | None = None,
-    weights_only: bool = False,
+    weights_only: bool = False, out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, ...]:
     """SA-Softmax ``y = phi(x) softmax(x)`` over the allowed positions of each row.
 
@@ -310,6 +311,8 @@ def self_adjusted_forward(
             (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
         weights_only: skip what only a backward reads: ``stats`` is None (one allocation and
             five stores per row less).
+        out_dtype: the weights' dtype, ``x``'s by default (the decoding route's float32 scores
+            give their weights in the query's half dtype, rounded as ``Tensor.to`` rounds).
 
     Returns:
         ``(y, stats)``: weights like ``x``; ``stats`` of shape ``x.shape[:-1] + (5,)`` in the
@@ -321,7 +324,7 @@ def self_adjusted_forward(
     Raises:
         ValueError: ``sink`` of another shape, or a ``softcap`` that is not a finite number > 0.
     """
-    run = launch.prepare(x, sink is not None)
+    run = launch.prepare(x, sink is not None, out_dtype)
     stats = None if weights_only else run.row_stats(_STATS)
     sink_weight = run.row_stats() if sink is not None else None
     masking = launch.mask_args(mask, x)

@@ -23,6 +23,7 @@ slope ``1 - tanh(x / cap)^2`` (the sink's gradient is not capped).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -270,6 +271,7 @@ def _softmax_backward_kernel(
 def softmax_forward(
     x: Tensor, mask: rules.RowMask, variant: int, first: float | Tensor, second: float | Tensor,
     sink: Tensor | None = None, softcap: float | None = None, weights_only: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, ...]:
     """``y = softmax(m x)`` over the allowed positions of each row.
 
@@ -286,6 +288,8 @@ def softmax_forward(
 
         weights_only: skip what only a backward reads: ``multiplier`` and ``log_count`` are
             None (one or two allocations and stores per row less).
+        out_dtype: the weights' dtype, ``x``'s by default (the decoding route's float32 scores
+            give their weights in the query's half dtype, rounded as ``Tensor.to`` rounds).
 
     Returns:
         ``(y, multiplier, log_count)``: weights like ``x``; ``m`` per row ``x.shape[:-1]``
@@ -298,7 +302,7 @@ def softmax_forward(
     """
     if variant not in (0, 1):
         raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
-    run = launch.prepare(x, sink is not None)
+    run = launch.prepare(x, sink is not None, out_dtype)
     multiplier = None if weights_only else run.row_stats()
     log_count = run.row_stats() if variant == 1 and not weights_only else None
     sink_weight = run.row_stats() if sink is not None else None

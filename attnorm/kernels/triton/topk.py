@@ -330,6 +330,7 @@ def _topk_forward_kernel(
 def topk_forward(
     x: Tensor, mask: rules.RowMask, k: float, is_fraction: bool, temperature: float | Tensor,
     sink: Tensor | None = None, softcap: float | None = None, weights_only: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, ...]:
     """Softmax of ``x / temperature`` over the kept positions of each row, exact zeros elsewhere.
 
@@ -349,6 +350,8 @@ def topk_forward(
 
         weights_only: skip what only a backward reads: ``multiplier`` is None (one allocation
             and one store per row less).
+        out_dtype: the weights' dtype, ``x``'s by default (the decoding route's float32 scores
+            give their weights in the query's half dtype, rounded as ``Tensor.to`` rounds).
 
     Returns:
         ``(y, multiplier)``: weights like ``x``; ``1 / temperature`` per row ``x.shape[:-1]``,
@@ -358,7 +361,7 @@ def topk_forward(
     Raises:
         ValueError: ``sink`` of another shape, or a ``softcap`` that is not a finite number > 0.
     """
-    run = launch.prepare(x, sink is not None)
+    run = launch.prepare(x, sink is not None, out_dtype)
     multiplier = None if weights_only else run.row_stats()
     sink_weight = run.row_stats() if sink is not None else None
     unwritten = run.out  # a pointer the kernel never writes through (WEIGHTS_ONLY, or no sink)
