@@ -16,10 +16,11 @@ kernels' source from disk.
    binder: pointer dtypes, 16-byte alignment, ints equal to 1 specialised), with the
    launch's ``num_warps``/``num_stages``.  The calls: every row normalizer forward and
    backward (short rows, one 8192-wide block, multi-pass rows; no mask, bool mask,
-   causal + key lengths), every fused attention kernel forward and backward through
-   ``attnorm.attention`` (masks, GQA, softcap, sinks, head dims 64 and 128) and the
-   split-K Self-Adjusted decoding kernel (``Lq`` 1 and 4).  Dtypes float32, bfloat16,
-   float16; a few float64 calls, reported apart (not the GPU path).
+   causal + key lengths; and the forward alone, without a gradient), every fused
+   attention kernel forward and backward through ``attnorm.attention`` (masks, GQA,
+   softcap, sinks, head dims 64 and 128) and the split-K Self-Adjusted decoding kernel
+   (``Lq`` 1 and 4).  Dtypes float32, bfloat16, float16; a few float64 calls, reported
+   apart (not the GPU path).
    The attention launches are recorded with the CUDA choices of the launchers: each
    ``x.device.type == "cuda"`` test of :data:`CUDA_CHOICES` is rewritten to its CUDA
    branch (blocks of 64, bfloat16 operands, the fused kernels' warps and stages, an
@@ -258,14 +259,17 @@ def row_mask(kind: str, length: int):
     return None
 
 
-def row_call(make, dtype, length: int, mask: str, sink: bool = False, softcap: float | None = None):
+def row_call(make, dtype, length: int, mask: str, sink: bool = False, softcap: float | None = None,
+             grad: bool = True):
     import torch
 
     def call():
-        x = torch.randn(BATCH, ROW_HEADS, ROW_QUERIES, length).to(dtype).requires_grad_()
-        sinks = torch.randn(1, ROW_HEADS, 1, 1).requires_grad_() if sink else None
-        y = make()(x, row_mask(mask, length), sink=sinks, softcap=softcap)
-        y.backward(torch.randn_like(y))
+        x = torch.randn(BATCH, ROW_HEADS, ROW_QUERIES, length).to(dtype).requires_grad_(grad)
+        sinks = torch.randn(1, ROW_HEADS, 1, 1).requires_grad_(grad) if sink else None
+        with torch.set_grad_enabled(grad):
+            y = make()(x, row_mask(mask, length), sink=sinks, softcap=softcap)
+        if grad:
+            y.backward(torch.randn_like(y))
 
     return call
 
@@ -283,6 +287,9 @@ def row_cases():
                 name = str(dtype).removeprefix("torch.")
                 yield (f"rows {family} {name} {path} causal+lengths",
                        row_call(make, dtype, ROW_LENGTHS[path], "causal+lengths"))
+        # No gradient wanted: the forwards' WEIGHTS_ONLY variants (no per-row statistics), every row path.
+        for path, length in ROW_LENGTHS.items():
+            yield f"rows {family} bf16 {path} none no-grad", row_call(make, torch.bfloat16, length, "none", grad=False)
         # The modifiers' variants (HAS_SINK, SOFTCAP): every row path in bfloat16 under a bool mask.
         for sink, softcap in ((True, None), (False, 30.0), (True, 30.0)):
             label = " + ".join(["sink"] * sink + ["softcap"] * (softcap is not None))

@@ -166,7 +166,7 @@ def test_decoding_weights_replay_both_launches_as_one_plan(replaying, kernel, pa
         count = len(replays)
         got = attention_decoding.decoding_weights_forward(q, k, 0.25, kernel, params)
         assert_same(got, want)
-        assert got.shape == (2, 4, 1, 37) and got.dtype == torch.float32
+        assert got.shape == (2, 4, 1, 37) and got.dtype == torch.float16  # rounded by the row kernel as it stores
         if seed > 1:
             assert len(replays) == count + 1
             assert got._base is None  # allocated in the result's shape, not a view of the kernel's (rows, L) output
