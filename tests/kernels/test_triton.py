@@ -689,7 +689,7 @@ WEIGHTS_ONLY = {  # name -> call(x, sink, softcap, weights_only): the forward's 
 }
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", [PATHS[0], pytest.param(PATHS[1], marks=pytest.mark.slow)])  # one epilogue
 @pytest.mark.parametrize("modifiers", ["none", "sink and cap"])
 @pytest.mark.parametrize("name", list(WEIGHTS_ONLY))
 def test_weights_only_skips_the_statistics_and_keeps_the_weights(name, modifiers, path, device, monkeypatch):
@@ -711,3 +711,56 @@ def test_weights_only_skips_the_statistics_and_keeps_the_weights(name, modifiers
     assert statistics and all(value is None for value in statistics)
     if sink is not None:
         torch.testing.assert_close(only[-1], full[-1], rtol=0, atol=0)
+
+
+BROADCAST_MASKS = {  # mask shape against scores (2, 3, 4, L): how Hugging Face and users pass them
+    "per batch (B,1,1,L)": (2, 1, 1, None),
+    "per batch and query (B,1,Lq,L)": (2, 1, 4, None),
+    "per head (1,H,1,L)": (1, 3, 1, None),
+    "per query (Lq,L)": (4, None),
+    "one row (L,)": (None,),
+    "full (B,H,Lq,L)": (2, 3, 4, None),
+}
+MASKED_CALLS = {
+    "softmax": lambda x, m: kernels.softmax_forward(x, m, 0, 0.7, 0.0)[0],
+    "topk": lambda x, m: kernels.topk_forward(x, m, 3, False, 1.0)[0],
+    "entmax": lambda x, m: kernels.entmax_forward(x, m, 1.5)[0],
+    "sa": lambda x, m: kernels.self_adjusted_forward(x, m, True)[0],
+    "sa backward": lambda x, m: kernels.self_adjusted_backward(
+        x, m, torch.ones_like(x), kernels.self_adjusted_forward(x, m, True)[1], True)[0],
+}
+
+
+@pytest.mark.parametrize(("name", "shape"), [  # every shape through one kernel, every kernel's arguments with one
+    pytest.param(name, shape, marks=() if name == "entmax" or shape == "per batch (B,1,1,L)" else pytest.mark.slow)
+    for name in MASKED_CALLS for shape in BROADCAST_MASKS])
+def test_broadcast_bool_masks_are_read_in_place(name, shape, device):
+    """A bool mask that broadcasts over heads, queries or batches is read through its own strides (no copy of it per
+    call: the kernels take its batch, head and query strides), with the weights of the same mask materialised."""
+    length = 37
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 4, length, generator=generator).to(device)
+    sizes = tuple(length if size is None else size for size in BROADCAST_MASKS[shape])
+    mask = torch.rand(sizes, generator=generator) > 0.4
+    mask[..., 0] = True
+    mask = mask.to(device)
+    flat, _ = launch._mask_view(mask, x, 3 * 4, 4)
+    assert flat.data_ptr() == mask.data_ptr()  # a view of the caller's mask
+    got = MASKED_CALLS[name](x, RowMask(mask))
+    want = MASKED_CALLS[name](x, RowMask(mask.expand(x.shape).contiguous()))
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_masks_whose_head_dims_do_not_merge_are_copied_and_still_right(device):
+    """Scores (B, A, H, Lq, L) and a mask varying along H but broadcast along A: no single head stride walks
+    (A, H), so the mask is copied to one row per score row, and the weights are those of the materialised mask."""
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 2, 3, 4, 19, generator=generator).to(device)
+    mask = (torch.rand(2, 1, 3, 4, 19, generator=generator) > 0.4).to(device)
+    flat, strides = launch._mask_view(mask, x, 2 * 3 * 4, 4)
+    assert flat.data_ptr() != mask.data_ptr() and strides == (24 * 19, 4 * 19, 19, 1)
+    got = kernels.entmax_forward(x, RowMask(mask), 2.0)[0]
+    want = kernels.entmax_forward(x, RowMask(mask.expand(x.shape).contiguous()), 2.0)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    reference = entmax.sparsemax(torch.where(mask, x.double(), -math.inf).cpu(), dim=-1)
+    torch.testing.assert_close(got.double().cpu(), reference, rtol=1e-5, atol=1e-6)

@@ -184,14 +184,17 @@ def load_block(X, row, cols, length, x_row_stride, masking, sink, softcap, BOOL_
     are :func:`soft_cap`'s ``c(x)``.  With ``HAS_SINK`` position ``length`` holds ``sink``
     (not capped), allowed whatever the mask says unless it is -inf.
     """
-    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal = (
-        masking
-    )
+    (mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride, lengths_ptr, lengths_stride,
+     rows_per_batch, num_queries, diagonal) = masking
     inside = cols < length
     x = tl.load(X + row * x_row_stride + cols, mask=inside, other=0.0).to(COMPUTE)
     allowed = inside & (x != float("-inf"))
     if BOOL_MASK:
-        permitted = tl.load(mask_ptr + row * mask_row_stride + cols * mask_col_stride, mask=inside, other=0)
+        # Row (batch, head, query) of the scores reads the mask's row through its own strides (0 where it broadcasts)
+        within = row % rows_per_batch
+        mask_row = ((row // rows_per_batch) * mask_batch_stride + (within // num_queries) * mask_head_stride
+                    + (within % num_queries) * mask_query_stride)
+        permitted = tl.load(mask_ptr + mask_row + cols * mask_col_stride, mask=inside, other=0)
         allowed = allowed & (permitted != 0)
     if CAUSAL:
         allowed = allowed & (cols <= row % num_queries + diagonal)

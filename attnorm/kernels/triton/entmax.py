@@ -250,7 +250,8 @@ def _anchor(
 @triton.jit
 def _entmax_forward_kernel(
     X, OUT, GATE, alpha_values, alpha_stride,
-    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride,
+    lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
     sink_values, sink_stride, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride, max_iters,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr,
@@ -271,8 +272,8 @@ def _entmax_forward_kernel(
     scalar read per row, one ``exp`` and one division per element and pass); no extra
     pass or byte.
     """
-    masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
-               diagonal)
+    masking = (mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride, lengths_ptr,
+               lengths_stride, rows_per_batch, num_queries, diagonal)
     row = tl.program_id(0).to(tl.int64)
     alpha = load_row_param(alpha_values, alpha_stride, row).to(COMPUTE)
     softmax_row = alpha == 1

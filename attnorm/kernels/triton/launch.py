@@ -295,10 +295,10 @@ def check_raw_scores(x: Tensor | None, softcap: float | None) -> None:
 class MaskArgs(NamedTuple):
     """A :class:`~attnorm.kernels.rules.RowMask` as kernel arguments.
 
-    ``args`` are the eight arguments every masked kernel takes after its parameters:
-    ``mask, mask_row_stride, mask_col_stride, key_lengths, lengths_stride,
-    rows_per_batch, num_queries, diagonal``; ``constants`` are the constexpr flags
-    ``BOOL_MASK`` (a bool tensor is given), ``CAUSAL`` and ``LENGTHS``.
+    ``args`` are the ten arguments every masked kernel takes after its parameters:
+    ``mask, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride,
+    key_lengths, lengths_stride, rows_per_batch, num_queries, diagonal``; ``constants`` are
+    the constexpr flags ``BOOL_MASK`` (a bool tensor is given), ``CAUSAL`` and ``LENGTHS``.
     """
 
     args: tuple[Any, ...]
@@ -308,11 +308,43 @@ class MaskArgs(NamedTuple):
 _UNMASKED = {"BOOL_MASK": False, "CAUSAL": False, "LENGTHS": False}
 
 
+def _merged_stride(sizes: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
+    """One stride walking dims ``sizes`` (strides ``strides``) as one flat index, or None when they do not merge."""
+    dims = [(size, stride) for size, stride in zip(sizes, strides, strict=True) if size != 1]
+    for (_, outer), (size, inner) in zip(dims[:-1], dims[1:], strict=True):
+        if outer != inner * size:
+            return None
+    return dims[-1][1] if dims else 0
+
+
+def _mask_view(tensor: Tensor, x: Tensor, rows_per_batch: int, num_queries: int) -> tuple[Tensor, tuple[int, ...]]:
+    """The bool mask broadcast to ``x`` as a uint8 view, and its ``(batch, head, query, column)`` strides.
+
+    Row ``r`` of ``x`` (as ``(rows, L)``) is batch ``r // rows_per_batch``, head (the flattened
+    dims between batch and query) ``r % rows_per_batch // num_queries`` and query
+    ``r % num_queries``; the kernels read its mask row at ``batch sb + head sh + query sq``.
+    A mask broadcast over heads or queries (Hugging Face's ``(B, 1, Lq, Lk)`` and
+    ``(B, 1, 1, Lk)``) is read through stride 0 there, never copied; only a mask whose head
+    dims do not merge into one stride is copied to ``(rows, L)``.
+    """
+    view = tensor.to(x.device).expand(x.shape)
+    if x.ndim >= 3:
+        head = _merged_stride(tuple(x.shape[1:-2]), tuple(view.stride()[1:-2]))
+        if head is not None:
+            return view.view(torch.uint8), (view.stride(0), head, view.stride(-2), view.stride(-1))
+        flat = view.reshape(-1, x.shape[-1])  # a copy: the head dims' strides do not merge
+        row = flat.stride(0)
+        return flat.view(torch.uint8), (rows_per_batch * row, num_queries * row, row, flat.stride(1))
+    if x.ndim == 2:  # rows_per_batch 1: each row is its own "batch"
+        return view.view(torch.uint8), (view.stride(0), 0, 0, view.stride(1))
+    return view.view(torch.uint8), (0, 0, 0, view.stride(-1) if x.ndim else 0)
+
+
 def mask_args(mask: rules.RowMask, x: Tensor) -> MaskArgs:
     """Translate ``mask`` for scores ``x`` (normalised over the last axis) into kernel arguments.
 
-    A bool tensor is viewed as ``(rows, L)`` through broadcasting strides (copied
-    only when no such view exists).  The causal diagonal and key lengths are never
+    A bool tensor is read where it lies, through its broadcast strides per batch, head and
+    query (:func:`_mask_view`).  The causal diagonal and key lengths are never
     materialised: the kernel derives the query ``q = row % Lq`` and batch
     ``b = row // (rows / B)`` of each row and tests ``j <= q + diagonal`` and
     ``j < key_lengths[b]``.  All three may be given together.
@@ -324,26 +356,23 @@ def mask_args(mask: rules.RowMask, x: Tensor) -> MaskArgs:
     """
     if mask.unmasked:
         # Unmasked (the common case): placeholders only, row geometry 1 (the kernels read it
-        # only under CAUSAL or LENGTHS), so every unmasked launch shares one specialisation.
-        return MaskArgs((x, 0, 0, x, 0, 1, 1, 0), _UNMASKED)
-    length = x.shape[-1] if x.ndim else 1
-    placeholder = x
-    flat, mask_row_stride, mask_col_stride = placeholder, 0, 0
-    if mask.tensor is not None:
-        flat = mask.tensor.to(x.device).expand(x.shape).reshape(-1, length).view(torch.uint8)
-        mask_row_stride, mask_col_stride = flat.stride(0), flat.stride(1)
+        # only under a mask), so every unmasked launch shares one specialisation.
+        return MaskArgs((x, 0, 0, 0, 0, x, 0, 1, 1, 0), _UNMASKED)
     if mask.structured and x.ndim < 2:
         raise ValueError(f"a structured mask needs scores of at least 2 dims (..., Lq, Lk), got shape {tuple(x.shape)}")
+    rows_per_batch = max(math.prod(x.shape[1:-1]), 1) if x.ndim >= 2 else 1
+    num_queries = max(x.shape[-2], 1) if x.ndim >= 2 else 1
+    placeholder = x
+    flat, strides = placeholder, (0, 0, 0, 0)
+    if mask.tensor is not None:
+        flat, strides = _mask_view(mask.tensor, x, rows_per_batch, num_queries)
     lengths, lengths_stride = placeholder, 0
     if mask.key_lengths is not None:
         rules.check_key_lengths(mask.key_lengths, tuple(x.shape))
         lengths = mask.key_lengths.to(device=x.device, dtype=torch.int64)
         lengths_stride = 0 if lengths.shape[0] == 1 else lengths.stride(0)
-    rows_per_batch = math.prod(x.shape[1:-1]) if x.ndim >= 2 else 1
-    num_queries = x.shape[-2] if x.ndim >= 2 else 1
     diagonal = 0 if mask.diagonal is None else int(mask.diagonal)
-    args = (flat, mask_row_stride, mask_col_stride, lengths, lengths_stride, max(rows_per_batch, 1),
-            max(num_queries, 1), diagonal)
+    args = (flat, *strides, lengths, lengths_stride, rows_per_batch, num_queries, diagonal)
     constants = {"BOOL_MASK": mask.tensor is not None, "CAUSAL": mask.diagonal is not None,
                  "LENGTHS": mask.key_lengths is not None}
     return MaskArgs(args, constants)

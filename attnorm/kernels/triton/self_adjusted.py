@@ -87,7 +87,8 @@ def _output(x, allowed, weights, low, high, posinf_row, NORMALIZED: tl.constexpr
 @triton.jit
 def _self_adjusted_forward_kernel(
     X, OUT, STATS,
-    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride,
+    lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
     sink_values, sink_stride, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, NORMALIZED: tl.constexpr,
@@ -106,8 +107,8 @@ def _self_adjusted_forward_kernel(
     scalar read per row, one ``exp`` and one division per element and pass); no extra
     pass or byte.
     """
-    masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
-               diagonal)
+    masking = (mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride, lengths_ptr,
+               lengths_stride, rows_per_batch, num_queries, diagonal)
     row = tl.program_id(0).to(tl.int64)
     sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
     softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
@@ -217,7 +218,8 @@ def _load_backward_block(
 @triton.jit
 def _self_adjusted_backward_kernel(
     X, G, DX, STATS, stats_row_stride, stats_col_stride,
-    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride,
+    lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
     sink_values, sink_stride, DSINK, softcap_value,
     length, x_row_stride, g_row_stride, dx_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, NORMALIZED: tl.constexpr,
@@ -234,8 +236,8 @@ def _self_adjusted_backward_kernel(
     recomputed from ``c(x)`` and ``dx`` is carried through the cap's slope at the raw x,
     read again where dx is written (the elements just read: from cache), no extra pass.
     """
-    masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
-               diagonal)
+    masking = (mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride, lengths_ptr,
+               lengths_stride, rows_per_batch, num_queries, diagonal)
     row = tl.program_id(0).to(tl.int64)
     stats = STATS + row * stats_row_stride
     c0 = tl.load(stats).to(COMPUTE)

@@ -64,7 +64,8 @@ def _multiplier(first, second, count, VARIANT: tl.constexpr):
 @triton.jit
 def _softmax_forward_kernel(
     X, OUT, MULTIPLIER, LOG_COUNT, first_values, first_stride, second_values, second_stride,
-    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride,
+    lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
     sink_values, sink_stride, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, VARIANT: tl.constexpr,
@@ -85,8 +86,8 @@ def _softmax_forward_kernel(
     scalar read per row, one ``exp`` and one division per element and pass); no extra
     pass or byte.
     """
-    masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
-               diagonal)
+    masking = (mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride, lengths_ptr,
+               lengths_stride, rows_per_batch, num_queries, diagonal)
     row = tl.program_id(0).to(tl.int64)
     first = load_row_param(first_values, first_stride, row).to(COMPUTE)
     second = load_row_param(second_values, second_stride, row).to(COMPUTE)

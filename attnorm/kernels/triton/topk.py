@@ -215,7 +215,8 @@ def _least_at_or_above(X, row, length, x_row_stride, masking, sink, softcap, pos
 @triton.jit
 def _topk_forward_kernel(
     X, OUT, MULTIPLIER, k_param, temperature_values, temperature_stride,
-    mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
+    mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride,
+    lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
     sink_values, sink_stride, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, IS_FRACTION: tl.constexpr,
@@ -240,8 +241,8 @@ def _topk_forward_kernel(
     scalar read per row, one ``exp`` and one division per element and pass); no extra
     pass or byte.
     """
-    masking = (mask_ptr, mask_row_stride, mask_col_stride, lengths_ptr, lengths_stride, rows_per_batch, num_queries,
-               diagonal)
+    masking = (mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride, lengths_ptr,
+               lengths_stride, rows_per_batch, num_queries, diagonal)
     row = tl.program_id(0).to(tl.int64)
     scale = 1.0 / load_row_param(temperature_values, temperature_stride, row).to(COMPUTE)
     k = tl.load(k_param)
