@@ -30,7 +30,8 @@ from torch.nn.modules import module as _module
 from attnorm.kernels import ops
 from attnorm.kernels.decoding_ops import self_adjusted_decoding
 from attnorm.kernels.ops import forward_mode, records_grad
-from attnorm.normalizers.base import Normalizer
+from attnorm.kernels.rules import NO_MASK, RowMask
+from attnorm.normalizers.base import Normalizer, _broadcasts
 from attnorm.routes.common import kernel_mask
 from attnorm.routes.fused import _runs_triton
 
@@ -172,13 +173,15 @@ def _hooked(module: torch.nn.Module) -> bool:
                 or _module._global_backward_hooks or _module._global_backward_pre_hooks)
 
 
-def row_weights(normalizer, q: Tensor, k: Tensor, scale: float) -> Tensor | None:
-    """The unmasked weights ``(B, Hq, Lq, Lk)`` of the rows route in one replayed call, in ``q``'s dtype, or None.
+def row_weights(normalizer, q: Tensor, k: Tensor, scale: float, mask: Tensor | None = None) -> Tensor | None:
+    """The weights ``(B, Hq, Lq, Lk)`` of the rows route in one replayed call, in ``q``'s dtype, or None.
 
-    Call where :func:`scores_kernel_applies` holds and the call has no mask, additive mask,
-    sink or cap.  The weights are those of ``normalizer(decoding_scores(q, k, scale)).to(q.dtype)``, bit
-    for bit (:func:`~attnorm.kernels.triton.attention_decoding.decoding_weights_forward`
-    launches the same two kernels), without the host time of the layers between them: on
+    Call where :func:`scores_kernel_applies` holds and the call has no additive mask, sink or
+    cap; ``mask``: None or a bool tensor broadcastable to the scores (a left-padded batch's
+    ``(B, 1, 1, Lk)``, read in place by the row kernel).  The weights are those of
+    ``normalizer(decoding_scores(q, k, scale), mask).to(q.dtype)``, bit for bit
+    (:func:`~attnorm.kernels.triton.attention_decoding.decoding_weights_forward` launches
+    the same two kernels), without the host time of the layers between them: on
     an eager decoding step the module, its rules, the row op's entry point and a second
     replay key cost more than the launches (``scripts/launch_overhead.py``).  None, and the
     caller goes the long way, unless the normalizer is one of attnorm's row normalizers
@@ -192,6 +195,9 @@ def row_weights(normalizer, q: Tensor, k: Tensor, scale: float) -> Tensor | None
         return None
     if not ops.plain(q, k) or q.numel() == 0 or k.numel() == 0:
         return None
+    row_mask = NO_MASK if mask is None else _row_mask(mask, q, k)
+    if row_mask is None:
+        return None
     params = normalizer.kernel_params()
     for value in params.values():
         if isinstance(value, Tensor):
@@ -201,7 +207,17 @@ def row_weights(normalizer, q: Tensor, k: Tensor, scale: float) -> Tensor | None
         from attnorm.kernels.triton.attention_decoding import decoding_weights_forward
 
         _WEIGHTS_FORWARD = decoding_weights_forward
-    return _WEIGHTS_FORWARD(q, k, float(scale), kernel, tuple(params.items()))
+    return _WEIGHTS_FORWARD(q, k, float(scale), kernel, tuple(params.items()), row_mask)
+
+
+def _row_mask(mask: Tensor, q: Tensor, k: Tensor) -> RowMask | None:
+    """A bool ``mask`` for the scores ``(B, Hq, Lq, Lk)`` of ``q`` and ``k`` as the row kernels take it, or None
+    (a mask of another kind, device or shape: the module's route, which says what is wrong)."""
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if (type(mask) is not Tensor or mask.dtype != torch.bool or mask.device != q.device or mask.ndim > 4
+            or not _broadcasts(mask.shape, shape)):
+        return None
+    return RowMask(mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape)), None, None)
 
 
 _WEIGHTS_FORWARD = None

@@ -447,6 +447,69 @@ def test_decoding_step_takes_the_one_call_weights_and_equals_the_long_way(monkey
     torch.testing.assert_close(out.double(), weights @ v64.repeat_interleave(2, dim=1), atol=2e-2, rtol=2e-2)
 
 
+def left_padding(lengths, lk, device):
+    """A left-padded batch's decoding mask ``(B, 1, 1, Lk)``: each sequence's last ``length`` keys."""
+    return (torch.arange(lk) >= lk - torch.tensor(lengths)[:, None]).reshape(len(lengths), 1, 1, lk).to(device)
+
+
+PADDED_MASKS = {  # shapes a decoding step's bool mask comes in, against scores (2, 4, 3, 37)
+    "left padding (B,1,1,Lk)": lambda device: left_padding([37, 20], 37, device),
+    "per query (B,1,Lq,Lk)": lambda device: torch.rand(2, 1, 3, 37, generator=torch.Generator().manual_seed(3)).to(
+        device) > 0.3,
+    "one row (Lk,)": lambda device: (torch.arange(37) % 3 != 1).to(device),
+    "a sequence with one key (B,1,1,Lk)": lambda device: left_padding([37, 1], 37, device),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=slow_under_interpreter(name == "sparsemax"))
+                                  for name in ["sparsemax", "entmax 1.5", "top-5", "sa"]])
+@pytest.mark.parametrize("shape", list(PADDED_MASKS))
+def test_one_call_weights_take_a_padded_batch_mask(name, shape, device):
+    """A bool mask (a left-padded batch's) rides along: bit for bit the scores op, then the module with the mask,
+    then ``.to(q.dtype)``; and against float64 (masked keys weigh exactly 0)."""
+    q, k, _ = make_qkv(2, 4, 2, 3, 37, 16, 16, torch.float16, device, seed=2)
+    mask = PADDED_MASKS[shape](device)
+    normalizer = ONE_CALL_NORMALIZERS[name]()
+    with torch.no_grad():
+        got = decoding.row_weights(normalizer, q, k, SCALE, mask)
+        want = normalizer(decoding_ops.decoding_scores(q, k, SCALE), mask).to(q.dtype)
+    assert got is not None and got.dtype == q.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (got[~mask.expand(got.shape)] == 0).all()
+    if name == "sparsemax":
+        scores = q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2) * SCALE
+        reference = attnorm.Sparsemax(backend="reference")(scores, mask)
+        torch.testing.assert_close(got.double(), reference, atol=2e-3, rtol=2e-3)
+
+
+def test_padded_decoding_step_takes_the_one_call_weights_and_equals_the_long_way(monkeypatch, device):
+    """A left-padded batch's decoding step (the mask Hugging Face passes) takes the one-call weights."""
+    q, k, v = make_qkv(2, 4, 2, 1, 40, 16, 16, torch.float16, device, seed=4)
+    mask = left_padding([40, 13], 40, device)
+    normalizer = attnorm.TopKSoftmax(5, backend="triton")
+    taken = []
+    original = decoding.row_weights
+    monkeypatch.setattr(decoding, "row_weights", lambda *args: taken.append(original(*args)) or taken[-1])
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+    assert len(taken) == 1 and taken[0] is not None
+    monkeypatch.setattr(decoding, "row_weights", lambda *args: None)
+    torch.testing.assert_close(out, attnorm.attention(q, k, v, normalizer, attn_mask=mask), rtol=0, atol=0)
+
+
+def test_one_call_weights_leave_other_masks_to_the_module(device):
+    """A mask of another dtype, shape or device: None (the module's route says what is wrong)."""
+    q, k, _ = make_qkv(2, 2, 2, 1, 24, 16, 16, torch.float16, device)
+    sparsemax = attnorm.Sparsemax(backend="triton")
+    assert decoding.row_weights(sparsemax, q, k, SCALE, left_padding([24, 3], 24, device)) is not None
+    assert decoding.row_weights(sparsemax, q, k, SCALE, left_padding([24, 3], 24, device).float()) is None
+    assert decoding.row_weights(sparsemax, q, k, SCALE, torch.ones(3, 1, 1, 24, dtype=torch.bool,
+                                                                   device=device)) is None
+    assert decoding.row_weights(sparsemax, q, k, SCALE, torch.ones(1, 2, 2, 1, 24, dtype=torch.bool,
+                                                                   device=device)) is None
+    if device == "cuda":
+        assert decoding.row_weights(sparsemax, q, k, SCALE, torch.ones(24, dtype=torch.bool)) is None
+
+
 class _Counted(attnorm.Sparsemax):
     def forward(self, scores, mask=None, **modifiers):
         self.calls = getattr(self, "calls", 0) + 1
