@@ -29,6 +29,12 @@ made per call.  A fixed length repeats one shape, which attnorm's replay of Trit
 new shape every step and runs the Python launchers as written, so this is the host time a
 generation loop sees.  No route providers in this mode.
 
+With ``--padded`` the batch is left-padded, as a batch of prompts of different lengths is
+in generation: sequence ``b`` of ``B`` starts ``b Lk / (2 B)`` keys into the cache, so
+every provider (SDPA too) gets a bool mask ``(B, 1, Lq, Lk)``, the padding and the
+bottom-right causal mask in one: the mask Hugging Face passes.  No route providers in
+this mode.
+
 The second table gives ``split_k / rows`` per KV length: below 1 split-K is faster,
 and the family's entry in ``DECODING_ROUTES`` should be ``"split_k"``.  On CPU the
 split-K kernel runs only under Triton's interpreter (``TRITON_INTERPRET=1``, the
@@ -51,9 +57,10 @@ Usage::
     python benchmarks/bench_decoding.py --specs sa_softmax sa_softmax:normalized=false   # the route choice
     python benchmarks/bench_decoding.py --copies --specs sparsemax topk:k=64    # the scores kernel's saving
     python benchmarks/bench_decoding.py --growing               # a new KV length every call, as in generation
+    python benchmarks/bench_decoding.py --padded                # a left-padded batch (a bool mask per sequence)
 
 Writes ``bench_decoding_<device>.csv`` and ``.md`` into ``--out`` (default ``benchmarks/results/``),
-``bench_decoding_<device>_growing`` with ``--growing``.
+``bench_decoding_<device>_growing`` with ``--growing``, ``_padded`` with ``--padded``.
 """
 
 from __future__ import annotations
@@ -105,6 +112,15 @@ def growing(call: Callable[..., torch.Tensor], lk: int) -> Callable[..., torch.T
         return call(q, k[:, :, :n], v[:, :, :n])
 
     return grown
+
+
+def padded_mask(batch: int, lq: int, lk: int, device: str) -> torch.Tensor:
+    """A left-padded batch's bool mask ``(B, 1, Lq, Lk)``: sequence ``b`` starts at key ``b Lk / (2 B)``, bottom-right
+    causal (``--padded``)."""
+    keys, queries = torch.arange(lk, device=device), torch.arange(lq, device=device)
+    starts = torch.arange(batch, device=device) * lk // (2 * batch)
+    allowed = (keys >= starts[:, None, None]) & (keys <= lk - lq + queries[:, None])  # (B, Lq, Lk)
+    return allowed[:, None]
 
 
 def goal(spec: str) -> float:
@@ -236,7 +252,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     lengths = args.lengths or ((256, 512) if args.quick else lengths)
     rounds = 2 if args.quick else rounds
     specs = [spec.format(heads=heads) for spec in args.specs or SPECS]
-    routed = [] if args.growing else [spec for spec in specs if has_split_k(spec)]
+    routed = [] if args.growing or args.padded else [spec for spec in specs if has_split_k(spec)]
     if routed and (reason := split_k_unavailable(args.device)):
         print(f"route providers left out: {reason}")
         routed = []
@@ -255,6 +271,15 @@ def run(args: argparse.Namespace) -> list[dict]:
                 errors[spec] = error_text(error)
             if args.copies and spec in calls and on_rows_route(spec):
                 calls[spec + COPIES] = with_copies(calls[spec])
+        if args.padded:
+            mask = padded_mask(batch, args.queries, lk, args.device)
+            calls = {"sdpa": lambda q, k, v, mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)}
+            for spec in specs:
+                if spec in errors:
+                    continue
+                normalizer = attnorm.make(spec).to(args.device)
+                calls[spec] = lambda q, k, v, normalizer=normalizer, mask=mask: attnorm.attention(
+                    q, k, v, normalizer, attn_mask=mask)
         if args.growing:
             if args.queries > 1:
                 calls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
@@ -330,10 +355,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"also time rows-route families with scores from float32 copies ('<spec>{COPIES}')")
     parser.add_argument("--growing", action="store_true",
                         help="a KV cache one key longer every call, as in generation (no replayed shape)")
+    parser.add_argument("--padded", action="store_true",
+                        help="a left-padded batch: every provider gets a bool mask (B, 1, Lq, Lk)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.padded and args.growing:
+        parser.error("--padded and --growing are separate runs")
     return args
 
 
@@ -343,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     rows = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"bench_decoding_{args.device}" + ("_growing" if args.growing else "")
+    name = f"bench_decoding_{args.device}" + ("_growing" if args.growing else "") + ("_padded" if args.padded else "")
     write_csv(args.out / f"{name}.csv", rows, COLUMNS)
     table = report(rows)
     routes = route_report(rows)
@@ -351,7 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         table += f"\n\nRoute choice: split-K time over scores-as-rows time (below 1: split-K is faster).\n\n{routes}"
     (args.out / f"{name}.md").write_text(
         f"Decoding, {args.queries} query row(s), forward only"
-        f"{', the KV cache one key longer every call' if args.growing else ''}; SDPA in ms, the rest as a ratio "
+        f"{', the KV cache one key longer every call' if args.growing else ''}"
+        f"{', a left-padded batch (bool mask)' if args.padded else ''}; SDPA in ms, the rest as a ratio "
         f"to it.\n\n"
         f"{table}\n\n{rows[0]['versions'] if rows else ''}\n"
     )

@@ -9,6 +9,7 @@
 #   STEPS="xpass probe" bash scripts/gpu_check.sh                 # the capped entmax dk; decoding host vs GPU
 #   STEPS="replay overhead" bash scripts/gpu_check.sh             # the direct launch + replay against Triton's
 #   STEPS="decoding growing" bash scripts/gpu_check.sh            # decoding: a fixed KV length, then a growing one
+#   STEPS="padded" bash scripts/gpu_check.sh                      # decoding a left-padded batch (a bool mask)
 #
 # Keep each call short: on 2026-11-26 a machine was taken back mid-call and the call returned nothing
 # (342 s of a 900 s lease gone), so run the steps whose results matter most first, in calls of their own.
@@ -66,6 +67,9 @@ tests/kernels/test_fast_launch.py && ATTNORM_FAST_LAUNCH=0 python3 benchmarks/be
         step decoding 90 python3 benchmarks/bench_decoding.py --lengths ${DECODING_LENGTHS:-4096 65536} --copies $results ;;
     growing)  # decoding against a KV cache one key longer every call (generation: no shape repeats, no replay)
         step growing 90 python3 benchmarks/bench_decoding.py --growing --lengths ${DECODING_LENGTHS:-4096 65536} \
+            --specs sparsemax entmax:alpha=1.5 topk:k=64 sa_softmax ssmax $results ;;
+    padded)  # decoding a left-padded batch: every provider gets the (B, 1, 1, Lk) bool mask Hugging Face passes
+        step padded 90 python3 benchmarks/bench_decoding.py --padded --lengths ${DECODING_LENGTHS:-4096 65536} \
             --specs sparsemax entmax:alpha=1.5 topk:k=64 sa_softmax ssmax $results ;;
     probe)  # decoding: eager against CUDA-graph replay, and the split-K split counts (scripts/decoding_probe.py)
         step probe 90 bash -c "python3 scripts/decoding_probe.py | tee $OUT/results/decoding_probe.md" ;;

@@ -181,11 +181,16 @@ def measure(calls: int, rounds: int, names: list[str] | None = None,
         q = torch.randn(2, 4, 1, 64, dtype=torch.float16)
         k, v = (torch.randn(2, 4, 64, 64, dtype=torch.float16) for _ in range(2))
         mask = attnorm.causal_mask(63)  # a decoding step's: every key allowed
+        # a left-padded batch's step: the (B, 1, 1, Lk) bool mask Hugging Face passes
+        padded = (torch.arange(64) >= torch.tensor([0, 40])[:, None]).reshape(2, 1, 1, 64)
         for name, normalizer in DECODING.items():
             if names and name not in names:
                 continue
             cases[(f"attention({name}) decoding", "no grad")] = (
                 lambda normalizer=normalizer: attnorm.attention(q, k, v, normalizer, attn_mask=mask))
+            if name != "SelfAdjustedSoftmax":
+                cases[(f"attention({name}) decoding, padded batch", "no grad")] = (
+                    lambda normalizer=normalizer: attnorm.attention(q, k, v, normalizer, attn_mask=padded))
         # generation: the KV cache one key longer every call, a new shape each time (never replayed)
         # (one head of width 16: the CPU's own products stay small beside the host time at any length)
         qg = torch.randn(1, 1, 1, 16, dtype=torch.float16)

@@ -6,6 +6,9 @@ import csv
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
@@ -118,3 +121,23 @@ def test_growing_cache_attends_to_one_more_key_every_call(tmp_path, monkeypatch)
     rows = list(csv.DictReader(open(tmp_path / "bench_decoding_cpu_growing.csv", newline="")))
     assert {row["normalizer"] for row in rows} == {"sdpa", "sparsemax"} and not [row for row in rows if row["error"]]
     assert "one key longer every call" in (tmp_path / "bench_decoding_cpu_growing.md").read_text()
+
+
+def test_padded_batch_gives_every_provider_the_left_padding_mask(tmp_path, monkeypatch):
+    """``--padded``: attnorm and SDPA get one bool mask ``(B, 1, Lq, Lk)``, each sequence starting later."""
+    import attnorm
+
+    masks = []
+    real = attnorm.attention
+    monkeypatch.setattr(attnorm, "attention", lambda *args, attn_mask=None, **kwargs: masks.append(attn_mask) or real(
+        *args, attn_mask=attn_mask, **kwargs))
+    assert bench_decoding.main(["--device", "cpu", "--quick", "--padded", "--lengths", "40", "--specs", "sparsemax",
+                                "--out", str(tmp_path)]) == 0
+    mask = masks[0]
+    assert mask.dtype == torch.bool and mask.shape == (mask.shape[0], 1, 1, 40) and mask.shape[0] > 1
+    starts = (~mask[:, 0, 0]).sum(-1)
+    assert starts[0] == 0 and (starts[1:] > 0).all() and (starts.diff() >= 0).all()
+    rows = list(csv.DictReader(open(tmp_path / "bench_decoding_cpu_padded.csv", newline="")))
+    assert {row["normalizer"] for row in rows} == {"sdpa", "sparsemax"} and not [row for row in rows if row["error"]]
+    with pytest.raises(SystemExit):
+        bench_decoding.parse_args(["--padded", "--growing"])
