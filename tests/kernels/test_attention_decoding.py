@@ -431,10 +431,16 @@ def test_one_call_weights_equal_the_scores_op_then_the_module(name, dtype, devic
     torch.testing.assert_close(got, wide.to(dtype), rtol=0, atol=0)
 
 
-def test_decoding_step_takes_the_one_call_weights_and_equals_the_long_way(monkeypatch, device):
-    q, k, v = make_qkv(2, 4, 2, 1, 40, 16, 16, torch.bfloat16, device)
-    normalizer = attnorm.Entmax(1.5, backend="triton")
-    mask = attnorm.causal_mask(40 - 1)  # a decoding step's causal mask: every key allowed
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "left-padded"])
+def test_decoding_step_takes_the_one_call_weights_and_equals_the_long_way(padded, monkeypatch, device):
+    """A decoding step, under its causal mask (every key allowed) or a left-padded batch's ``(B, 1, 1, Lk)``
+    bool mask (what Hugging Face passes), takes the one-call weights: the long way's output bit for bit, and
+    float64's within half precision."""
+    q, k, v = make_qkv(2, 4, 2, 1, 40, 16, 16, torch.float16 if padded else torch.bfloat16, device, seed=4 * padded)
+    spec = "topk:k=5" if padded else "entmax:alpha=1.5"
+    normalizer = attnorm.make(spec)
+    normalizer.backend = "triton"
+    mask = left_padding([40, 13], 40, device) if padded else attnorm.causal_mask(40 - 1)
     taken = []
     original = decoding.row_weights
     monkeypatch.setattr(decoding, "row_weights", lambda *args: taken.append(original(*args)) or taken[-1])
@@ -443,7 +449,9 @@ def test_decoding_step_takes_the_one_call_weights_and_equals_the_long_way(monkey
     monkeypatch.setattr(decoding, "row_weights", lambda *args: None)
     torch.testing.assert_close(out, attnorm.attention(q, k, v, normalizer, attn_mask=mask), rtol=0, atol=0)
     q64, k64, v64 = (t.double() for t in (q, k, v))
-    weights = attnorm.Entmax(1.5, backend="reference")(q64 @ k64.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25)
+    reference = attnorm.make(spec)
+    reference.backend = "reference"
+    weights = reference(q64 @ k64.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25, mask if padded else None)
     torch.testing.assert_close(out.double(), weights @ v64.repeat_interleave(2, dim=1), atol=2e-2, rtol=2e-2)
 
 
@@ -480,20 +488,6 @@ def test_one_call_weights_take_a_padded_batch_mask(name, shape, device):
         scores = q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2) * SCALE
         reference = attnorm.Sparsemax(backend="reference")(scores, mask)
         torch.testing.assert_close(got.double(), reference, atol=2e-3, rtol=2e-3)
-
-
-def test_padded_decoding_step_takes_the_one_call_weights_and_equals_the_long_way(monkeypatch, device):
-    """A left-padded batch's decoding step (the mask Hugging Face passes) takes the one-call weights."""
-    q, k, v = make_qkv(2, 4, 2, 1, 40, 16, 16, torch.float16, device, seed=4)
-    mask = left_padding([40, 13], 40, device)
-    normalizer = attnorm.TopKSoftmax(5, backend="triton")
-    taken = []
-    original = decoding.row_weights
-    monkeypatch.setattr(decoding, "row_weights", lambda *args: taken.append(original(*args)) or taken[-1])
-    out = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
-    assert len(taken) == 1 and taken[0] is not None
-    monkeypatch.setattr(decoding, "row_weights", lambda *args: None)
-    torch.testing.assert_close(out, attnorm.attention(q, k, v, normalizer, attn_mask=mask), rtol=0, atol=0)
 
 
 def test_one_call_weights_leave_other_masks_to_the_module(device):
