@@ -173,13 +173,15 @@ def _hooked(module: torch.nn.Module) -> bool:
                 or _module._global_backward_hooks or _module._global_backward_pre_hooks)
 
 
-def row_weights(normalizer, q: Tensor, k: Tensor, scale: float, mask: Tensor | None = None) -> Tensor | None:
+def row_weights(normalizer, q: Tensor, k: Tensor, scale: float, mask: Tensor | None = None,
+                softcap: float | None = None) -> Tensor | None:
     """The weights ``(B, Hq, Lq, Lk)`` of the rows route in one replayed call, in ``q``'s dtype, or None.
 
-    Call where :func:`scores_kernel_applies` holds and the call has no additive mask, sink or
-    cap; ``mask``: None or a bool tensor broadcastable to the scores (a left-padded batch's
-    ``(B, 1, 1, Lk)``, read in place by the row kernel).  The weights are those of
-    ``normalizer(decoding_scores(q, k, scale), mask).to(q.dtype)``, bit for bit
+    Call where :func:`scores_kernel_applies` holds and the call has no additive mask or sink;
+    ``mask``: None or a bool tensor broadcastable to the scores (a left-padded batch's
+    ``(B, 1, 1, Lk)``, read in place by the row kernel); ``softcap``: a checked cap or None
+    (Gemma 2's, applied by the row kernel).  The weights are those of
+    ``normalizer(decoding_scores(q, k, scale), mask, softcap=softcap).to(q.dtype)``, bit for bit
     (:func:`~attnorm.kernels.triton.attention_decoding.decoding_weights_forward` launches
     the same two kernels), without the host time of the layers between them: on
     an eager decoding step the module, its rules, the row op's entry point and a second
@@ -207,7 +209,7 @@ def row_weights(normalizer, q: Tensor, k: Tensor, scale: float, mask: Tensor | N
         from attnorm.kernels.triton.attention_decoding import decoding_weights_forward
 
         _WEIGHTS_FORWARD = decoding_weights_forward
-    return _WEIGHTS_FORWARD(q, k, float(scale), kernel, tuple(params.items()), row_mask)
+    return _WEIGHTS_FORWARD(q, k, float(scale), kernel, tuple(params.items()), row_mask, softcap)
 
 
 def _row_mask(mask: Tensor, q: Tensor, k: Tensor) -> RowMask | None:

@@ -490,6 +490,29 @@ def test_one_call_weights_take_a_padded_batch_mask(name, shape, device):
         torch.testing.assert_close(got.double(), reference, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("name", [pytest.param(name, marks=slow_under_interpreter(name == "sparsemax"))
+                                  for name in ["sparsemax", "top-5"]])
+def test_one_call_weights_take_a_cap_and_a_capped_step_takes_them(name, monkeypatch, device):
+    """Gemma 2's soft cap is applied by the row kernel in the one call: bit for bit the module given the cap,
+    and ``attention(..., softcap=)``'s decoding step takes the one call and equals the long way."""
+    q, k, v = make_qkv(2, 4, 2, 1, 37, 16, 16, torch.float16, device, seed=7)
+    q = q * 4  # scores beyond the cap's linear range
+    normalizer = ONE_CALL_NORMALIZERS[name]()
+    with torch.no_grad():
+        got = decoding.row_weights(normalizer, q, k, SCALE, None, 2.0)
+        want = normalizer(decoding_ops.decoding_scores(q, k, SCALE), softcap=2.0).to(q.dtype)
+        uncapped = decoding.row_weights(normalizer, q, k, SCALE)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(got, uncapped)
+    taken = []
+    original = decoding.row_weights
+    monkeypatch.setattr(decoding, "row_weights", lambda *args: taken.append(original(*args)) or taken[-1])
+    out = attnorm.attention(q, k, v, normalizer, scale=SCALE, softcap=2.0)
+    assert len(taken) == 1 and taken[0] is not None
+    monkeypatch.setattr(decoding, "row_weights", lambda *args: None)
+    torch.testing.assert_close(out, attnorm.attention(q, k, v, normalizer, scale=SCALE, softcap=2.0), rtol=0, atol=0)
+
+
 def test_one_call_weights_leave_other_masks_to_the_module(device):
     """A mask of another dtype, shape or device: None (the module's route says what is wrong)."""
     q, k, _ = make_qkv(2, 2, 2, 1, 24, 16, 16, torch.float16, device)

@@ -175,9 +175,11 @@ def test_decoding_weights_replay_both_launches_as_one_plan(replaying, kernel, pa
     assert len(plan.launches) == 2  # the scores kernel and the row kernel
 
 
-def test_decoding_weights_with_a_padded_batch_mask_replay_reading_the_mask_in_place(replaying):
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_decoding_weights_with_a_padded_batch_mask_replay_reading_the_mask_in_place(replaying, softcap):
     """A left-padded batch's ``(B, 1, 1, Lk)`` mask reaches the row kernel as a view of itself (batch, head and
-    query strides): the call is replayed, with each call's own mask swapped in, not refused for a copy."""
+    query strides): the call is replayed, with each call's own mask swapped in, not refused for a copy; a cap
+    (Gemma 2's) is a kept constant of the plan."""
     from attnorm.kernels.triton import attention_decoding
 
     _, replays = replaying
@@ -187,8 +189,8 @@ def test_decoding_weights_with_a_padded_batch_mask_replay_reading_the_mask_in_pl
         k = torch.randn(2, 2, 37, 16, generator=generator).half()
         keep = torch.arange(37) >= torch.tensor([0, 5 + 3 * seed])[:, None]  # left padding, new every call
         mask = RowMask(keep.reshape(2, 1, 1, 37), None, None)
-        want = written(attention_decoding.decoding_weights_forward, q, k, 0.25, "sparsemax", (), mask)
-        got = attention_decoding.decoding_weights_forward(q, k, 0.25, "sparsemax", (), mask)
+        want = written(attention_decoding.decoding_weights_forward, q, k, 0.25, "sparsemax", (), mask, softcap)
+        got = attention_decoding.decoding_weights_forward(q, k, 0.25, "sparsemax", (), mask, softcap)
         assert_same(got, want)
         assert (got[:, :, :, : 5 + 3 * seed][1] == 0).all()
     assert len(replays) == 2 and replay.planned() == (1, 0)

@@ -452,7 +452,8 @@ def decoding_scores_forward(q: Tensor, k: Tensor, scale: float) -> Tensor:
 
 @replay.replayable
 def decoding_weights_forward(q: Tensor, k: Tensor, scale: float, kernel: str,
-                             params: tuple[tuple[str, Any], ...], mask: RowMask = NO_MASK) -> Tensor:
+                             params: tuple[tuple[str, Any], ...], mask: RowMask = NO_MASK,
+                             softcap: float | None = None) -> Tensor:
     """Weights ``(B, Hq, Lq, Lk)`` of the rows route in one call, in ``q``'s dtype:
     :func:`decoding_scores_forward`, then the row kernel of ``kernel`` over the float32 scores
     (:func:`attnorm.kernels.ops.weights`), which rounds the weights it stores to ``q``'s dtype.
@@ -467,10 +468,10 @@ def decoding_weights_forward(q: Tensor, k: Tensor, scale: float, kernel: str,
     with a key of its own.
     ``params``: the normalizer's ``kernel_params()`` as ``(name, number)`` pairs (numbers
     only: a learnable parameter takes the module's route); ``mask``: the row kernel's mask
-    (a padded batch's bool mask, read in place).  Forward only, no sink, no cap:
-    :func:`attnorm.routes.decoding.row_weights` says when a call qualifies.
+    (a padded batch's bool mask, read in place); ``softcap``: the row kernel's cap.  Forward
+    only, no sink: :func:`attnorm.routes.decoding.row_weights` says when a call qualifies.
     """
     scores = decoding_scores_forward(q, k, scale)
     if q.dtype == torch.bfloat16 and not q.is_cuda:  # Triton's interpreter truncates to bfloat16: torch rounds
-        return ops.weights(ops.functions("triton"), kernel, scores, mask, dict(params)).to(q.dtype)
-    return ops.weights(ops.functions("triton"), kernel, scores, mask, dict(params), out_dtype=q.dtype)
+        return ops.weights(ops.functions("triton"), kernel, scores, mask, dict(params), softcap=softcap).to(q.dtype)
+    return ops.weights(ops.functions("triton"), kernel, scores, mask, dict(params), softcap=softcap, out_dtype=q.dtype)
