@@ -286,3 +286,28 @@ def test_softcap_and_sinks_equal_eager(make_config):
         ours.set_attn_implementation("attnorm")
         sparse = ours(ids, attention_mask=mask, position_ids=positions).logits
     assert torch.isfinite(sparse).all() and (sparse - expected)[keep].abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("make_config", [_gemma2, _gpt_oss], ids=["gemma2_softcap", "gpt_oss_sinks"])
+def test_cached_generation_with_softcap_and_sinks_equals_the_full_forward(make_config):
+    """Each cached decoding step of a left-padded batch (a sliding window of 4, Gemma 2's cap or gpt-oss's sinks,
+    sparsemax) gives the logits of the full forward over the generated sequence: the decoding route's cap and
+    sinks (the one-call weights on CUDA) agree with the training-shape route's."""
+    config, model_class = make_config()
+    config.attnorm = {"normalizer": "sparsemax"}
+    torch.manual_seed(0)
+    model = model_class._from_config(config, attn_implementation="attnorm").eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks"):
+                parameter.normal_(0.0, 2.0)
+    ids, mask, _ = padded_batch("left", (7, 4))
+    new_tokens = 5
+    with torch.no_grad():
+        generated = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                   use_cache=True, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+        full_mask = torch.cat([mask, torch.ones(len(ids), new_tokens, dtype=mask.dtype)], dim=1)
+        positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
+        full = model(generated.sequences, attention_mask=full_mask, position_ids=positions).logits
+    steps = torch.stack(generated.logits, dim=1)
+    torch.testing.assert_close(steps, full[:, ids.shape[1] - 1 : -1], rtol=0, atol=1e-5)
