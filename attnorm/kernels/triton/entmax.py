@@ -511,7 +511,6 @@ def entmax_forward(
             None: entmax of the extended row ``[x, sink]`` (``tau`` makes it sum to 1).
         softcap: a cap ``> 0``, or None: entmax of ``c(x) = softcap tanh(x / softcap)``
             (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
-
         weights_only: skip what only a backward reads: ``gate`` is None (one allocation and
             one store per row less).
         out_dtype: the weights' dtype, ``x``'s by default (the decoding route's float32 scores

@@ -286,7 +286,6 @@ def softmax_forward(
             None: the softmax of the extended row ``m [x, sink]``, ``n`` not counting the sink.
         softcap: a cap ``> 0``, or None: the softmax of ``c(x) = softcap tanh(x / softcap)``
             (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
-
         weights_only: skip what only a backward reads: ``multiplier`` and ``log_count`` are
             None (one or two allocations and stores per row less).
         out_dtype: the weights' dtype, ``x``'s by default (the decoding route's float32 scores

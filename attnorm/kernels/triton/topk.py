@@ -348,7 +348,6 @@ def topk_forward(
             every tie; ``n`` of a fraction does not count it, an integer ``k`` does).
         softcap: a cap ``> 0``, or None: top-k of ``c(x) = softcap tanh(x / softcap)``
             (``c(-inf) = -inf``, ``c(+inf) = softcap``; the sink is not capped).
-
         weights_only: skip what only a backward reads: ``multiplier`` is None (one allocation
             and one store per row less).
         out_dtype: the weights' dtype, ``x``'s by default (the decoding route's float32 scores
