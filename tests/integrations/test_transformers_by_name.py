@@ -263,15 +263,21 @@ def _gpt_oss():
     return config, transformers.GptOssForCausalLM
 
 
+def _built(model_class, config, implementation: str):
+    """The model in eval mode from seed 0, its sinks (gpt-oss) drawn from N(0, 2^2): far from zero."""
+    torch.manual_seed(0)
+    model = model_class._from_config(config, attn_implementation=implementation).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks"):
+                parameter.normal_(0.0, 2.0)
+    return model
+
+
 @pytest.mark.parametrize("make_config", [_gemma2, _gpt_oss], ids=["gemma2_softcap", "gpt_oss_sinks"])
 def test_softcap_and_sinks_equal_eager(make_config):
     config, model_class = make_config()
-    torch.manual_seed(0)
-    eager = model_class._from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, parameter in eager.named_parameters():
-            if name.endswith("sinks"):
-                parameter.normal_(0.0, 2.0)
+    eager = _built(model_class, config, "eager")
     config = copy.deepcopy(config)  # the eager model keeps its own
     config.attnorm = {"normalizer": "softmax"}
     ours = model_class._from_config(config, attn_implementation="attnorm").eval()
@@ -295,12 +301,7 @@ def test_cached_generation_with_softcap_and_sinks_equals_the_full_forward(make_c
     sinks (the one-call weights on CUDA) agree with the training-shape route's."""
     config, model_class = make_config()
     config.attnorm = {"normalizer": "sparsemax"}
-    torch.manual_seed(0)
-    model = model_class._from_config(config, attn_implementation="attnorm").eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("sinks"):
-                parameter.normal_(0.0, 2.0)
+    model = _built(model_class, config, "attnorm")
     ids, mask, _ = padded_batch("left", (7, 4))
     new_tokens = 5
     with torch.no_grad():
