@@ -472,6 +472,7 @@ def decoding_weights_forward(q: Tensor, k: Tensor, scale: float, kernel: str,
     only, no sink: :func:`attnorm.routes.decoding.row_weights` says when a call qualifies.
     """
     scores = decoding_scores_forward(q, k, scale)
-    if q.dtype == torch.bfloat16 and not q.is_cuda:  # Triton's interpreter truncates to bfloat16: torch rounds
-        return ops.weights(ops.functions("triton"), kernel, scores, mask, dict(params), softcap=softcap).to(q.dtype)
-    return ops.weights(ops.functions("triton"), kernel, scores, mask, dict(params), softcap=softcap, out_dtype=q.dtype)
+    rounded = q.is_cuda or q.dtype != torch.bfloat16  # Triton's interpreter truncates to bfloat16: torch rounds there
+    weights = ops.weights(ops.functions("triton"), kernel, scores, mask, dict(params), softcap=softcap,
+                          out_dtype=q.dtype if rounded else None)
+    return weights if rounded else weights.to(q.dtype)
