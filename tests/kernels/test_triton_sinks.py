@@ -431,6 +431,61 @@ def test_sink_shapes_broadcast_and_errors_name_the_argument(device):
         kernels.softmax_backward(y, y, multiplier, x, 2, sink=per_row)
 
 
+IN_PLACE_SINKS = {  # sink shape for (B, H, Lq, L) = (2, 3, 2, 5) scores -> (period, count), None: a copy per row
+    (1, 3, 1, 1): (2, 3),  # per head (gpt-oss): every batch and query of a head reads one value
+    (2, 1, 2, 1): None,  # varies along batch and query, not adjacent
+    (2, 1, 1, 1): (6, 2),
+    (1, 1, 2, 1): (1, 2),
+    (2, 3, 1, 1): (2, 6),  # batch and head merge into one stride
+    (2, 3, 2): (1, 12),
+    (1, 1, 1, 1): (1, 1),
+}
+SLOW_SINK_SHAPES = list(IN_PLACE_SINKS)[1:]
+
+
+@pytest.mark.parametrize("shape", [pytest.param(shape, id=str(shape), marks=[pytest.mark.slow] * (
+    shape in SLOW_SINK_SHAPES)) for shape in IN_PLACE_SINKS])
+def test_broadcast_sinks_are_read_in_place_bit_for_bit(shape, device):
+    """A sink broadcast over rows reaches the kernels in place, through ``(row // period) % count``: every kernel
+    that reads sink scores (six forwards; Scalable-Softmax's multiplier gradient and Self-Adjusted's backward) gives
+    bit for bit what the same values materialised one per row give.  A bfloat16 sink is read in its own dtype."""
+    x = torch.randn(2, 3, 2, 5, generator=torch.Generator().manual_seed(6)).to(device)
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    for dtype in (torch.float32, torch.bfloat16):
+        sink = values.to(device, dtype)
+        materialised = sink.expand((2, 3, 2) if sink.ndim == 3 else (2, 3, 2, 1)).float().contiguous()
+        passed, _, period, count = launch.sink_scores(sink, x)
+        if IN_PLACE_SINKS[shape] is None:
+            assert (period, count) == (1, 12)
+        else:
+            assert passed.data_ptr() == sink.data_ptr() and passed.dtype == dtype
+            assert (period, count) == IN_PLACE_SINKS[shape]
+        calls = [lambda s: kernels.softmax_forward(x, RowMask(), 0, 0.7, 0.0, sink=s),
+                 lambda s: kernels.softmax_forward(x, RowMask(), 1, 0.3, 0.1, sink=s),
+                 lambda s: kernels.topk_forward(x, RowMask(), 2, False, 1.0, sink=s),
+                 lambda s: kernels.entmax_forward(x, RowMask(), 1.5, sink=s),
+                 lambda s: kernels.entmax_forward(x, RowMask(), 2.0, sink=s),
+                 lambda s: kernels.self_adjusted_forward(x, RowMask(), True, sink=s)]
+        g = upstream(x)
+        y, multiplier, _, weight = calls[1](materialised)
+        stats = calls[5](materialised)[1]
+        calls += [lambda s: kernels.softmax_backward(y, g, multiplier, x, 2, sink_weight=weight, sink=s),
+                  lambda s: kernels.self_adjusted_backward(x, RowMask(), g, stats, True, sink=s)]
+        for index, call in enumerate(calls):
+            for actual, wanted in zip(call(sink), call(materialised), strict=True):
+                assert (actual is None and wanted is None) or torch.equal(actual, wanted), (shape, dtype, index)
+
+
+def test_a_float64_sink_of_float32_rows_is_rounded_once(device):
+    """A sink wider than the accumulation dtype is cast by torch (rounded to nearest), not read in place."""
+    x = torch.randn(2, 5, generator=torch.Generator().manual_seed(8)).to(device)
+    sink = torch.tensor([1 / 3, -2 / 3], dtype=F64, device=device)
+    values, stride, period, count = launch.sink_scores(sink, x)
+    assert values.dtype == torch.float32 and torch.equal(values, sink.float()) and (period, count) == (1, 2)
+    assert torch.equal(kernels.softmax_forward(x, RowMask(), 0, 1.0, 0.0, sink=sink)[0],
+                       kernels.softmax_forward(x, RowMask(), 0, 1.0, 0.0, sink=sink.float())[0])
+
+
 def test_outputs_dtypes_and_shapes(device):
     """Sink outputs are per row in the accumulation dtype; without a sink the tuples are as before."""
     for dtype, wide in ((torch.bfloat16, torch.float32), (torch.float64, F64)):

@@ -43,6 +43,7 @@ __all__ = [
     "load_row",
     "load_row_param",
     "load_sink",
+    "load_sink_score",
     "load_softcap",
     "row_extent",
     "scaled",
@@ -72,6 +73,14 @@ def load_sink(values, stride, row, HAS_SINK: tl.constexpr, COMPUTE: tl.constexpr
     if HAS_SINK:
         sink = load_row_param(values, stride, row).to(COMPUTE)
     return sink
+
+
+@triton.jit
+def load_sink_score(values, stride, period, count, row, HAS_SINK: tl.constexpr, COMPUTE: tl.constexpr):
+    """Row ``row``'s sink score, passed as :func:`attnorm.kernels.triton.launch.sink_scores` gives it: read at
+    ``values[(row // period) % count * stride]`` (a per-head sink of ``(B, H, Lq, L)`` scores, read in place:
+    period ``Lq``, count ``H``), in ``COMPUTE``; 0, never read, without ``HAS_SINK``."""
+    return load_sink(values, stride, row // period % count, HAS_SINK, COMPUTE)
 
 
 @triton.jit

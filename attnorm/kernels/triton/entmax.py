@@ -55,6 +55,7 @@ from attnorm.kernels.triton.blocks import (
     load_row,
     load_row_param,
     load_sink,
+    load_sink_score,
     load_softcap,
     row_extent,
     scan_row,
@@ -252,7 +253,7 @@ def _entmax_forward_kernel(
     X, OUT, GATE, alpha_values, alpha_stride,
     mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride,
     lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
-    sink_values, sink_stride, SINK_WEIGHT, softcap_value,
+    sink_values, sink_stride, sink_period, sink_count, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride, max_iters,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr,
     BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -279,7 +280,7 @@ def _entmax_forward_kernel(
     softmax_row = alpha == 1
     multiplier = tl.where(softmax_row, 1.0, alpha - 1)
     power = tl.where(softmax_row, 1.0, 1.0 / multiplier)
-    sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    sink = load_sink_score(sink_values, sink_stride, sink_period, sink_count, row, HAS_SINK, COMPUTE)
     softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     if SINGLE:
         cols = tl.arange(0, BLOCK)

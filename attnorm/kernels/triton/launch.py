@@ -11,8 +11,8 @@ tensor is allocated through :func:`empty`, the one place tests patch to poison
 outputs (an element a kernel forgets to write then fails).
 
 A sink per row (``kernels/README.md``) is one more position after the row: the
-kernel reads its score through :func:`sink_scores` (``(values, stride)`` like a row
-parameter) and a single-block row needs a block of ``L + 1`` lanes (:func:`prepare`).
+kernel reads its score through :func:`sink_scores` (``(values, stride, period, count)``: a
+per-head sink read in place) and a single-block row needs a block of ``L + 1`` lanes (:func:`prepare`).
 
 Soft-capping (``kernels/README.md``) passes the cap through :func:`softcap_arg` and the
 constexpr ``SOFTCAP``.
@@ -247,23 +247,52 @@ def per_row_param(value: float | Tensor, x: Tensor) -> tuple[Tensor, int]:
     return row_param(value.unsqueeze(-1) if isinstance(value, Tensor) else value, x)
 
 
-def sink_scores(sink: Tensor | None, x: Tensor) -> tuple[Tensor, int]:
-    """The sink's score per row as :func:`row_param` arguments (in the accumulation dtype, as the kernels compute).
+def sink_scores(sink: Tensor | None, x: Tensor) -> tuple[Tensor, int, int, int]:
+    """The sink's score per row as ``(values, stride, period, count)``: row ``r`` of ``x`` reads
+    ``values[(r // period) % count * stride]`` (:func:`~attnorm.kernels.triton.blocks.load_sink_score`).
 
     ``sink`` has shape ``x.shape[:-1]``, or ``x.ndim`` dims with last dim 1 broadcastable to
-    ``x``.  None (no sink) gives ``x`` with stride 0, a pointer the kernel never reads.
+    ``x``.  It is read where it lies when its broadcast over the rows varies along one run
+    of adjacent dims whose strides merge into one (a per-head sink ``(H, 1, 1)`` of
+    ``(B, H, Lq, L)`` scores: period ``Lq``, count ``H``, whatever ``B``), and in its own
+    dtype when the kernel's accumulation dtype holds every value of it exactly (float16,
+    bfloat16 or float32 into float32; any float into float64): the kernel converts it as it
+    reads, as torch's cast would.  Otherwise one value per row is copied (period 1), in
+    the accumulation dtype.  A copy would cost a launch per call on CUDA and keep the call
+    from being replayed (:mod:`.replay`): a decoding step's per-head sink (gpt-oss) is not
+    copied.  None (no sink) gives ``x`` with stride 0, a pointer the kernel never reads.
 
     Raises:
         ValueError: ``sink`` of another shape.
     """
     if sink is None:
-        return x, 0
+        return x, 0, 1, 1
     column = sink.unsqueeze(-1) if sink.ndim == x.ndim - 1 else sink
     rows = (*x.shape[:-1], 1)
     if column.ndim != x.ndim or any(size not in (1, wanted) for size, wanted in zip(column.shape, rows, strict=True)):
         raise ValueError(f"sink must have shape {tuple(x.shape[:-1])} or {rows} (broadcastable), got "
                          f"{tuple(sink.shape)}")
-    return row_param(column, x)
+    dtype = rules.accumulation_dtype(x.dtype)
+    column = column.detach()
+    if column.device != x.device or not _holds_exactly(dtype, column.dtype):
+        column = column.to(device=x.device, dtype=dtype)
+    view = column.expand(rows)[..., 0]
+    sizes, strides = tuple(view.shape), view.stride()
+    varying = [dim for dim, size in enumerate(sizes) if size != 1 and strides[dim] != 0]
+    if not varying:
+        return view, 0, 1, 1
+    first, last = varying[0], varying[-1] + 1
+    stride = _merged_stride(sizes[first:last], strides[first:last])
+    if stride is None:  # varies along dims that do not merge: one value per row
+        flat = view.reshape(-1)
+        return flat, flat.stride(0), 1, flat.numel()
+    return view, stride, math.prod(sizes[last:]), math.prod(sizes[first:last])
+
+
+def _holds_exactly(accumulation: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether every value of ``dtype`` converts exactly to the float ``accumulation`` dtype."""
+    return dtype == accumulation or dtype in (torch.float16, torch.bfloat16) or (
+        accumulation == torch.float64 and dtype == torch.float32)
 
 
 def softcap_arg(softcap: float | None, x: Tensor) -> Tensor:

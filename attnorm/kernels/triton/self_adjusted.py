@@ -36,7 +36,7 @@ from attnorm.kernels.triton.blocks import (
     keep_posinf,
     load_block,
     load_row,
-    load_sink,
+    load_sink_score,
     load_softcap,
     row_extent,
     scan_row,
@@ -89,7 +89,7 @@ def _self_adjusted_forward_kernel(
     X, OUT, STATS,
     mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride,
     lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
-    sink_values, sink_stride, SINK_WEIGHT, softcap_value,
+    sink_values, sink_stride, sink_period, sink_count, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, NORMALIZED: tl.constexpr,
     BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -110,7 +110,7 @@ def _self_adjusted_forward_kernel(
     masking = (mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride, lengths_ptr,
                lengths_stride, rows_per_batch, num_queries, diagonal)
     row = tl.program_id(0).to(tl.int64)
-    sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    sink = load_sink_score(sink_values, sink_stride, sink_period, sink_count, row, HAS_SINK, COMPUTE)
     softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     sink_weight = tl.zeros((), COMPUTE)
     if SINGLE:
@@ -220,7 +220,7 @@ def _self_adjusted_backward_kernel(
     X, G, DX, STATS, stats_row_stride, stats_col_stride,
     mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride,
     lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
-    sink_values, sink_stride, DSINK, softcap_value,
+    sink_values, sink_stride, sink_period, sink_count, DSINK, softcap_value,
     length, x_row_stride, g_row_stride, dx_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, NORMALIZED: tl.constexpr,
     BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -245,7 +245,7 @@ def _self_adjusted_backward_kernel(
     low = tl.load(stats + 2 * stats_col_stride).to(COMPUTE)
     high = tl.load(stats + 3 * stats_col_stride).to(COMPUTE)
     live = tl.load(stats + 4 * stats_col_stride) != 0
-    sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    sink = load_sink_score(sink_values, sink_stride, sink_period, sink_count, row, HAS_SINK, COMPUTE)
     softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     dsink = tl.zeros((), COMPUTE)
     if SINGLE:

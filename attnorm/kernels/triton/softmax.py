@@ -38,6 +38,7 @@ from attnorm.kernels.triton.blocks import (
     load_row,
     load_row_param,
     load_sink,
+    load_sink_score,
     load_softcap,
     row_extent,
     scaled,
@@ -66,7 +67,7 @@ def _softmax_forward_kernel(
     X, OUT, MULTIPLIER, LOG_COUNT, first_values, first_stride, second_values, second_stride,
     mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride,
     lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
-    sink_values, sink_stride, SINK_WEIGHT, softcap_value,
+    sink_values, sink_stride, sink_period, sink_count, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, VARIANT: tl.constexpr,
     BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -91,7 +92,7 @@ def _softmax_forward_kernel(
     row = tl.program_id(0).to(tl.int64)
     first = load_row_param(first_values, first_stride, row).to(COMPUTE)
     second = load_row_param(second_values, second_stride, row).to(COMPUTE)
-    sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    sink = load_sink_score(sink_values, sink_stride, sink_period, sink_count, row, HAS_SINK, COMPUTE)
     softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     sink_weight = tl.zeros((), COMPUTE)
     if SINGLE:
@@ -193,7 +194,7 @@ def _load_scores(X, row, cols, length, x_row_stride, sink, softcap, HAS_SINK: tl
 @triton.jit
 def _softmax_backward_kernel(
     Y, G, X, DX, PARAM_GRAD_OUT, multiplier_values, multiplier_stride,
-    sink_weight_values, sink_weight_stride, sink_values, sink_stride, DSINK, softcap_value,
+    sink_weight_values, sink_weight_stride, sink_values, sink_stride, sink_period, sink_count, DSINK, softcap_value,
     length, y_row_stride, g_row_stride, x_row_stride, dx_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, PARAM_GRAD: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
     COMPUTE: tl.constexpr,
@@ -216,7 +217,7 @@ def _softmax_backward_kernel(
     sink_weight = load_sink(sink_weight_values, sink_weight_stride, row, HAS_SINK, COMPUTE)
     sink = tl.zeros((), COMPUTE)
     if PARAM_GRAD == 2:
-        sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+        sink = load_sink_score(sink_values, sink_stride, sink_period, sink_count, row, HAS_SINK, COMPUTE)
     softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     dsink = tl.zeros((), COMPUTE)
     x = tl.zeros((BLOCK,), COMPUTE)

@@ -42,7 +42,7 @@ from attnorm.kernels.triton.blocks import (
     load_block,
     load_row,
     load_row_param,
-    load_sink,
+    load_sink_score,
     load_softcap,
     row_extent,
     scaled,
@@ -217,7 +217,7 @@ def _topk_forward_kernel(
     X, OUT, MULTIPLIER, k_param, temperature_values, temperature_stride,
     mask_ptr, mask_batch_stride, mask_head_stride, mask_query_stride, mask_col_stride,
     lengths_ptr, lengths_stride, rows_per_batch, num_queries, diagonal,
-    sink_values, sink_stride, SINK_WEIGHT, softcap_value,
+    sink_values, sink_stride, sink_period, sink_count, SINK_WEIGHT, softcap_value,
     length, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, IS_FRACTION: tl.constexpr,
     BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, LENGTHS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -246,7 +246,7 @@ def _topk_forward_kernel(
     row = tl.program_id(0).to(tl.int64)
     scale = 1.0 / load_row_param(temperature_values, temperature_stride, row).to(COMPUTE)
     k = tl.load(k_param)
-    sink = load_sink(sink_values, sink_stride, row, HAS_SINK, COMPUTE)
+    sink = load_sink_score(sink_values, sink_stride, sink_period, sink_count, row, HAS_SINK, COMPUTE)
     softcap = load_softcap(softcap_value, SOFTCAP, COMPUTE)
     sink_weight = tl.zeros((), COMPUTE)
     if SINGLE:
