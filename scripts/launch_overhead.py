@@ -183,6 +183,7 @@ def measure(calls: int, rounds: int, names: list[str] | None = None,
         mask = attnorm.causal_mask(63)  # a decoding step's: every key allowed
         # a left-padded batch's step: the (B, 1, 1, Lk) bool mask Hugging Face passes
         padded = (torch.arange(64) >= torch.tensor([0, 40])[:, None]).reshape(2, 1, 1, 64)
+        sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.bfloat16)  # gpt-oss's: one per query head
         for name, normalizer in DECODING.items():
             if names and name not in names:
                 continue
@@ -191,6 +192,8 @@ def measure(calls: int, rounds: int, names: list[str] | None = None,
             if name != "SelfAdjustedSoftmax":
                 cases[(f"attention({name}) decoding, padded batch", "no grad")] = (
                     lambda normalizer=normalizer: attnorm.attention(q, k, v, normalizer, attn_mask=padded))
+                cases[(f"attention({name}) decoding, sinks per head", "no grad")] = (
+                    lambda normalizer=normalizer: attnorm.attention(q, k, v, normalizer, attn_mask=mask, sinks=sinks))
         # generation: the KV cache one key longer every call, a new shape each time (never replayed)
         # (one head of width 16: the CPU's own products stay small beside the host time at any length)
         qg = torch.randn(1, 1, 1, 16, dtype=torch.float16)

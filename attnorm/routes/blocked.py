@@ -159,9 +159,10 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
     half = q_rows.dtype in _HALF
     if half and decoding.scores_kernel_applies(normalizer, q_rows, k):
         weights = None
-        if (mask is None or isinstance(mask, Tensor)) and additive_rows is None and sinks is None:
-            # scores and row kernel, one replay (a bool mask, a padded batch's, read in place; the cap in the kernel)
-            weights = decoding.row_weights(normalizer, q_rows, k, scale, _rows(mask, start, stop), softcap)
+        if (mask is None or isinstance(mask, Tensor)) and additive_rows is None:
+            # scores and row kernel, one replay (a bool mask, a padded batch's, and the sinks read in place; the cap
+            # in the kernel)
+            weights = decoding.row_weights(normalizer, q_rows, k, scale, _rows(mask, start, stop), softcap, sinks)
         if weights is not None:
             return _attend(weights, v, dropout_p, groups, q.shape[-3], stop - start)  # in q's dtype
         scores = decoding_scores(q_rows, k, scale)  # float32, K read in its own dtype (no float32 copy)

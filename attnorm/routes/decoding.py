@@ -174,14 +174,16 @@ def _hooked(module: torch.nn.Module) -> bool:
 
 
 def row_weights(normalizer, q: Tensor, k: Tensor, scale: float, mask: Tensor | None = None,
-                softcap: float | None = None) -> Tensor | None:
+                softcap: float | None = None, sinks: Tensor | None = None) -> Tensor | None:
     """The weights ``(B, Hq, Lq, Lk)`` of the rows route in one replayed call, in ``q``'s dtype, or None.
 
-    Call where :func:`scores_kernel_applies` holds and the call has no additive mask or sink;
+    Call where :func:`scores_kernel_applies` holds and the call has no additive mask;
     ``mask``: None or a bool tensor broadcastable to the scores (a left-padded batch's
     ``(B, 1, 1, Lk)``, read in place by the row kernel); ``softcap``: a checked cap or None
-    (Gemma 2's, applied by the row kernel).  The weights are those of
-    ``normalizer(decoding_scores(q, k, scale), mask, softcap=softcap).to(q.dtype)``, bit for bit
+    (Gemma 2's, applied by the row kernel); ``sinks``: None or a checked ``(Hq,)`` sink per
+    head (gpt-oss's, read in place by the row kernel, in its own dtype).  The weights are those of
+    ``normalizer(decoding_scores(q, k, scale), mask, sink=sinks.reshape(-1, 1, 1), softcap=softcap).to(q.dtype)``,
+    bit for bit
     (:func:`~attnorm.kernels.triton.attention_decoding.decoding_weights_forward` launches
     the same two kernels), without the host time of the layers between them: on
     an eager decoding step the module, its rules, the row op's entry point and a second
@@ -195,7 +197,9 @@ def row_weights(normalizer, q: Tensor, k: Tensor, scale: float, mask: Tensor | N
     kernel = getattr(normalizer, "kernel", None)
     if kernel not in ops.ROW_KERNELS or type(normalizer).forward is not Normalizer.forward or _hooked(normalizer):
         return None
-    if not ops.plain(q, k) or q.numel() == 0 or k.numel() == 0:
+    if not ops.plain(q, k, sinks) or q.numel() == 0 or k.numel() == 0:
+        return None
+    if sinks is not None and (sinks.device != q.device or ops.records_grad(sinks)):
         return None
     row_mask = NO_MASK if mask is None else _row_mask(mask, q, k)
     if row_mask is None:
@@ -209,7 +213,7 @@ def row_weights(normalizer, q: Tensor, k: Tensor, scale: float, mask: Tensor | N
         from attnorm.kernels.triton.attention_decoding import decoding_weights_forward
 
         _WEIGHTS_FORWARD = decoding_weights_forward
-    return _WEIGHTS_FORWARD(q, k, float(scale), kernel, tuple(params.items()), row_mask, softcap)
+    return _WEIGHTS_FORWARD(q, k, float(scale), kernel, tuple(params.items()), row_mask, softcap, sinks)
 
 
 def _row_mask(mask: Tensor, q: Tensor, k: Tensor) -> RowMask | None:

@@ -513,6 +513,33 @@ def test_one_call_weights_take_a_cap_and_a_capped_step_takes_them(name, monkeypa
     torch.testing.assert_close(out, attnorm.attention(q, k, v, normalizer, scale=SCALE, softcap=2.0), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", [pytest.param(name, marks=slow_under_interpreter(name != "top-5"))
+                                  for name in ["top-5", "sa", "entmax 1.5"]])
+def test_one_call_weights_take_sinks_and_a_sink_step_takes_them(name, monkeypatch, device):
+    """gpt-oss's sinks (a bfloat16 parameter per query head) are read in place by the row kernel in the one call:
+    bit for bit the module given the per-head sink, and ``attention(..., sinks=)``'s decoding step takes the one
+    call (a batch of 2, GQA) and equals the long way; a sink that records a gradient goes the long way."""
+    q, k, v = make_qkv(2, 4, 2, 1, 37, 16, 16, torch.bfloat16, device, seed=8)
+    sinks = torch.nn.Parameter(torch.tensor([2.0, -1.0, 0.5, 8.0], dtype=torch.bfloat16, device=device))
+    normalizer = ONE_CALL_NORMALIZERS[name]()
+    with torch.no_grad():
+        got = decoding.row_weights(normalizer, q, k, SCALE, None, None, sinks)
+        want = normalizer(decoding_ops.decoding_scores(q, k, SCALE), sink=sinks.reshape(-1, 1, 1)).to(q.dtype)
+        without = decoding.row_weights(normalizer, q, k, SCALE)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(got, without) and got[:, 3].float().sum() < got[:, 1].float().sum()  # head 3's sink wins
+    assert decoding.row_weights(normalizer, q, k, SCALE, None, None, sinks) is None  # grad mode: sinks learn
+    taken = []
+    original = decoding.row_weights
+    monkeypatch.setattr(decoding, "row_weights", lambda *args: taken.append(original(*args)) or taken[-1])
+    with torch.no_grad():
+        out = attnorm.attention(q, k, v, normalizer, scale=SCALE, sinks=sinks)
+        assert len(taken) == 1 and taken[0] is not None
+        monkeypatch.setattr(decoding, "row_weights", lambda *args: None)
+        torch.testing.assert_close(out, attnorm.attention(q, k, v, normalizer, scale=SCALE, sinks=sinks), rtol=0,
+                                   atol=0)
+
+
 def test_one_call_weights_leave_other_masks_to_the_module(device):
     """A mask of another dtype, shape or device: None (the module's route says what is wrong)."""
     q, k, _ = make_qkv(2, 2, 2, 1, 24, 16, 16, torch.float16, device)

@@ -196,6 +196,26 @@ def test_decoding_weights_with_a_padded_batch_mask_replay_reading_the_mask_in_pl
     assert len(replays) == 2 and replay.planned() == (1, 0)
 
 
+@pytest.mark.parametrize("kernel", ["sparsemax", "self_adjusted_softmax"])
+def test_decoding_weights_with_sinks_per_head_replay_reading_them_in_place(replaying, kernel):
+    """gpt-oss's sinks, a bfloat16 ``(Hq,)`` parameter, reach the row kernel as a view of themselves (a batch of 2
+    reads each head's value through ``(row // Lq) % Hq``): the step is replayed with each call's sinks swapped in,
+    not refused for a float32 copy per row."""
+    from attnorm.kernels.triton import attention_decoding
+
+    _, replays = replaying
+    params = (("normalized", True),) if kernel == "self_adjusted_softmax" else ()
+    for seed in range(4):
+        generator = torch.Generator().manual_seed(seed)
+        q = torch.randn(2, 4, 1, 16, generator=generator).half()
+        k = torch.randn(2, 2, 37, 16, generator=generator).half()
+        sinks = torch.nn.Parameter((torch.randn(4, generator=generator) * 3).to(torch.bfloat16))
+        want = written(attention_decoding.decoding_weights_forward, q, k, 0.25, kernel, params, NO_MASK, None, sinks)
+        got = attention_decoding.decoding_weights_forward(q, k, 0.25, kernel, params, NO_MASK, None, sinks)
+        assert_same(got, want)
+    assert len(replays) == 2 and replay.planned() == (1, 0)
+
+
 def test_each_key_part_gets_its_own_plan(replaying):
     x = scores((2, 37), 0)
     calls = [

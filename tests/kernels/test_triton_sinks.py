@@ -16,6 +16,7 @@ block).  Special rows: fully masked (the sink alone), -inf scores, +inf scores, 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -460,19 +461,19 @@ def test_broadcast_sinks_are_read_in_place_bit_for_bit(shape, device):
         else:
             assert passed.data_ptr() == sink.data_ptr() and passed.dtype == dtype
             assert (period, count) == IN_PLACE_SINKS[shape]
-        calls = [lambda s: kernels.softmax_forward(x, RowMask(), 0, 0.7, 0.0, sink=s),
-                 lambda s: kernels.softmax_forward(x, RowMask(), 1, 0.3, 0.1, sink=s),
-                 lambda s: kernels.topk_forward(x, RowMask(), 2, False, 1.0, sink=s),
-                 lambda s: kernels.entmax_forward(x, RowMask(), 1.5, sink=s),
-                 lambda s: kernels.entmax_forward(x, RowMask(), 2.0, sink=s),
-                 lambda s: kernels.self_adjusted_forward(x, RowMask(), True, sink=s)]
+        calls = [functools.partial(kernels.softmax_forward, x, RowMask(), 0, 0.7, 0.0),
+                 functools.partial(kernels.softmax_forward, x, RowMask(), 1, 0.3, 0.1),
+                 functools.partial(kernels.topk_forward, x, RowMask(), 2, False, 1.0),
+                 functools.partial(kernels.entmax_forward, x, RowMask(), 1.5),
+                 functools.partial(kernels.entmax_forward, x, RowMask(), 2.0),
+                 functools.partial(kernels.self_adjusted_forward, x, RowMask(), True)]
         g = upstream(x)
-        y, multiplier, _, weight = calls[1](materialised)
-        stats = calls[5](materialised)[1]
-        calls += [lambda s: kernels.softmax_backward(y, g, multiplier, x, 2, sink_weight=weight, sink=s),
-                  lambda s: kernels.self_adjusted_backward(x, RowMask(), g, stats, True, sink=s)]
+        y, multiplier, _, weight = calls[1](sink=materialised)
+        stats = calls[5](sink=materialised)[1]
+        calls += [functools.partial(kernels.softmax_backward, y, g, multiplier, x, 2, sink_weight=weight),
+                  functools.partial(kernels.self_adjusted_backward, x, RowMask(), g, stats, True)]
         for index, call in enumerate(calls):
-            for actual, wanted in zip(call(sink), call(materialised), strict=True):
+            for actual, wanted in zip(call(sink=sink), call(sink=materialised), strict=True):
                 assert (actual is None and wanted is None) or torch.equal(actual, wanted), (shape, dtype, index)
 
 

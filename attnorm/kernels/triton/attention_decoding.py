@@ -453,7 +453,7 @@ def decoding_scores_forward(q: Tensor, k: Tensor, scale: float) -> Tensor:
 @replay.replayable
 def decoding_weights_forward(q: Tensor, k: Tensor, scale: float, kernel: str,
                              params: tuple[tuple[str, Any], ...], mask: RowMask = NO_MASK,
-                             softcap: float | None = None) -> Tensor:
+                             softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Weights ``(B, Hq, Lq, Lk)`` of the rows route in one call, in ``q``'s dtype:
     :func:`decoding_scores_forward`, then the row kernel of ``kernel`` over the float32 scores
     (:func:`attnorm.kernels.ops.weights`), which rounds the weights it stores to ``q``'s dtype.
@@ -468,11 +468,14 @@ def decoding_weights_forward(q: Tensor, k: Tensor, scale: float, kernel: str,
     with a key of its own.
     ``params``: the normalizer's ``kernel_params()`` as ``(name, number)`` pairs (numbers
     only: a learnable parameter takes the module's route); ``mask``: the row kernel's mask
-    (a padded batch's bool mask, read in place); ``softcap``: the row kernel's cap.  Forward
-    only, no sink: :func:`attnorm.routes.decoding.row_weights` says when a call qualifies.
+    (a padded batch's bool mask, read in place); ``softcap``: the row kernel's cap; ``sinks``:
+    a sink per query head ``(Hq,)`` (read in place, every batch and query of a head reading its
+    value: :func:`.launch.sink_scores`).  Forward only: :func:`attnorm.routes.decoding.row_weights`
+    says when a call qualifies.
     """
     scores = decoding_scores_forward(q, k, scale)
     rounded = q.is_cuda or q.dtype != torch.bfloat16  # Triton's interpreter truncates to bfloat16: torch rounds there
-    weights = ops.weights(ops.functions("triton"), kernel, scores, mask, dict(params), softcap=softcap,
+    sink = None if sinks is None else sinks.reshape(1, -1, 1, 1)  # (1, Hq, 1, 1): a view, per head
+    weights = ops.weights(ops.functions("triton"), kernel, scores, mask, dict(params), sink=sink, softcap=softcap,
                           out_dtype=q.dtype if rounded else None)
     return weights if rounded else weights.to(q.dtype)
