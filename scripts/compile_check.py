@@ -416,6 +416,11 @@ def decoding_cases(full: bool = True):
             name = str(dtype).removeprefix("torch.")
             yield (f"decoding scores sparsemax {name} D{head_dim} Lq1",
                    attention_call(sparsemax, dtype, head_dim, "none", lq=1, lk=DECODING_KEYS, grad=False))
+    # gpt-oss's sinks: a bfloat16 parameter per head, read in place by the row kernels (a bfloat16 sink pointer)
+    for family, make in (("sparsemax", sparsemax), ("top-4", lambda: attnorm.TopKSoftmax(4, backend="triton")),
+                         ("SA", lambda: attnorm.SelfAdjustedSoftmax(backend="triton"))):
+        yield (f"decoding scores {family} bf16 D64 Lq1 sinks",
+               attention_call(make, torch.bfloat16, 64, "none", lq=1, lk=DECODING_KEYS, grad=False, sinks=True))
     if full:
         yield ("decoding scores sparsemax bf16 D64 Lq16 MHA",
                attention_call(sparsemax, torch.bfloat16, 64, "causal", lq=16, lk=DECODING_KEYS, grad=False,
