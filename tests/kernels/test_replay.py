@@ -196,7 +196,7 @@ def test_decoding_weights_with_a_padded_batch_mask_replay_reading_the_mask_in_pl
     assert len(replays) == 2 and replay.planned() == (1, 0)
 
 
-@pytest.mark.parametrize("kernel", ["sparsemax", "self_adjusted_softmax"])
+@pytest.mark.parametrize("kernel", ["sparsemax", pytest.param("self_adjusted_softmax", marks=pytest.mark.slow)])
 def test_decoding_weights_with_sinks_per_head_replay_reading_them_in_place(replaying, kernel):
     """gpt-oss's sinks, a bfloat16 ``(Hq,)`` parameter, reach the row kernel as a view of themselves (a batch of 2
     reads each head's value through ``(row // Lq) % Hq``): the step is replayed with each call's sinks swapped in,

@@ -444,37 +444,38 @@ IN_PLACE_SINKS = {  # sink shape for (B, H, Lq, L) = (2, 3, 2, 5) scores -> (per
 SLOW_SINK_SHAPES = list(IN_PLACE_SINKS)[1:]
 
 
-@pytest.mark.parametrize("shape", [pytest.param(shape, id=str(shape), marks=[pytest.mark.slow] * (
-    shape in SLOW_SINK_SHAPES)) for shape in IN_PLACE_SINKS])
-def test_broadcast_sinks_are_read_in_place_bit_for_bit(shape, device):
+@pytest.mark.parametrize(("shape", "dtype"), [
+    pytest.param(shape, dtype, id=f"{shape}-{str(dtype).removeprefix('torch.')}", marks=[pytest.mark.slow] * (
+        shape in SLOW_SINK_SHAPES or dtype == torch.float32))
+    for shape in IN_PLACE_SINKS for dtype in (torch.bfloat16, torch.float32)])
+def test_broadcast_sinks_are_read_in_place_bit_for_bit(shape, dtype, device):
     """A sink broadcast over rows reaches the kernels in place, through ``(row // period) % count``: every kernel
     that reads sink scores (six forwards; Scalable-Softmax's multiplier gradient and Self-Adjusted's backward) gives
     bit for bit what the same values materialised one per row give.  A bfloat16 sink is read in its own dtype."""
     x = torch.randn(2, 3, 2, 5, generator=torch.Generator().manual_seed(6)).to(device)
     values = torch.randn(shape, generator=torch.Generator().manual_seed(7))
-    for dtype in (torch.float32, torch.bfloat16):
-        sink = values.to(device, dtype)
-        materialised = sink.expand((2, 3, 2) if sink.ndim == 3 else (2, 3, 2, 1)).float().contiguous()
-        passed, _, period, count = launch.sink_scores(sink, x)
-        if IN_PLACE_SINKS[shape] is None:
-            assert (period, count) == (1, 12)
-        else:
-            assert passed.data_ptr() == sink.data_ptr() and passed.dtype == dtype
-            assert (period, count) == IN_PLACE_SINKS[shape]
-        calls = [functools.partial(kernels.softmax_forward, x, RowMask(), 0, 0.7, 0.0),
-                 functools.partial(kernels.softmax_forward, x, RowMask(), 1, 0.3, 0.1),
-                 functools.partial(kernels.topk_forward, x, RowMask(), 2, False, 1.0),
-                 functools.partial(kernels.entmax_forward, x, RowMask(), 1.5),
-                 functools.partial(kernels.entmax_forward, x, RowMask(), 2.0),
-                 functools.partial(kernels.self_adjusted_forward, x, RowMask(), True)]
-        g = upstream(x)
-        y, multiplier, _, weight = calls[1](sink=materialised)
-        stats = calls[5](sink=materialised)[1]
-        calls += [functools.partial(kernels.softmax_backward, y, g, multiplier, x, 2, sink_weight=weight),
-                  functools.partial(kernels.self_adjusted_backward, x, RowMask(), g, stats, True)]
-        for index, call in enumerate(calls):
-            for actual, wanted in zip(call(sink=sink), call(sink=materialised), strict=True):
-                assert (actual is None and wanted is None) or torch.equal(actual, wanted), (shape, dtype, index)
+    sink = values.to(device, dtype)
+    materialised = sink.expand((2, 3, 2) if sink.ndim == 3 else (2, 3, 2, 1)).float().contiguous()
+    passed, _, period, count = launch.sink_scores(sink, x)
+    if IN_PLACE_SINKS[shape] is None:
+        assert (period, count) == (1, 12)
+    else:
+        assert passed.data_ptr() == sink.data_ptr() and passed.dtype == dtype
+        assert (period, count) == IN_PLACE_SINKS[shape]
+    calls = [functools.partial(kernels.softmax_forward, x, RowMask(), 0, 0.7, 0.0),
+             functools.partial(kernels.softmax_forward, x, RowMask(), 1, 0.3, 0.1),
+             functools.partial(kernels.topk_forward, x, RowMask(), 2, False, 1.0),
+             functools.partial(kernels.entmax_forward, x, RowMask(), 1.5),
+             functools.partial(kernels.entmax_forward, x, RowMask(), 2.0),
+             functools.partial(kernels.self_adjusted_forward, x, RowMask(), True)]
+    g = upstream(x)
+    y, multiplier, _, weight = calls[1](sink=materialised)
+    stats = calls[5](sink=materialised)[1]
+    calls += [functools.partial(kernels.softmax_backward, y, g, multiplier, x, 2, sink_weight=weight),
+              functools.partial(kernels.self_adjusted_backward, x, RowMask(), g, stats, True)]
+    for index, call in enumerate(calls):
+        for actual, wanted in zip(call(sink=sink), call(sink=materialised), strict=True):
+            assert (actual is None and wanted is None) or torch.equal(actual, wanted), (shape, dtype, index)
 
 
 def test_a_float64_sink_of_float32_rows_is_rounded_once(device):
