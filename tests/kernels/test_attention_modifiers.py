@@ -290,6 +290,21 @@ def test_each_modifier_under_a_causal_mask(family, modifier):
     check(family, MASKS["causal"](), *MODIFIERS[modifier])
 
 
+def test_a_cap_far_above_the_scores_keeps_their_relative_precision():
+    """float64 scores of ~1e-10 under a cap of 5: ``cap tanh(x / cap)`` is ``x`` to 1e-21 relative, so Self-Adjusted's
+    ``(x - low) / (high - low)`` follows the scores.  A tanh written as ``1 - exp(-2|u|)`` cancels here (an error of
+    ``cap eps`` ~ 1e-15, all of such a score): every output was off, relatively ~1, before the fused tiles took the
+    row kernels' series."""
+    build, normalize = FAMILIES["sa_normalized"]
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H, LQ, D, generator=gen, dtype=torch.float64) * 1e-10
+    k, v = (torch.randn(B, HKV, LK, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    out = attnorm.attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), build(), attn_mask=MASKS["causal"](),
+                            scale=SCALE, softcap=5.0)
+    expected = reference(normalize, [], q, k, v, MASKS["causal"](), 5.0, None)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-10 * expected.abs().max().item(), rtol=1e-9)
+
+
 def test_one_learnable_multiplier_shared_by_every_row():
     """Scalable-Softmax with one learnable ``s`` and no mask: ``c`` is a 0-dim tensor."""
     check("ssmax_shared", MASKS["none"](), SOFTCAP, SINKS)

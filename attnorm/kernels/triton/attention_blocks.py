@@ -15,9 +15,12 @@ inputs).  The mask is an :class:`attnorm.kernels.rules.AttentionMask`:
 Two score modifiers (:func:`modifier_arguments`) are shared too:
 
 * **softcap** (constexpr ``SOFTCAP``): ``S = cap tanh(scale Q K^T / cap) (+ additive)``,
-  the cap before the additive mask (Gemma 2).  ``tanh`` is written with one ``exp`` of
-  ``-2|x|`` (:func:`.blocks.stable_tanh`: no overflow, ±1 at ±inf, NaN stays NaN; libdevice is
-  not available under the interpreter), one exp and one division per score more;
+  the cap before the additive mask (Gemma 2).  ``tanh`` is the row kernels'
+  :func:`.blocks.capping_tanh`: one ``exp`` of ``-2|x|`` (:func:`.blocks.stable_tanh`: no
+  overflow, ±1 at ±inf, NaN stays NaN; libdevice is not available under the interpreter),
+  and below ``|x| = 1/16``, where ``1 - exp(-2|x|)`` cancels (an error of ``cap eps``, all of
+  a float64 score of 1e-10), its odd series: one exp, one division and ~8 multiply-adds
+  per score more;
   :func:`score_tile_slope` also returns the cap's derivative ``1 - tanh^2`` for the
   backward kernels (``dS_raw = dS (1 - tanh^2)``);
 * **sinks** (constexpr ``HAS_SINK``): a per-row sink logit ``(B, Hq, Lq)``, read through
@@ -55,7 +58,7 @@ from torch import Tensor
 
 from attnorm.kernels.rules import AttentionMask
 from attnorm.kernels.triton import launch
-from attnorm.kernels.triton.blocks import stable_tanh
+from attnorm.kernels.triton.blocks import capping_tanh, stable_tanh
 
 __all__ = [
     "DOT_PRECISION",
@@ -248,7 +251,7 @@ def score_tile_slope(
     k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0)
     scores = mma(q_tile, k_tile, ACC) * scale
     if SOFTCAP:
-        t = stable_tanh(scores / softcap)
+        t = capping_tanh(scores / softcap)
         scores = softcap * t
     if MASKED:
         keep = (offs_n[None, :] >= row_start[:, None]) & (offs_n[None, :] < row_stop[:, None])

@@ -50,6 +50,7 @@ __all__ = [
     "scan_row",
     "sink_taken",
     "soft_cap",
+    "capping_tanh",
     "stable_tanh",
     "store_row",
     "store_sink",
@@ -129,7 +130,7 @@ def stable_tanh(x):
 
 
 @triton.jit
-def _capping_tanh(u):
+def capping_tanh(u):
     """``tanh(u)`` to a few ulps relative for every ``u``.
 
     :func:`stable_tanh` computes ``1 - exp(-2|u|)``, which cancels for small ``|u|``
@@ -163,7 +164,7 @@ def soft_cap(x, softcap, SOFTCAP: tl.constexpr):
     ``c(NaN) = NaN``.
     """
     if SOFTCAP:
-        x = tl.where(x == float("-inf"), x, softcap * _capping_tanh(x / softcap))
+        x = tl.where(x == float("-inf"), x, softcap * capping_tanh(x / softcap))
     return x
 
 
@@ -177,7 +178,7 @@ def through_cap(X, row, cols, length, x_row_stride, dx, softcap, SOFTCAP: tl.con
     """
     if SOFTCAP:
         x = tl.load(X + row * x_row_stride + cols, mask=cols < length, other=0.0).to(COMPUTE)
-        t = _capping_tanh(x / softcap)
+        t = capping_tanh(x / softcap)
         dx = dx * tl.where(x == x, 1.0 - t * t, 0.0)
     return dx
 
