@@ -147,7 +147,7 @@ def _entmax_bwd(q, k, v, out, grad_out, stats, start, stop, dense, additive, sca
         q, k, v, out, grad_out, stats, AttentionMask(start, stop, dense, additive), scale, alpha, alpha_heads,
         alpha_grad, softcap, sinks, logit_scale, weighted if weighted is not None and weighted.numel() else None,
     )
-    d_alpha = q.new_empty(0, dtype=torch.float32) if d_alpha is None else d_alpha
+    d_alpha = q.new_empty(0, dtype=accumulation_dtype(q.dtype)) if d_alpha is None else d_alpha
     # An op returns tensors: an empty one stands for a gradient not asked for.
     return (dq, dk, dv, d_alpha, _row_grad(q, None) if d_sinks is None else d_sinks,
             _row_grad(q, None) if d_logit_scale is None else d_logit_scale)
@@ -155,7 +155,7 @@ def _entmax_bwd(q, k, v, out, grad_out, stats, start, stop, dense, additive, sca
 
 def _fake_entmax_bwd(q, k, v, out, grad_out, stats, start, stop, dense, additive, scale, alpha, alpha_heads,
                      alpha_grad, softcap=None, sinks=None, logit_scale=None, weighted=None):
-    d_alpha = q.new_empty(q.shape[1] if alpha_grad else 0, dtype=torch.float32)
+    d_alpha = q.new_empty(q.shape[1] if alpha_grad else 0, dtype=accumulation_dtype(q.dtype))
     return *_grads_like(q, k, v), d_alpha, _row_grad(q, sinks), _row_grad(q, logit_scale)
 
 

@@ -305,6 +305,15 @@ def test_a_cap_far_above_the_scores_keeps_their_relative_precision():
     torch.testing.assert_close(out.cpu(), expected, atol=1e-10 * expected.abs().max().item(), rtol=1e-9)
 
 
+def test_a_float64_learnable_alpha_gets_a_float64_gradient(monkeypatch):
+    """A float64 module's learnable per-head alpha on the fused route: every gradient (alpha's logit included)
+    within 1e-10 of the float64 reference (``entmax_bisect``'s alpha gradient); alpha's was rounded to float32
+    (2.5e-8 off)."""
+    build = lambda: attnorm.Entmax(1.3, learnable=True, num_heads=H, backend="triton").double()  # noqa: E731
+    monkeypatch.setitem(FAMILIES, "entmax_learnable_float64", (build, _learnable_entmax))
+    check("entmax_learnable_float64", MASKS["causal"](), None, None, dtype=torch.float64, tolerance=1e-10)
+
+
 def test_one_learnable_multiplier_shared_by_every_row():
     """Scalable-Softmax with one learnable ``s`` and no mask: ``c`` is a 0-dim tensor."""
     check("ssmax_shared", MASKS["none"](), SOFTCAP, SINKS)

@@ -1159,9 +1159,9 @@ def entmax_attention_backward(
 
     Returns:
         ``(dq, dk, dv, d_alpha, d_sinks, d_logit_scale)``: shapes and dtypes of ``q``, ``k``,
-        ``v``; ``d_alpha`` ``(Hq,)`` float32 summed over batch and rows, or None; the
-        gradients of each row's sink logit and logit multiplier, ``(B, Hq, Lq)`` in the
-        accumulation dtype (None without ``sinks``, ``logit_scale``).
+        ``v``; ``d_alpha`` ``(Hq,)`` summed over batch and rows, or None; the gradients of
+        each row's sink logit and logit multiplier, ``(B, Hq, Lq)`` (None without ``sinks``,
+        ``logit_scale``); these three in the accumulation dtype (float64 for float64 inputs).
     """
     call = _Launch(q, k, v, mask, scale, alpha, alpha_heads, softcap, sinks, logit_scale)
     shape = call.shape
@@ -1217,5 +1217,4 @@ def entmax_attention_backward(
     if alpha_grad:
         d_alpha = d_alpha_rows.sum((0, 2)) if shape.lq else torch.zeros(shape.heads, dtype=call.acc_dtype,
                                                                            device=q.device)
-        d_alpha = d_alpha.to(torch.float32)
     return dq, dk, dv, d_alpha, d_sinks, d_logit_scale
