@@ -133,7 +133,7 @@ def check(q, k, v, grad, mask, keep, additive, alpha=1.5, alpha_heads=None):
     for actual, expected, source in zip(grads, expected_grads, (q, k, v), strict=True):
         assert actual.dtype == source.dtype and actual.shape == source.shape
         assert_close(actual, expected, q.dtype)
-    assert d_alpha.shape == (q.shape[1],) and d_alpha.dtype == torch.float32
+    assert d_alpha.shape == (q.shape[1],) and d_alpha.dtype == stats.dtype  # the accumulation dtype
     if expected_alpha is None:
         assert torch.equal(d_alpha, torch.zeros_like(d_alpha))
     else:
