@@ -30,7 +30,7 @@ from attnorm.kernels.rules import NO_MASK, RowMask, accumulation_dtype, check_ke
 from attnorm.masks import StructuredMask
 from attnorm.validation import check_softcap, quiet_shape_checks_while_tracing
 
-__all__ = ["Checked", "Normalizer", "broadcast_param", "normalize"]
+__all__ = ["Checked", "Normalizer", "broadcast_param", "fits_bool_mask", "normalize"]
 
 
 def _check_scores(scores: Any) -> None:
@@ -51,8 +51,15 @@ def _normalize_dim(dim: int, ndim: int) -> int:
     return dim % size
 
 
+def fits_bool_mask(mask: Any, shape: torch.Size | tuple[int, ...], device: torch.device) -> bool:
+    """Whether ``mask`` is a bool tensor on ``device`` that broadcasts to scores of ``shape``: the tensor masks
+    :func:`_check_mask` accepts (it says what is wrong with any other)."""
+    return (isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.device == device
+            and _broadcasts(mask.shape, shape))
+
+
 def _check_mask(mask: Any, scores: Tensor) -> Tensor | StructuredMask | None:
-    if mask is None or isinstance(mask, StructuredMask):
+    if mask is None or isinstance(mask, StructuredMask) or fits_bool_mask(mask, scores.shape, scores.device):
         return mask
     if not isinstance(mask, Tensor):
         raise TypeError(f"mask must be a bool tensor, a StructuredMask or None, got {type(mask).__name__}")

@@ -31,7 +31,7 @@ from attnorm.kernels import ops
 from attnorm.kernels.decoding_ops import self_adjusted_decoding
 from attnorm.kernels.ops import forward_mode, records_grad
 from attnorm.kernels.rules import NO_MASK, RowMask
-from attnorm.normalizers.base import Normalizer, _broadcasts
+from attnorm.normalizers.base import Normalizer, fits_bool_mask
 from attnorm.routes.common import kernel_mask
 from attnorm.routes.fused import _runs_triton
 
@@ -220,8 +220,7 @@ def _row_mask(mask: Tensor, q: Tensor, k: Tensor) -> RowMask | None:
     """A bool ``mask`` for the scores ``(B, Hq, Lq, Lk)`` of ``q`` and ``k`` as the row kernels take it, or None
     (a mask of another kind, device or shape: the module's route, which says what is wrong)."""
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    if (type(mask) is not Tensor or mask.dtype != torch.bool or mask.device != q.device or mask.ndim > 4
-            or not _broadcasts(mask.shape, shape)):
+    if type(mask) is not Tensor or not fits_bool_mask(mask, shape, q.device):  # (a subclass: the module's route)
         return None
     return RowMask(mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape)), None, None)
 
