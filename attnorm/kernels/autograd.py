@@ -379,14 +379,23 @@ def _sink(sink: Tensor | None, x: Tensor) -> Tensor | None:
 
 def _reference(kernel: str, x: Tensor, mask: RowMask, sink: Tensor | None, softcap: float | None,
                **params) -> Tensor:
-    """The pure-torch reference (differentiable), with the sink and the cap when given."""
+    """The pure-torch reference (differentiable), with the sink and the cap when given.
+
+    Half-precision scores are computed in float32 and the weights rounded once, as every kernel
+    does (computed in bfloat16 a Scalable-Softmax row of two scores came out 0.031 off).
+    """
+    dtype = x.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
     if softcap is not None:
         x = capped(x, softcap)
     if sink is not None:
-        return sinks.extended_weights(kernel, x, mask, sink, **params)[..., :-1]
-    if kernel == "sparsemax":
-        return reference.sparsemax(x, mask)
-    return getattr(reference, kernel)(x, mask, *params.values())
+        y = sinks.extended_weights(kernel, x, mask, sink, **params)[..., :-1]
+    elif kernel == "sparsemax":
+        y = reference.sparsemax(x, mask)
+    else:
+        y = getattr(reference, kernel)(x, mask, *params.values())
+    return y.to(dtype)
 
 
 def softmax(x: Tensor, mask: RowMask, temperature: Param, backend: str | None, sink: Tensor | None = None,

@@ -131,6 +131,8 @@ def resolve(backend: str | None, device: torch.device | str) -> str:
             reason = build.build_info().get("reason")
             raise RuntimeError(f"backend='native' was requested but the native kernels are unavailable: {reason}")
         return "native"
+    if requested != "auto" and requested != "torch":
+        check_backend(requested)  # a misspelt name raises here rather than taking the reference
     # "auto" and the "torch" alias on devices other than CPU
     if kind == "cuda" and requested == "auto" and triton_installed():
         return "triton"

@@ -1,0 +1,67 @@
+"""Edge cases an independent fuzz of the normalizer functions found, against float64 definitions written here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnorm.functional as F
+
+F64 = torch.float64
+
+
+def test_the_reference_computes_half_precision_in_float32_and_rounds_once():
+    """bfloat16 Scalable-Softmax on two large scores: the float64 definition rounded to bfloat16 (the reference
+    computed in bfloat16 gave [0.4375, 0.5625], 0.031 off)."""
+    x = torch.tensor([-6720.0, -6784.0], dtype=torch.bfloat16)
+    multiplier = 0.43 * torch.log(torch.tensor(2.0, dtype=F64)) - 0.3
+    expected = torch.softmax(multiplier * x.double(), -1).to(torch.bfloat16)
+    for backend in ("reference", "native"):
+        got = F.scalable_softmax(x, s=0.43, bias=-0.3, backend=backend)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=backend)
+
+
+def entmax_float64(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha-entmax of each row of ``x`` by float64 bisection on ``tau``: ``sum [z - tau]_+^(1 / (alpha - 1)) = 1``."""
+    z = (alpha - 1) * x.double()
+    top = z.max(-1, keepdim=True).values
+    low, high = top - 1, top
+    for _ in range(300):
+        tau = (low + high) / 2
+        mass = (z - tau).clamp_min(0).pow(1 / (alpha - 1)).sum(-1, keepdim=True)
+        low, high = torch.where(mass > 1, tau, low), torch.where(mass > 1, high, tau)
+    weights = (z - tau).clamp_min(0).pow(1 / (alpha - 1))
+    return weights / weights.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("gap", [1e-7, 1e-5, 1e-3])
+def test_reference_entmax_near_alpha_one_in_float32(gap):
+    """float32 alpha-entmax just above alpha = 1 against float64 bisection (the reference computed in float32 was
+    1.5e-4 off at alpha = 1 + 1e-5 and 1.2e-2 at 1 + 1e-7)."""
+    x = torch.tensor([0.5, -1.0, 1.0, 1.5, -0.3])
+    got = F.entmax(x, 1 + gap, backend="reference")
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), entmax_float64(x, 1 + gap), atol=2e-6, rtol=2e-5)
+
+
+def test_reference_entmax_near_alpha_one_gives_no_nan_on_large_scores():
+    """Scores of ~100 at alpha = 1 + 1e-4 gave NaN rows in float32; within the float32 tolerance of float64 now."""
+    x = torch.randn(3, 10, generator=torch.Generator().manual_seed(0)) * 100
+    for alpha in (1.0001, 1.001):
+        y = F.entmax(x, alpha, backend="reference")
+        assert torch.isfinite(y).all()
+        torch.testing.assert_close(y.double(), entmax_float64(x, alpha), atol=2e-5, rtol=2e-5)
+
+
+def test_a_misspelt_backend_raises_in_the_functions_too():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        F.softmax(torch.randn(2, 4), backend="tirton")
+
+
+def test_a_cap_beyond_the_compute_precision_raises_naming_softcap():
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="softcap"):
+        F.softmax(x, softcap=1e39)
+    capped = 1e39 * torch.tanh(x.double() / 1e39)
+    torch.testing.assert_close(F.softmax(x.double(), softcap=1e39), torch.softmax(capped, -1))
