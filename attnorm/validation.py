@@ -95,10 +95,14 @@ def check_k(k: float) -> int | float:
     return k
 
 
-def check_softcap(softcap: float) -> float:
-    """Raise unless ``softcap`` is a finite python number > 0; return it as a float."""
+def check_softcap(softcap: float, compute: torch.dtype | None = None) -> float:
+    """Raise unless ``softcap`` is a finite python number > 0 (held by ``compute``, the dtype the scores are
+    computed in, when given: a larger cap would compute ``inf / inf``); return it as a float."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
         raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+    if compute is not None and softcap > torch.finfo(compute).max:
+        raise ValueError(f"softcap {softcap!r} exceeds the largest {compute} ({torch.finfo(compute).max:.4g}), the "
+                         f"precision the scores are computed in: give a smaller cap, or None for no cap")
     return float(softcap)
 
 

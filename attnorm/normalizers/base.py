@@ -176,24 +176,11 @@ def normalize(
     if sink is not None:
         params = {**params, "sink": _row_sink(sink, x, dim)}
     if softcap is not None:
-        params = {**params, "softcap": _check_cap_range(check_softcap(softcap), x)}
+        params = {**params, "softcap": check_softcap(softcap, accumulation_dtype(x.dtype))}
     last = squeeze or dim == ndim - 1  # the common case: no moves
     out = getattr(autograd, op)(x if last else x.movedim(dim, -1), row_mask, **params, backend=backend)
     out = out if last else out.movedim(-1, dim)
     return out.reshape(()) if squeeze else out
-
-
-def _check_cap_range(cap: float, x: Tensor) -> float:
-    """``cap`` when the kernels' precision for ``x`` holds it (float32 for half and float32 scores).
-
-    Raises:
-        ValueError: a cap beyond that range (``cap tanh(x / cap)`` would compute inf / inf).
-    """
-    largest = torch.finfo(accumulation_dtype(x.dtype)).max
-    if cap > largest:
-        raise ValueError(f"softcap {cap!r} exceeds the largest {accumulation_dtype(x.dtype)} ({largest:.4g}), the "
-                         f"precision {x.dtype} scores are computed in: give a smaller cap, or None for no cap")
-    return cap
 
 
 def _row_sink(sink: float | Tensor, x: Tensor, dim: int) -> Tensor:

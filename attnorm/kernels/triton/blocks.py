@@ -37,6 +37,7 @@ import triton.language as tl
 
 __all__ = [
     "at_sink",
+    "capping_tanh",
     "keep_posinf",
     "load_block",
     "load_output_and_grad",
@@ -50,7 +51,6 @@ __all__ = [
     "scan_row",
     "sink_taken",
     "soft_cap",
-    "capping_tanh",
     "stable_tanh",
     "store_row",
     "store_sink",
