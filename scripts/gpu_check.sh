@@ -10,6 +10,7 @@
 #   STEPS="replay overhead" bash scripts/gpu_check.sh             # the direct launch + replay against Triton's
 #   STEPS="decoding growing" bash scripts/gpu_check.sh            # decoding: a fixed KV length, then a growing one
 #   STEPS="padded" bash scripts/gpu_check.sh                      # decoding a left-padded batch (a bool mask)
+#   STEPS=tests TEST_K="one_call or sinks" TEST_M="slow or not slow" bash scripts/gpu_check.sh  # -k / -m selections
 #
 # Keep each call short: on 2026-11-26 a machine was taken back mid-call and the call returned nothing
 # (342 s of a 900 s lease gone), so run the steps whose results matter most first, in calls of their own.
@@ -50,7 +51,8 @@ torch.cuda.get_device_name())"; gcc --version | head -1' ;;
     tests)  # the Triton kernels and every fused route on CUDA tensors (conftest: no interpreter with CUDA)
         step tests "$TEST_SECONDS" python3 -m pytest -v -p no:cacheprovider -p pytest_failures -n "${PYTEST_WORKERS:-15}" \
             --dist worksteal --timeout 120 -rfE \
-            tests/kernels tests/test_fused_route.py tests/test_softcap_sinks.py tests/test_packed.py ;;
+            tests/kernels tests/test_fused_route.py tests/test_softcap_sinks.py tests/test_packed.py \
+            ${TEST_K:+-k "$TEST_K"} ${TEST_M:+-m "$TEST_M"} ;;
     replay)  # the direct launch and its replays (on by default since 346fb76): their CUDA test, then decoding
              # timed with Triton's own launch (ATTNORM_FAST_LAUNCH=0), to set beside the decoding step's default
         step replay "${REPLAY_SECONDS:-150}" bash -c "python3 -m pytest -q -p no:cacheprovider -rfE \
@@ -85,6 +87,6 @@ tests/kernels/test_fast_launch.py && ATTNORM_FAST_LAUNCH=0 python3 benchmarks/be
         step normalizers 150 python3 benchmarks/bench_normalizers.py --device cuda $results ;;
     *) log "unknown step $s" ;;
     esac
+    tar -czf "$OUT/results.tar.gz" -C "$OUT" results  # after every step: a call cut off at its limit keeps the rest
 done
 } 2>&1 | tee -a "$OUT/log.txt"
-tar -czf "$OUT/results.tar.gz" -C "$OUT" results
