@@ -78,6 +78,8 @@ tests/kernels/test_fast_launch.py && ATTNORM_FAST_LAUNCH=0 python3 benchmarks/be
     tune)  # launch settings of the fused kernels, timed (scripts/tune_attention.py)
         step tune "${TUNE_SECONDS:-240}" python3 scripts/tune_attention.py --profile --out "$OUT/results" \
             ${TUNE_SETTINGS:+--settings $TUNE_SETTINGS} ${TUNE_SPECS:+--specs $TUNE_SPECS} ;;
+    precision)  # half-precision dq/dk against float64, beside eager PyTorch in the same dtype
+        step precision 90 bash -c "python3 scripts/half_precision_probe.py | tee $OUT/results/half_precision_probe.md" ;;
     profile)  # where an eager call's time goes (scripts/profile_overhead.py)
         step profile 60 python3 scripts/profile_overhead.py --device cuda --calls 1000 --top 20 --out "$OUT/results" \
             > /dev/null ;;

@@ -62,14 +62,20 @@ def parse_setting(setting: str) -> tuple[int, dict[str, int], bool, bool]:
 
 
 def apply(setting: str) -> None:
-    """Patch the fused kernels' block size, launch options and tile skipping to ``setting`` (:func:`parse_setting`)."""
-    from attnorm.kernels.triton import attention_entmax, attention_launch
+    """Patch the fused kernels' block size, launch options and tile skipping to ``setting`` (:func:`parse_setting`).
+
+    Forgets the replayed launch plans (:func:`attnorm.kernels.triton.replay.clear`): a plan recorded at
+    the last setting keeps its kernels and arguments (module-level settings are not in its key), so
+    without this every setting after the first timed the first one's kernels again.
+    """
+    from attnorm.kernels.triton import attention_entmax, attention_launch, replay
 
     block, options, skip, histogram = parse_setting(setting)
     attention_launch.BLOCK_CUDA = block
     attention_launch.CUDA_OPTIONS = options
     attention_launch.SKIP_EMPTY_TILES = skip
     attention_entmax.HISTOGRAM_FLOOR = histogram
+    replay.clear()
 
 
 def inputs(args, requires_grad: bool = True):

@@ -115,7 +115,7 @@ def test_half_precision_gradients_take_delta_from_the_unrounded_output(dtype, de
     accuracy of the other families.  Both against the float64 reference, relative to each gradient's largest value."""
     q, k, v = make_qkv(2, 2, 1, 24, 24, 32, 16, dtype, device, seed=3)
     mask = MASKS["causal"](2, 24, 24, device)
-    grad_out = torch.randn(2, 2, 24, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
+    grad_out = torch.randn(2, 2, 24, 16, generator=torch.Generator().manual_seed(4)).to(dtype).to(device)
     leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
     reference(*leaves, mask, 1.0, 2, False, 1.0).backward(grad_out.to(F64))
     out, stats, out_float = fused.topk_attention_forward(q, k, v, mask, 1.0, 2, False, 1.0, float_out=True)
