@@ -27,7 +27,13 @@ call before (from the KV length up, wrapping after :data:`GROW_SPAN` steps), wit
 made per call.  A fixed length repeats one shape, which attnorm's replay of Triton calls
 (``attnorm/kernels/triton/replay.py``) serves from a recorded plan; a growing cache has a
 new shape every step and runs the Python launchers as written, so this is the host time a
-generation loop sees.  No route providers in this mode.
+generation loop sees.  No route providers in this mode.  SDPA is timed twice here: with its
+default backend choice (``sdpa``) and restricted to FlashAttention (``sdpa[flash]``).  On an
+H200 (torch 2.11, 2026-11-27, ``benchmarks/results/bench_decoding_growing_h200_c71da1d.md``) the
+default took 36 ms a step at 4k keys and 16 ms at 64k against 0.05 and 0.55 ms at a fixed
+length, and attnorm's ScalableSoftmax (an SDPA call) 6.7 and 42 ms: a per-shape cost inside SDPA's
+backend choice (a cuDNN plan built per new shape would explain it; not established), so the
+ratios against ``sdpa`` said nothing of attnorm's kernels (sparsemax 0.21 / 1.11 ms).
 
 With ``--padded`` the batch is left-padded, as a batch of prompts of different lengths is
 in generation: sequence ``b`` of ``B`` starts ``b Lk / (2 B)`` keys into the cache, so
@@ -112,6 +118,21 @@ def growing(call: Callable[..., torch.Tensor], lk: int) -> Callable[..., torch.T
         return call(q, k[:, :, :n], v[:, :, :n])
 
     return grown
+
+
+FLASH = "sdpa[flash]"
+"""The ``--growing`` run's second SDPA provider: SDPA restricted to its FlashAttention backend."""
+
+
+def flash_only(call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``call`` with SDPA restricted to FlashAttention (``torch.nn.attention.sdpa_kernel``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return call(q, k, v)
+
+    return flash
 
 
 def padded_mask(batch: int, lq: int, lk: int, device: str) -> torch.Tensor:
@@ -284,6 +305,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             if args.queries > 1:
                 calls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
                     q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]))
+            if args.device == "cuda":
+                calls = {"sdpa": calls["sdpa"], FLASH: flash_only(calls["sdpa"]), **calls}
             calls = {name: growing(call, lk) for name, call in calls.items()}
         for spec in routed:
             for route in ROUTES:
@@ -296,7 +319,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         for name in [*calls, *[spec for spec in errors if spec not in calls]]:
             row = {"normalizer": name, "kv_length": lk, "queries": args.queries, "batch": batch, "heads": heads,
                    "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "device": args.device,
-                   "goal": "" if name == "sdpa" else goal(name), "versions": stamp, "error": errors.get(name, "")}
+                   "goal": "" if name.startswith("sdpa") else goal(name), "versions": stamp,
+                   "error": errors.get(name, "")}
             if name in samples:
                 median, p20, p80 = percentiles(samples[name])
                 row.update(median_ms=median * 1e3, p20_ms=p20 * 1e3, p80_ms=p80 * 1e3)

@@ -29,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 SPECS = ("sparsemax", "entmax:alpha=1.5", "topk:k=64", "sa_softmax", "sa_softmax:normalized=false")
-SETTINGS = ("64x4x3", "64x4x3+nohist", "64x4x3+skip", "64x4x3r168", "64x4x3r128", "64x4x2", "128x8x2", "128x4x2")
+SETTINGS = ("64x4x3", "64x4x3+hist", "64x4x3+skip", "64x4x3r168", "64x4x3r128", "64x4x2", "128x8x2", "128x4x2")
 
 
 def launch_options(text: str) -> dict[str, int]:
@@ -46,19 +46,19 @@ def launch_options(text: str) -> dict[str, int]:
 
 
 def parse_setting(setting: str) -> tuple[int, dict[str, int], bool, bool]:
-    """``BLOCKxWARPSxSTAGES[rREGS][+skip][+nohist]`` -> (block, launch options, skip empty tiles, histogram).
+    """``BLOCKxWARPSxSTAGES[rREGS][+skip][+hist]`` -> (block, launch options, skip empty tiles, histogram).
 
     ``rREGS`` caps the registers per thread (Triton's ``maxnreg``: 168 lets three 4-warp programs
     share an SM's 64K registers, 128 four, against two at the 255 the kernels take today);
-    ``+skip`` sets ``attention_launch.SKIP_EMPTY_TILES``; ``+nohist`` clears
-    ``attention_entmax.HISTOGRAM_FLOOR`` (the entmax forward's first-pass histogram).
+    ``+skip`` sets ``attention_launch.SKIP_EMPTY_TILES``; ``+hist`` sets
+    ``attention_entmax.HISTOGRAM_FLOOR`` (the entmax forward's first-pass histogram; off by default).
     """
     core, *flags = setting.split("+")
-    unknown = set(flags) - {"skip", "nohist"}
+    unknown = set(flags) - {"skip", "hist"}
     if unknown:
-        raise ValueError(f"unknown setting flag {sorted(unknown)[0]!r} in {setting!r} (only +skip, +nohist)")
+        raise ValueError(f"unknown setting flag {sorted(unknown)[0]!r} in {setting!r} (only +skip, +hist)")
     block, _, options = core.partition("x")
-    return int(block), launch_options(options), "skip" in flags, "nohist" not in flags
+    return int(block), launch_options(options), "skip" in flags, "hist" in flags
 
 
 def apply(setting: str) -> None:
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specs", nargs="+", default=list(SPECS))
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS),
-                        help="BLOCKxWARPSxSTAGES[rREGS][+skip][+nohist]")
+                        help="BLOCKxWARPSxSTAGES[rREGS][+skip][+hist]")
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)

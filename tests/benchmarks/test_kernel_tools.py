@@ -67,13 +67,13 @@ def test_tune_settings_patch_the_fused_kernels_block_and_options(monkeypatch):
     assert attention_launch.BLOCK_CUDA == 128
     assert attention_launch.CUDA_OPTIONS == {"num_warps": 8, "num_stages": 2}
     assert attention_launch.SKIP_EMPTY_TILES is False
-    assert attention_entmax.HISTOGRAM_FLOOR is True
-    tune_attention.apply("64x4x3r168+skip+nohist")
+    assert attention_entmax.HISTOGRAM_FLOOR is False
+    tune_attention.apply("64x4x3r168+skip+hist")
     assert attention_launch.BLOCK_CUDA == 64
     assert attention_launch.CUDA_OPTIONS == {"num_warps": 4, "num_stages": 3, "maxnreg": 168}
     assert attention_launch.SKIP_EMPTY_TILES is True
-    assert attention_entmax.HISTOGRAM_FLOOR is False
-    with pytest.raises(ValueError, match="only \\+skip, \\+nohist"):
+    assert attention_entmax.HISTOGRAM_FLOOR is True
+    with pytest.raises(ValueError, match="only \\+skip, \\+hist"):
         tune_attention.apply("64x4x3+fast")
 
 

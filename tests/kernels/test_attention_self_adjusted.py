@@ -182,13 +182,18 @@ def test_plain_half_precision_gradients_take_p_from_the_unrounded_output(dtype, 
     from the rounded ``out`` left dq and dk 2-3x further from float64 than the other families' (float16,
     interpreted); from the forward's float32 output (``float_out``, what ``attnorm.attention`` asks for when a
     gradient will be taken) they are not.  Both against the float64 reference, relative to each gradient's
-    largest value."""
+    largest value, and beside the same reference differentiated by PyTorch in the half dtype (FlashAttention's
+    yardstick: twice that error).  On an H200 (bfloat16 operands rounded before the MMAs, which the interpreter
+    reads as float32): bfloat16 1.16 % from the float32 output, 1.87 % from the rounded one, 1.80 % eager;
+    float16 0.05 %, 0.22 %, 0.30 % (``scripts/half_precision_probe.py``)."""
     q, k, v = make_qkv(2, 2, 1, 24, 24, 32, 16, dtype, device, seed=3)
     q = q * 3  # peaked rows
     mask = MASKS["causal"](2, 24, 24, device)
     grad_out = torch.randn(2, 2, 24, 16, generator=torch.Generator().manual_seed(4)).to(dtype).to(device)
     leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
     reference(*leaves, mask, SCALE, False).backward(grad_out.to(F64))
+    half = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    reference(*half, mask, SCALE, False).backward(grad_out)
     out, stats, out_float = fused.self_adjusted_attention_forward(q, k, v, mask, SCALE, False, float_out=True)
     assert out_float.dtype == torch.float32 and out_float.shape == out.shape
     torch.testing.assert_close(out.to(F64), out_float.to(F64), rtol=torch.finfo(dtype).eps, atol=0)
@@ -200,8 +205,12 @@ def test_plain_half_precision_gradients_take_p_from_the_unrounded_output(dtype, 
     exact = worst(fused.self_adjusted_attention_backward(q, k, v, out, grad_out, stats, mask, SCALE, False,
                                                          out_float=out_float)[:2])
     rounded = worst(fused.self_adjusted_attention_backward(q, k, v, out, grad_out, stats, mask, SCALE, False)[:2])
-    assert exact < (6e-3 if dtype == torch.bfloat16 else 1e-3)  # the gradients' own rounding (bfloat16: 0.45 %)
-    assert rounded > 2 * exact  # bfloat16 2.1 %, float16 0.17 % here
+    eager = worst([t.grad for t in half[:2]])
+    assert exact < eager  # at least as close as PyTorch in the dtype
+    if dtype == torch.float16:
+        assert exact < 1e-3 and rounded > 2 * exact  # interpreted: 0.05 % and 0.17 %
+    else:
+        assert rounded > exact  # interpreted (operands read as float32): 0.45 % and 2.1 %
 
 
 @pytest.mark.parametrize(("head_dim", "value_dim"), [(20, 16), (32, 24)])

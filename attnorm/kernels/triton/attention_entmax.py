@@ -167,16 +167,17 @@ HIST_BITS = 4
 """The first threshold pass bins each row's ``z`` over ``(-1, 0]`` into ``2^HIST_BITS`` bins (:func:`_gap_histogram`);
 each bit more doubles the packed counts' words (a row reduction each per tile)."""
 
-HISTOGRAM_FLOOR = True
+HISTOGRAM_FLOOR = False
 """Whether the first threshold pass bins ``z`` for a lower bound of tau (the ``HIST`` constexpr of the forward).
 
-On by default: 2 fewer threshold passes of ~6 at Lk = 16384 for sparsemax, 1.5 for 1.5-entmax
-(``scripts/threshold_passes.py``).  Its cost, untimed: ~14 operations a score in the first pass,
-and registers: the sm_90 forward for 2-byte inputs at head dim 64 (4 warps), at 255 registers
-before, now spills 56-136 bytes a thread where it spilled none (104-240 with an additive mask,
-against 104-136; Triton 3.6, ``scripts/compile_check.py``); head dim 128 (8 warps) and the softmax
-variants spill nothing.  ``scripts/tune_attention.py``'s ``+nohist`` setting turns it off to time
-both on a GPU.
+Off: it saves threshold passes but costs more time than they took.  Counted under the interpreter
+(``scripts/threshold_passes.py``) it saves 2 of ~6 threshold passes at Lk = 16384 for sparsemax,
+1.5 for 1.5-entmax; but it adds ~14 operations a score to the first pass and registers (the sm_90
+forward for 2-byte inputs at head dim 64, 4 warps, at 255 registers without it, spills 56-136
+bytes a thread with it; Triton 3.6, ``scripts/compile_check.py``).  Timed on an H200 (bf16, causal,
+16 heads, head dim 64, L = 16384; ``scripts/tune_attention.py --settings 64x4x3 64x4x3+hist``,
+``benchmarks/results/tune_attention_h200_c71da1d.md``): the forward takes 14.12 ms without it and
+14.96 with it for sparsemax, 15.47 and 17.17 for 1.5-entmax.  ``+hist`` turns it on there.
 """
 
 _HIST_BITS = tl.constexpr(HIST_BITS)
