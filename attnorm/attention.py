@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from attnorm.kernels.ops import forward_mode
+from attnorm.kernels.rules import accumulation_dtype
 from attnorm.masks import StructuredMask, causal_mask
 from attnorm.normalizers import Normalizer, Softmax
 from attnorm.normalizers.registry import make
@@ -144,8 +145,8 @@ def attention(
 
 
 def _check_modifiers(softcap, sinks, q: Tensor) -> tuple[float | None, Tensor | None]:
-    if softcap is not None:
-        softcap = check_softcap(softcap)
+    if softcap is not None:  # checked against the precision the scores are computed in (as Normalizer.forward)
+        softcap = check_softcap(softcap, accumulation_dtype(q.dtype))
     if sinks is not None:
         heads = q.shape[-3] if q.ndim >= 3 else 1
         if not isinstance(sinks, Tensor) or not sinks.dtype.is_floating_point or sinks.shape != (heads,):

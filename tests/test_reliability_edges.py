@@ -59,3 +59,20 @@ def test_a_cap_beyond_the_compute_precision_raises_naming_softcap():
         F.softmax(x, softcap=1e39)
     capped = 1e39 * torch.tanh(x.double() / 1e39)
     torch.testing.assert_close(F.softmax(x.double(), softcap=1e39), torch.softmax(capped, -1))
+
+
+def test_attention_checks_the_cap_against_the_compute_precision_too():
+    """``attnorm.attention`` takes the module's rule: a cap beyond float32 raises naming softcap (the fused route
+    raised torch's "value cannot be converted to type float without overflow"), float64 inputs keep it."""
+    import attnorm
+
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 24, 8, generator=gen) for _ in range(3))  # 24 query rows: the fused route
+    with pytest.raises(ValueError, match="softcap"):
+        attnorm.attention(q, k, v, attnorm.Sparsemax(backend="triton"), softcap=1e39)
+    q, k, v = q.double(), k.double(), v.double()
+    scores = 1e39 * torch.tanh(q @ k.transpose(-1, -2) / 8**0.5 / 1e39)
+    expected = entmax.sparsemax(scores, dim=-1) @ v
+    for normalizer in ("sparsemax", attnorm.Sparsemax(backend="triton")):
+        torch.testing.assert_close(attnorm.attention(q, k, v, normalizer, softcap=1e39), expected)
