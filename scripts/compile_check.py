@@ -237,6 +237,7 @@ def row_normalizers() -> dict:
         "sparsemax": lambda: attnorm.Sparsemax(**triton),
         "entmax 1.5": lambda: attnorm.Entmax(1.5, **triton),
         "entmax 1.3": lambda: attnorm.Entmax(1.3, **triton),
+        "entmax 1.05": lambda: attnorm.Entmax(1.05, **triton),  # near softmax: float64 compute (rules.NEAR_SOFTMAX)
         "entmax 3": lambda: attnorm.Entmax(3.0, **triton),
         "entmax learnable": lambda: attnorm.Entmax(1.5, learnable=True, num_heads=ROW_HEADS, **triton),
         "SA plain": lambda: attnorm.SelfAdjustedSoftmax(normalized=False, **triton),

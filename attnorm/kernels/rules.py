@@ -121,6 +121,13 @@ def ssmax_multiplier(n: Tensor, s: float | Tensor, bias: float | Tensor) -> Tens
     return s * torch.log(n.clamp_min(1)) + bias
 
 
+NEAR_SOFTMAX = 1.1
+"""Below this entmax alpha (above 1) float32 rows are computed in float64: the weights
+``[(alpha - 1) x - tau]_+^(1 / (alpha - 1))`` amplify float32's rounding by ``1 / (alpha - 1)``
+(the reference for python and tensor alphas, as the native kernel does; the Triton row kernel
+for python alphas; the fused attention kernels leave such alphas to the row kernels)."""
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """What kernels accumulate (and store per-row statistics) in: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

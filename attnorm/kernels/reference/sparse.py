@@ -165,10 +165,6 @@ class _Entmax(torch.autograd.Function):
         return grad_scores, None, grad_alpha, None, None
 
 
-NEAR_SOFTMAX = 1.1
-"""Below this alpha (and for tensor alphas) float32 rows are computed in float64, as the native kernel does."""
-
-
 def entmax(x: Tensor, mask: rules.RowMask = rules.NO_MASK, alpha: float | Tensor = 1.5) -> Tensor:
     """alpha-entmax (Peters, Niculae & Martins, 2019) over the allowed positions of each row.
 
@@ -189,7 +185,7 @@ def entmax(x: Tensor, mask: rules.RowMask = rules.NO_MASK, alpha: float | Tensor
     """
     if not isinstance(alpha, Tensor) and alpha < 1:
         raise ValueError(f"alpha must be >= 1, got {alpha}")
-    if x.dtype != torch.float64 and (isinstance(alpha, Tensor) or 1 < alpha < NEAR_SOFTMAX):
+    if x.dtype != torch.float64 and (isinstance(alpha, Tensor) or 1 < alpha < rules.NEAR_SOFTMAX):
         # the weights [z - tau]^(1 / (alpha - 1)) amplify the rounding of z - tau by 1 / (alpha - 1): in float32 at
         # alpha = 1 + 1e-5, 1.5e-4 off, and NaN rows at 1 + 1e-4 on scores of ~100; in float64, rounded once
         wide = alpha.double() if isinstance(alpha, Tensor) else alpha

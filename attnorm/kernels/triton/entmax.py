@@ -489,9 +489,25 @@ def _entmax_backward_kernel(
         tl.store(D_ALPHA + row, tl.where(nan_row, float("nan"), d_alpha))  # NaN in a row holding NaN, as dx
 
 
-def _max_iterations(x: Tensor) -> int:
-    """Cap on Newton/bisection steps: bisection alone resolves tau to the dtype's precision within it."""
-    return 120 if x.dtype == torch.float64 else 60
+def _max_iterations(compute: tl.dtype) -> int:
+    """Cap on Newton/bisection steps: bisection alone resolves tau to the compute dtype's precision within it."""
+    return 120 if compute == tl.float64 else 60
+
+
+def _compute(x: Tensor, alpha: float | Tensor) -> tl.dtype:
+    """The forward's compute dtype: float64 for float64 rows, and for any row with a python ``alpha`` in
+    ``(1, rules.NEAR_SOFTMAX)``; else float32.
+
+    Just above alpha = 1 the weights ``[(alpha - 1) x - tau]_+^(1 / (alpha - 1))`` raise a number
+    within a few float32 units of 1 to a large power: in float32 the kernel was 6e-4 off at
+    alpha = 1 + 1e-5 and 3e-2 at 1 + 1e-7 (float64 bisection of the ``entmax`` package as the
+    oracle), 5e-6 at 1 + 1e-3.  ``alpha`` itself then goes to the kernel in float64 too (float32
+    would move 1 + 1e-7 to 1 + 1.19e-7).  A tensor ``alpha`` is not read (that would synchronise
+    the device): per-row alphas that close to 1 keep float32's error.
+    """
+    if x.dtype == torch.float64 or (not isinstance(alpha, Tensor) and 1 < alpha < rules.NEAR_SOFTMAX):
+        return tl.float64
+    return tl.float32
 
 
 @replay.replayable
@@ -529,13 +545,16 @@ def entmax_forward(
     sink_weight = run.row_stats() if sink is not None else None
     masking = launch.mask_args(mask, x)
     unwritten = run.out  # a pointer the kernel never writes through (WEIGHTS_ONLY, or no sink)
+    compute = _compute(x, alpha)
+    alpha_args = (launch.row_param(alpha, x) if compute == launch.compute_dtype(x)
+                  else (launch.constant(float(alpha), torch.float64, x.device), 0))
     launch.run(
         _entmax_forward_kernel, run,
-        run.rows, run.out, unwritten if gate is None else gate, *launch.row_param(alpha, x), *masking.args,
+        run.rows, run.out, unwritten if gate is None else gate, *alpha_args, *masking.args,
         *launch.sink_scores(sink, x), unwritten if sink_weight is None else sink_weight,
-        launch.softcap_arg(softcap, x), run.length, run.rows.stride(0), run.out.stride(0), _max_iterations(x),
+        launch.softcap_arg(softcap, x), run.length, run.rows.stride(0), run.out.stride(0), _max_iterations(compute),
         BLOCK=run.config.block, SINGLE=run.config.single, HAS_SINK=sink is not None, SOFTCAP=softcap is not None,
-        COMPUTE=launch.compute_dtype(x), WEIGHTS_ONLY=gate is None, **masking.constants,
+        COMPUTE=compute, WEIGHTS_ONLY=gate is None, **masking.constants,
     )
     outputs = (run.out.reshape(x.shape), None if gate is None else gate.reshape(x.shape[:-1]))
     return outputs if sink_weight is None else (*outputs, sink_weight.reshape(x.shape[:-1]))
