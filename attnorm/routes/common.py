@@ -8,6 +8,8 @@ is ``q``'s first dim.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -42,7 +44,9 @@ def allowed_counts(mask: Mask, q: Tensor, lk: int) -> Tensor | None:
         return stop - start
     if mask.ndim < 2:
         return mask.sum(-1, keepdim=True)
-    rows = max(1, _COUNT_BLOCK_BYTES // (8 * mask[..., 0, :].numel()))
+    rows = max(1, _COUNT_BLOCK_BYTES // (8 * math.prod(mask.shape[:-2]) * mask.shape[-1]))
+    if mask.shape[-2] <= rows:  # one block (a decoding step's mask): no slice, no cat (two launches less)
+        return mask.sum(-1, keepdim=True)
     blocks = [mask[..., start : start + rows, :].sum(-1, keepdim=True) for start in range(0, mask.shape[-2], rows)]
     return torch.cat(blocks, dim=-2)
 

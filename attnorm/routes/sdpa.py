@@ -65,6 +65,8 @@ def logit_multiplier(normalizer: Normalizer, mask, additive: Tensor | None, q: T
         # made from a Python number would be a host-to-device copy, which waits for the GPU's queued work on
         # every call (a decoding step's learnable Scalable-Softmax was 1.21x SDPA at 64k keys on an H200 with
         # it, where a number multiplier is 1.00x).
+        if isinstance(s, Tensor) and isinstance(bias, Tensor):  # learnable: bias + log(n) s in one launch
+            return torch.add(bias, s, alpha=math.log(max(lk, 1)))
         return s * math.log(max(lk, 1)) + bias
     return ssmax_multiplier(allowed_counts(mask, q, lk).to(compute_dtype), s, bias)
 
