@@ -28,6 +28,8 @@ While a forward-mode derivative may be taken (``torch.func.jvp``, ``jacfwd``,
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -97,16 +99,19 @@ def attention(
         ``out`` of shape ``(..., Hq, Lq, Dv)``, or ``(out, weights)``.
 
     Raises:
-        ValueError: mismatched shapes, a normalizer not normalising over keys, a tensor
-            mask together with ``is_causal``, ``dropout_p`` outside [0, 1), ``softcap`` <= 0,
+        ValueError: mismatched shapes or dtypes, a normalizer not normalising over keys, a
+            tensor mask together with ``is_causal`` or not broadcastable to the scores,
+            ``dropout_p`` outside [0, 1), a ``scale`` that is not finite, ``softcap`` <= 0,
             ``sinks`` not of shape ``(Hq,)``.
         TypeError: non-tensor inputs, a mask of the wrong type.
     """
     normalizer = _as_normalizer(normalizer)
-    groups = _check_inputs(q, k, v, normalizer)
+    q, k, v, groups = _check_inputs(q, k, v, normalizer)
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else _check_scale(scale)
+    if isinstance(attn_mask, Tensor):
+        attn_mask = _check_mask_shape(attn_mask, q, k.shape[-2])
     mask, additive = _split_mask(attn_mask, is_causal)
     if isinstance(mask, StructuredMask) and sdpa_mask_kind(mask, q.shape[-2], k.shape[-2]) == "none":
         mask = None  # e.g. a decoding step's causal mask: every row may attend every key
@@ -179,13 +184,21 @@ def _as_normalizer(normalizer: Normalizer | str | None) -> Normalizer:
     raise TypeError(f"normalizer must be a Normalizer, a spec string or None, got {type(normalizer).__name__}")
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, normalizer: Normalizer) -> int:
-    """Validate shapes; return the number of query heads per key head."""
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, normalizer: Normalizer) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Validate shapes and dtypes; return ``(q, k, v, query heads per key head)``.
+
+    As in ``scaled_dot_product_attention``, leading (batch) dims broadcast and a single value head
+    serves every key head: such inputs come back expanded to one shape (views), so every route
+    sees the same dims.
+    """
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.ndim < 2 or not tensor.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating tensor (..., L, D), got {tuple(tensor.shape)} {tensor.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share a dtype (as in scaled_dot_product_attention), got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype}")
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(
             "expected q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv); "
@@ -193,13 +206,49 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, normalizer: Normalizer) -> in
         )
     if getattr(normalizer, "dim", -1) not in (-1, q.ndim - 1):
         raise ValueError(f"attention normalises over the keys (dim=-1); the normalizer has dim={normalizer.dim}")
-    if q.ndim < 3 or k.ndim < 3 or q.shape[-3] == k.shape[-3]:
-        return 1
-    if k.shape[-3] != v.shape[-3] or q.shape[-3] % k.shape[-3]:
+    if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
+        return q, k, v, 1
+    if not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+        try:
+            batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+        except RuntimeError:
+            raise ValueError(f"the leading (batch) dims of q, k and v must broadcast, got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}") from None
+        q, k, v = (t.expand(*batch, *t.shape[-3:]) for t in (q, k, v))
+    if v.shape[-3] != k.shape[-3]:
+        if v.shape[-3] != 1:
+            raise ValueError(f"v must have as many heads as k ({k.shape[-3]}) or one, got v {tuple(v.shape)}")
+        v = v.expand(*v.shape[:-3], k.shape[-3], *v.shape[-2:])
+    if q.shape[-3] == k.shape[-3]:
+        return q, k, v, 1
+    if q.shape[-3] % k.shape[-3]:
         raise ValueError(
             f"query heads ({q.shape[-3]}) must be a multiple of key/value heads ({k.shape[-3]}, {v.shape[-3]})"
         )
-    return q.shape[-3] // k.shape[-3]
+    return q, k, v, q.shape[-3] // k.shape[-3]
+
+
+def _check_mask_shape(mask: Tensor, q: Tensor, lk: int) -> Tensor:
+    """A tensor ``attn_mask`` broadcastable to the scores ``(..., Hq, Lq, Lk)``, viewed with the scores' dims.
+
+    Raises:
+        ValueError: a mask with more dims than the scores, or one that does not broadcast to them.
+    """
+    scores = (*q.shape[:-1], lk)
+    if mask.ndim > len(scores) or any(m != 1 and m != s for m, s in zip(reversed(mask.shape), reversed(scores))):
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to the scores "
+                         f"{tuple(scores)} (..., Hq, Lq, Lk)")
+    return mask if mask.ndim == len(scores) else mask.reshape((1,) * (len(scores) - mask.ndim) + tuple(mask.shape))
+
+
+def _check_scale(scale: float) -> float:
+    try:
+        value = float(scale)
+    except (TypeError, ValueError, RuntimeError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    return value
 
 
 def _split_mask(attn_mask, is_causal: bool) -> tuple[Tensor | StructuredMask | None, Tensor | None]:

@@ -93,3 +93,45 @@ def test_attention_checks_the_cap_against_the_compute_precision_too():
     expected = entmax.sparsemax(scores, dim=-1) @ v
     for normalizer in ("sparsemax", attnorm.Sparsemax(backend="triton")):
         torch.testing.assert_close(attnorm.attention(q, k, v, normalizer, softcap=1e39), expected)
+
+
+@pytest.mark.parametrize("alpha", [1.2, 1.3, 1.7, 2.5])
+def test_reference_entmax_below_alpha_two_resolves_the_smallest_support_weight(alpha):
+    """float32 rows of spread scores: the smallest support weight is ~1e-8 at alpha = 1.2, which bisection on the
+    weight itself over [0, 1] (32 halvings) left 5e-3 off in the other weights; bisected on its base
+    ``y^(alpha - 1)`` (below alpha 2) every backend is within float32 rounding."""
+    x = torch.randn(8, 24, generator=torch.Generator().manual_seed(0)) * 2
+    expected = entmax_float64(x, alpha)
+    for backend in ("reference", "native"):
+        torch.testing.assert_close(F.entmax(x, alpha, backend=backend).double(), expected, atol=1e-6, rtol=1e-5,
+                                   msg=backend)
+
+
+def test_attention_checks_masks_dtypes_and_scale_and_broadcasts_like_sdpa():
+    """Found by an independent fuzz: a 5-D mask of 4-D inputs enlarged the output silently (Scalable-Softmax, and
+    every row normalizer with an additive one); masks that do not broadcast gave torch's size or index errors;
+    mixed dtypes and a NaN scale went unchecked; a batch broadcast with GQA crashed the row normalizers."""
+    import attnorm
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=gen) for _ in range(3))
+    for normalizer in ("softmax", "ssmax", "sparsemax", "sa_softmax"):
+        for mask in (torch.zeros(3, 2, 1, 5, 5), torch.ones(3, 2, 1, 5, 5, dtype=torch.bool),
+                     torch.ones(5, 4, dtype=torch.bool), torch.zeros(5, 4)):
+            with pytest.raises(ValueError, match="attn_mask"):
+                attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+        keys = torch.tensor([True, True, False, True, False])  # (Lk,): one key mask for every row
+        expected = attnorm.attention(q, k, v, normalizer, attn_mask=keys.expand(2, 4, 5, 5))
+        torch.testing.assert_close(attnorm.attention(q, k, v, normalizer, attn_mask=keys), expected)
+    with pytest.raises(ValueError, match="dtype"):
+        attnorm.attention(q.half(), k, v)
+    with pytest.raises(ValueError, match="scale"):
+        attnorm.attention(q, k, v, scale=float("nan"))
+    with pytest.raises(ValueError, match="heads"):
+        attnorm.attention(q, k, v[:, :2])
+    # batch dims broadcast and one value head serves every key head, as in SDPA
+    q1, k2, v1 = q[:1], torch.randn(2, 2, 5, 8, generator=gen), torch.randn(2, 1, 5, 8, generator=gen)
+    for normalizer in ("softmax", "sparsemax", "topk:k=2"):
+        got = attnorm.attention(q1, k2, v1, normalizer, is_causal=True)
+        expected = attnorm.attention(q1.expand(2, 4, 5, 8), k2, v1.expand(2, 2, 5, 8), normalizer, is_causal=True)
+        torch.testing.assert_close(got, expected, msg=normalizer)
