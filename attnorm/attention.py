@@ -235,7 +235,8 @@ def _check_mask_shape(mask: Tensor, q: Tensor, lk: int) -> Tensor:
         ValueError: a mask with more dims than the scores, or one that does not broadcast to them.
     """
     scores = (*q.shape[:-1], lk)
-    if mask.ndim > len(scores) or any(m != 1 and m != s for m, s in zip(reversed(mask.shape), reversed(scores))):
+    trailing = zip(reversed(mask.shape), reversed(scores[len(scores) - mask.ndim:]), strict=True)
+    if mask.ndim > len(scores) or any(m != 1 and m != s for m, s in trailing):
         raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to the scores "
                          f"{tuple(scores)} (..., Hq, Lq, Lk)")
     return mask if mask.ndim == len(scores) else mask.reshape((1,) * (len(scores) - mask.ndim) + tuple(mask.shape))
