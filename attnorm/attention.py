@@ -189,43 +189,43 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, normalizer: Normalizer) -> tu
 
     As in ``scaled_dot_product_attention``, leading (batch) dims broadcast and a single value head
     serves every key head: such inputs come back expanded to one shape (views), so every route
-    sees the same dims.
+    sees the same dims.  Runs on every call (a decoding step's too): shapes are read once.
     """
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.ndim < 2 or not tensor.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating tensor (..., L, D), got {tuple(tensor.shape)} {tensor.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k and v must share a dtype (as in scaled_dot_product_attention), got {q.dtype}, "
+    dtype = q.dtype
+    if k.dtype != dtype or v.dtype != dtype:
+        raise ValueError(f"q, k and v must share a dtype (as in scaled_dot_product_attention), got {dtype}, "
                          f"{k.dtype}, {v.dtype}")
-    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            "expected q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv); "
-            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if qs[-1] != ks[-1] or ks[-2] != vs[-2]:
+        raise ValueError(f"expected q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv); got {tuple(qs)}, {tuple(ks)}, "
+                         f"{tuple(vs)}")
     if getattr(normalizer, "dim", -1) not in (-1, q.ndim - 1):
         raise ValueError(f"attention normalises over the keys (dim=-1); the normalizer has dim={normalizer.dim}")
-    if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
+    ndim = len(qs)
+    if ndim < 3 or len(ks) < 3 or len(vs) < 3:
         return q, k, v, 1
-    if not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+    if not (ndim == len(ks) == len(vs) == 4 and qs[0] == ks[0] == vs[0]) and not qs[:-3] == ks[:-3] == vs[:-3]:
         try:
-            batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+            batch = torch.broadcast_shapes(qs[:-3], ks[:-3], vs[:-3])
         except RuntimeError:
-            raise ValueError(f"the leading (batch) dims of q, k and v must broadcast, got {tuple(q.shape)}, "
-                             f"{tuple(k.shape)}, {tuple(v.shape)}") from None
+            raise ValueError(f"the leading (batch) dims of q, k and v must broadcast, got {tuple(qs)}, "
+                             f"{tuple(ks)}, {tuple(vs)}") from None
         q, k, v = (t.expand(*batch, *t.shape[-3:]) for t in (q, k, v))
-    if v.shape[-3] != k.shape[-3]:
-        if v.shape[-3] != 1:
-            raise ValueError(f"v must have as many heads as k ({k.shape[-3]}) or one, got v {tuple(v.shape)}")
-        v = v.expand(*v.shape[:-3], k.shape[-3], *v.shape[-2:])
-    if q.shape[-3] == k.shape[-3]:
+    heads, kv_heads = qs[-3], ks[-3]
+    if vs[-3] != kv_heads:
+        if vs[-3] != 1:
+            raise ValueError(f"v must have as many heads as k ({kv_heads}) or one, got v {tuple(vs)}")
+        v = v.expand(*v.shape[:-3], kv_heads, *vs[-2:])
+    if heads == kv_heads:
         return q, k, v, 1
-    if q.shape[-3] % k.shape[-3]:
-        raise ValueError(
-            f"query heads ({q.shape[-3]}) must be a multiple of key/value heads ({k.shape[-3]}, {v.shape[-3]})"
-        )
-    return q, k, v, q.shape[-3] // k.shape[-3]
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads}, {vs[-3]})")
+    return q, k, v, heads // kv_heads
 
 
 def _check_mask_shape(mask: Tensor, q: Tensor, lk: int) -> Tensor:
@@ -234,12 +234,19 @@ def _check_mask_shape(mask: Tensor, q: Tensor, lk: int) -> Tensor:
     Raises:
         ValueError: a mask with more dims than the scores, or one that does not broadcast to them.
     """
-    scores = (*q.shape[:-1], lk)
-    trailing = zip(reversed(mask.shape), reversed(scores[len(scores) - mask.ndim:]), strict=True)
-    if mask.ndim > len(scores) or any(m != 1 and m != s for m, s in trailing):
-        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to the scores "
-                         f"{tuple(scores)} (..., Hq, Lq, Lk)")
-    return mask if mask.ndim == len(scores) else mask.reshape((1,) * (len(scores) - mask.ndim) + tuple(mask.shape))
+    shape, rows = mask.shape, q.shape
+    extra = len(rows) - len(shape)  # leading dims the mask lacks
+    fits = extra >= 0 and (not shape or shape[-1] == 1 or shape[-1] == lk)
+    if fits:
+        for i in range(len(shape) - 1):  # a loop, not zip/any: this runs on every decoding step
+            size = shape[i]
+            if size != 1 and size != rows[extra + i]:
+                fits = False
+                break
+    if not fits:
+        raise ValueError(f"attn_mask of shape {tuple(shape)} does not broadcast to the scores "
+                         f"{(*rows[:-1], lk)} (..., Hq, Lq, Lk)")
+    return mask if extra == 0 else mask.reshape((1,) * extra + tuple(shape))
 
 
 def _check_scale(scale: float) -> float:
