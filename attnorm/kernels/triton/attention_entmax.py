@@ -243,10 +243,13 @@ def _weights(scores, row_max, tau, norm, multiplier, power, softmax):
     """Gaps, unnormalised and final weights of a tile (NaN at allowed keys of a NaN row, whose ``N`` is NaN).
 
     A row holding +inf has ``m = +inf``: its +inf keys' gap ``inf - inf`` (NaN) is read as 0, so ``u = -tau``
-    gives them a mass of 1 (:func:`_posinf_rows`), and every finite key's gap is -inf (two operations a score).
+    gives them a mass of 1 (:func:`_posinf_rows`), and every finite key's gap is -inf.  One operation a score:
+    ``tl.minimum`` returns the other operand of a NaN (IEEE minNum, on the GPU and under the interpreter), and
+    every other gap is at most 0 already (``m`` is the row's largest score; a NaN row's result is NaN anyway).
+    It was a test and a select, two operations a score in every pass that computes weights.
     """
     gap = scores - row_max[:, None]
-    u = tl.where(gap == gap, gap, 0.0) * multiplier - tau[:, None]
+    u = tl.minimum(gap, 0.0) * multiplier - tau[:, None]
     mass = _mass(u, power, softmax)
     p = tl.where(scores != float("-inf"), mass / norm[:, None], 0.0)
     return u, mass, p
