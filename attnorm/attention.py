@@ -109,7 +109,8 @@ def attention(
     q, k, v, groups = _check_inputs(q, k, v, normalizer)
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    scale = q.shape[-1] ** -0.5 if scale is None else _check_scale(scale)
+    # float(): under torch.jit.trace a size is a traced 0-d tensor, whose ** -0.5 was float32 (1e-8 off in float64)
+    scale = float(q.shape[-1]) ** -0.5 if scale is None else _check_scale(scale)
     if isinstance(attn_mask, Tensor):
         attn_mask = _check_mask_shape(attn_mask, q, k.shape[-2])
     mask, additive = _split_mask(attn_mask, is_causal)
@@ -236,7 +237,7 @@ def _check_mask_shape(mask: Tensor, q: Tensor, lk: int) -> Tensor:
     """
     shape, rows = mask.shape, q.shape
     extra = len(rows) - len(shape)  # leading dims the mask lacks
-    fits = extra >= 0 and (not shape or shape[-1] == 1 or shape[-1] == lk)
+    fits = extra >= 0 and (len(shape) == 0 or shape[-1] == 1 or shape[-1] == lk)  # len: Dynamo traces it
     if fits:
         for i in range(len(shape) - 1):  # a loop, not zip/any: this runs on every decoding step
             size = shape[i]

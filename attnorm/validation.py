@@ -42,7 +42,9 @@ def _values_checkable(value) -> bool:
     # tensors' values costs a device sync (or a graph break), accepted on CPU in eager only.
     if isinstance(value, Real):
         return True
-    return not value.requires_grad and value.device.type == "cpu" and not torch.compiler.is_compiling()
+    # Nor under a functorch transform (vmap over a batched parameter: reading values is data-dependent control flow).
+    return (not value.requires_grad and value.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active())
 
 
 def _holds(value: Scalar, condition) -> bool:

@@ -152,3 +152,50 @@ def test_half_precision_scalable_softmax_on_sdpa_is_within_pytorchs_own_error(ma
     eager = attnorm.ScalableSoftmax()((q @ k.transpose(-1, -2)) * 32**-0.5, causal) @ v
     routed = attnorm.attention(q, k, v, "ssmax", is_causal=True)
     assert (routed.double() - exact).abs().max() <= (eager.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
+def test_attention_compiles_fullgraph_across_sequence_lengths(normalizer):
+    """A second sequence length makes Dynamo trace symbolic sizes: `not shape` on a mask's torch.Size and
+    `Tensor.nbytes` (the blocked route's budget) failed there, for every normalizer with a tensor mask and for
+    the row normalizers without one."""
+    import attnorm
+
+    torch._dynamo.reset()
+    masked = torch.compile(lambda q, k, v, m: attnorm.attention(q, k, v, normalizer, attn_mask=m),
+                           backend="eager", fullgraph=True)
+    plain = torch.compile(lambda q, k, v: attnorm.attention(q, k, v, normalizer), backend="eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(5)
+    for length in (5, 7, 9):
+        q, k, v = (torch.randn(1, 2, length, 4, generator=gen) for _ in range(3))
+        mask = torch.ones(length, length, dtype=torch.bool).tril()
+        torch.testing.assert_close(masked(q, k, v, mask), attnorm.attention(q, k, v, normalizer, attn_mask=mask))
+        torch.testing.assert_close(plain(q, k, v), attnorm.attention(q, k, v, normalizer))
+
+
+def test_vmap_over_a_batched_tensor_parameter_equals_a_loop():
+    """Checking a tensor parameter's values read them with bool(), data-dependent control flow under vmap."""
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(6))
+    temperature = torch.tensor([[0.5], [1.0], [2.0]])
+    got = torch.func.vmap(lambda row, t: F.softmax(row, temperature=t))(x, temperature)
+    torch.testing.assert_close(got, torch.softmax(x / temperature, -1))
+    alpha = torch.tensor([[1.3], [1.5], [2.0]])
+    got = torch.func.vmap(lambda row, a: F.entmax(row, a))(x, alpha)
+    expected = torch.stack([entmax_float64(x[i], float(alpha[i])) for i in range(3)]).float()
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_a_traced_float64_call_keeps_its_default_scale_in_float64():
+    """Under torch.jit.trace a size is a traced tensor: ``q.shape[-1] ** -0.5`` became a float32 constant
+    (outputs 1e-8 off in float64)."""
+    import attnorm
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 5, 3, dtype=F64, generator=gen) for _ in range(3))
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return attnorm.attention(q, k, v, "sparsemax")
+
+    traced = torch.jit.trace(Attend(), (q, k, v), check_trace=False)
+    torch.testing.assert_close(traced(q, k, v), Attend()(q, k, v), rtol=1e-14, atol=1e-15)

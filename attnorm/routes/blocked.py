@@ -65,7 +65,9 @@ BLOCKS_PER_INPUTS = 8
 
 def block_rows(q: Tensor, k: Tensor, v: Tensor) -> int:
     """Query rows per block (all of them when the whole score matrix fits the budget)."""
-    budget = max(MIN_BLOCK_BYTES, (q.nbytes + k.nbytes + v.nbytes) // BLOCKS_PER_INPUTS)
+    # sizes as products, not Tensor.nbytes: Dynamo cannot read nbytes of a tensor with symbolic sizes
+    inputs = sum(math.prod(t.shape) * t.element_size() for t in (q, k, v))
+    budget = max(MIN_BLOCK_BYTES, inputs // BLOCKS_PER_INPUTS)
     row_bytes = 4 * math.prod(q.shape[:-2]) * max(k.shape[-2], 1)  # no indexing op: this runs every step
     return max(1, min(q.shape[-2], budget // row_bytes))
 
