@@ -199,3 +199,16 @@ def test_a_traced_float64_call_keeps_its_default_scale_in_float64():
 
     traced = torch.jit.trace(Attend(), (q, k, v), check_trace=False)
     torch.testing.assert_close(traced(q, k, v), Attend()(q, k, v), rtol=1e-14, atol=1e-15)
+
+
+def test_a_tensor_assigned_to_scalable_softmax_s_is_checked_like_a_number():
+    """``m.s = float("nan")`` raised, ``m.s = torch.full(..., nan)`` was taken and gave NaN weights."""
+    import attnorm
+
+    module = attnorm.ScalableSoftmax(num_heads=2)
+    for name in ("s", "bias"):
+        with pytest.raises(ValueError, match=name):
+            setattr(module, name, torch.full((2, 1, 1), float("nan")))
+    module.s = torch.full((2, 1, 1), 0.5)
+    x = torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(module(x), torch.softmax(0.5 * torch.log(torch.tensor(4.0)) * x, -1))

@@ -63,9 +63,10 @@ class ScalableSoftmax(Normalizer):
             self.s, self.bias = float(s), float(bias)
 
     def __setattr__(self, name: str, value) -> None:
-        if name in ("s", "bias") and not isinstance(value, torch.Tensor):
-            V.check_finite(name, value)
-            value = float(value)
+        if name in ("s", "bias"):
+            V.check_finite(name, value)  # a tensor's values too, where they can be read without a sync
+            if not isinstance(value, torch.Tensor):
+                value = float(value)
         super().__setattr__(name, value)
 
     def kernel_params(self) -> dict:
