@@ -159,6 +159,15 @@ def normalize(
         ValueError: a ``sink`` on another device, not broadcastable, or varying along ``dim``;
             a ``softcap`` that is not a finite number > 0.
     """
+    if (mask is None and sink is None and softcap is None and type(scores) is Tensor and scores.dtype.is_floating_point
+            and scores.ndim and type(dim) is int and (dim == -1 or dim == scores.ndim - 1) and scores.numel()):
+        # The common call (no mask, sink or cap; rows along the last axis): what the general path below would
+        # do, without its bookkeeping (~2 us of a 4x16 call's ~27).
+        for value in params.values():
+            if isinstance(value, Tensor):
+                break
+        else:
+            return getattr(autograd, op)(scores, NO_MASK, **params, backend=backend)
     _check_scores(scores)
     if mask is not None:
         mask = _check_mask(mask, scores)
