@@ -212,3 +212,21 @@ def test_a_tensor_assigned_to_scalable_softmax_s_is_checked_like_a_number():
     module.s = torch.full((2, 1, 1), 0.5)
     x = torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(8))
     torch.testing.assert_close(module(x), torch.softmax(0.5 * torch.log(torch.tensor(4.0)) * x, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scalable_softmax_on_sdpa_scales_q_in_one_kernel_without_a_gradient(dtype):
+    """Without a gradient the SDPA route computes ``c q`` into q's dtype with one ``mul(out=)`` (the product and
+    the cast were two launches of a decoding step): bit for bit the product rounded once, as with a gradient."""
+    import attnorm
+
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 4, 1, 16, generator=gen).to(dtype) for _ in range(3))
+    k, v = (torch.randn(2, 4, 40, 16, generator=gen).to(dtype) for _ in range(2))
+    padded = (torch.arange(40) >= torch.tensor([0, 25])[:, None]).reshape(2, 1, 1, 40)
+    for normalizer in (attnorm.ScalableSoftmax(learnable=True, num_heads=4), attnorm.ScalableSoftmax()):
+        for mask in (None, padded):
+            with torch.no_grad():
+                fast = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+            slow = attnorm.attention(q.clone().requires_grad_(), k, v, normalizer, attn_mask=mask)
+            assert torch.equal(fast, slow.detach())
