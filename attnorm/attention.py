@@ -37,6 +37,7 @@ from attnorm.kernels.ops import forward_mode
 from attnorm.kernels.rules import accumulation_dtype
 from attnorm.masks import StructuredMask, causal_mask
 from attnorm.normalizers import Normalizer, Softmax
+from attnorm.normalizers.base import _broadcasts
 from attnorm.normalizers.registry import make
 from attnorm.routes import decoding as decoding_route
 from attnorm.routes import fused
@@ -235,19 +236,12 @@ def _check_mask_shape(mask: Tensor, q: Tensor, lk: int) -> Tensor:
     Raises:
         ValueError: a mask with more dims than the scores, or one that does not broadcast to them.
     """
-    shape, rows = mask.shape, q.shape
-    extra = len(rows) - len(shape)  # leading dims the mask lacks
-    fits = extra >= 0 and (len(shape) == 0 or shape[-1] == 1 or shape[-1] == lk)  # len: Dynamo traces it
-    if fits:
-        for i in range(len(shape) - 1):  # a loop, not zip/any: this runs on every decoding step
-            size = shape[i]
-            if size != 1 and size != rows[extra + i]:
-                fits = False
-                break
-    if not fits:
-        raise ValueError(f"attn_mask of shape {tuple(shape)} does not broadcast to the scores "
-                         f"{(*rows[:-1], lk)} (..., Hq, Lq, Lk)")
-    return mask if extra == 0 else mask.reshape((1,) * extra + tuple(shape))
+    scores = (*q.shape[:-1], lk)
+    if not _broadcasts(mask.shape, scores):
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to the scores {scores} "
+                         f"(..., Hq, Lq, Lk)")
+    extra = len(scores) - mask.ndim
+    return mask if extra == 0 else mask.reshape((1,) * extra + tuple(mask.shape))
 
 
 def _check_scale(scale: float) -> float:
