@@ -546,11 +546,11 @@ def entmax_forward(
     masking = launch.mask_args(mask, x)
     unwritten = run.out  # a pointer the kernel never writes through (WEIGHTS_ONLY, or no sink)
     compute = _compute(x, alpha)
-    alpha_args = (launch.row_param(alpha, x) if compute == launch.compute_dtype(x)
-                  else (launch.constant(float(alpha), torch.float64, x.device), 0))
+    alpha_dtype = torch.float64 if compute == tl.float64 else None  # alpha in the precision the rows take
     launch.run(
         _entmax_forward_kernel, run,
-        run.rows, run.out, unwritten if gate is None else gate, *alpha_args, *masking.args,
+        run.rows, run.out, unwritten if gate is None else gate, *launch.row_param(alpha, x, alpha_dtype),
+        *masking.args,
         *launch.sink_scores(sink, x), unwritten if sink_weight is None else sink_weight,
         launch.softcap_arg(softcap, x), run.length, run.rows.stride(0), run.out.stride(0), _max_iterations(compute),
         BLOCK=run.config.block, SINGLE=run.config.single, HAS_SINK=sink is not None, SOFTCAP=softcap is not None,

@@ -227,14 +227,14 @@ def kept_constants() -> set[int]:
     return {id(kept) for kept in _CONSTANTS.values()}
 
 
-def row_param(value: float | Tensor, x: Tensor) -> tuple[Tensor, int]:
+def row_param(value: float | Tensor, x: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, int]:
     """A row parameter as ``(values, stride)``: row ``r`` of ``x`` reads ``values[r * stride]``.
 
     Python numbers become one element with stride 0; tensors of shape ``(..., 1)``
-    broadcastable to ``x`` are expanded over the rows (a view when possible), in the
-    accumulation dtype.
+    broadcastable to ``x`` are expanded over the rows (a view when possible), in ``dtype``
+    (the accumulation dtype when None; a kernel computing wider passes its own).
     """
-    dtype = rules.accumulation_dtype(x.dtype)
+    dtype = rules.accumulation_dtype(x.dtype) if dtype is None else dtype
     if not isinstance(value, Tensor):
         return constant(float(value), dtype, x.device), 0
     values = value.detach().to(device=x.device, dtype=dtype)
