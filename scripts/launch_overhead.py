@@ -102,14 +102,12 @@ class StandInDriver:
 def install() -> None:
     """The stand-in driver, Triton on CPU tensors, and the direct launch's device and stream."""
     import attnorm
-    from attnorm.kernels import backends, fast_launch
+    from attnorm.kernels import backends, fast_launch, shortcut
 
     driver.set_active(StandInDriver())
     backends._triton_interpreted = lambda: True  # backend="triton" takes CPU tensors (no kernel runs)
     fast_launch._device_and_stream = lambda: (0, 0)
-    from attnorm.kernels.triton import replay
-
-    replay.DEVICE_TYPES = frozenset({"cuda", "cpu"})  # CPU tensors stand for CUDA ones here
+    shortcut.DEVICE_TYPES = frozenset({"cuda", "cpu"})  # CPU tensors stand for CUDA ones here
     MODULES.update({
         "Softmax": lambda: attnorm.Softmax(backend="triton"),
         "Sparsemax": lambda: attnorm.Sparsemax(backend="triton"),

@@ -41,8 +41,9 @@ spec of its normalizers to ``config.attnorm``, so ``save_pretrained`` of a patch
 model loads back with ``attn_implementation="attnorm"``.
 
 Layers found: modules whose ``forward`` calls the ``ALL_ATTENTION_FUNCTIONS``
-registry, minus cross-attention (``is_cross_attention`` or a class named
-``*CrossAttention*``), which keeps exact softmax attention.
+registry, minus cross-attention (``is_cross_attention``, a class named ``*CrossAttention*``,
+or a submodule named ``encoder_attn``, ``EncDecAttention`` or ``*cross*``, as encoder-decoder
+models name theirs), which keeps exact softmax attention.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from attnorm.attention import attention
-from attnorm.integrations.transformers_config import CONFIG_ATTR, config_entry, layer_specs, spec_of
+from attnorm.integrations.transformers_config import CONFIG_ATTR, config_entry, layer_specs, shared, spec_of
 from attnorm.integrations.transformers_masks import attnorm_mask
 from attnorm.normalizers import Normalizer
 from attnorm.normalizers.registry import make
@@ -243,13 +244,18 @@ def sync_from_config(model: nn.Module) -> None:
     if layers and all(state is not None and not state.from_config for state in states):
         return  # patch() owns them
     specs = layer_specs(entry, len(layers), type(config).__name__)
+    one = shared(entry, type(config).__name__)
+    built: Normalizer | None = None
+    attached: set[int] = set()
     for (layer_idx, module), state, spec in zip(layers, states, specs, strict=True):
-        if state is not None and (not state.from_config or state.spec == spec):
+        key = f"{spec} (shared)" if one else spec  # a layer built otherwise is rebuilt
+        if state is not None and (not state.from_config or state.spec == key):
             continue
-        normalizer = make(spec)
-        setattr(normalizer, _SPEC_ATTR, spec)
-        module.add_module(NORMALIZER_ATTR, _on_device_of(normalizer, module))
-        setattr(module, _STATE_ATTR, _LayerState(layer_idx, from_config=True, spec=spec))
+        if built is None or not one:
+            built = make(spec)
+            setattr(built, _SPEC_ATTR, spec)
+        _attach(module, built, attached)
+        setattr(module, _STATE_ATTR, _LayerState(layer_idx, from_config=True, spec=key))
     for module in _cross_attention_layers(model):
         if not hasattr(module, _STATE_ATTR):
             setattr(module, _STATE_ATTR, _LayerState(-1, from_config=True))  # exact softmax, on purpose
@@ -257,11 +263,22 @@ def sync_from_config(model: nn.Module) -> None:
     model._keys_to_ignore_on_load_missing = {*(ignored or ()), _MISSING_OK}
 
 
-def _on_device_of(normalizer: Normalizer, module: nn.Module) -> Normalizer:
+def _attach(module: nn.Module, normalizer: Normalizer, attached: set[int]) -> None:
+    """Give the attention layer ``module`` its normalizer, on the layer's device; ``attached``: ids given so far.
+
+    A normalizer an earlier layer holds already (one instance shared by every layer) is
+    held here as a plain attribute, not a submodule: the model's ``state_dict`` keeps its
+    parameters once, under the first layer (tensors shared under several names stop
+    ``save_pretrained``), and a copy loaded with ``{"shared": True}`` shares them again.
+    """
     reference = next(module.parameters(), None)
-    if reference is None:
-        return normalizer
-    return normalizer.to(device=reference.device)
+    if reference is not None:
+        normalizer = normalizer.to(device=reference.device)
+    if id(normalizer) in attached:
+        object.__setattr__(module, NORMALIZER_ATTR, normalizer)
+    else:
+        attached.add(id(normalizer))
+        module.add_module(NORMALIZER_ATTR, normalizer)
 
 
 @functools.cache
@@ -272,26 +289,39 @@ def _uses_attention_registry(cls: type) -> bool:
         return False
 
 
-def _is_cross_attention(module: nn.Module) -> bool:
-    return bool(getattr(module, "is_cross_attention", False)) or "CrossAttention" in type(module).__name__
+_CROSS_ATTENTION_NAMES = ("encoder_attn", "encdecattention")
+"""Submodule names of cross-attention layers whose class serves self-attention too (BART, Whisper, Marian, T5's
+``EncDecAttention``): the class tells cross-attention apart by its call's ``key_value_states`` alone."""
+
+
+def _is_cross_attention(name: str, module: nn.Module) -> bool:
+    """Whether the attention layer ``module``, at ``name`` in its model, attends another sequence (an encoder's)."""
+    if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__:
+        return True
+    last = name.rsplit(".", 1)[-1].lower()
+    return last in _CROSS_ATTENTION_NAMES or "cross" in last
+
+
+def _registry_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if _uses_attention_registry(type(m))]
 
 
 def _cross_attention_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if _uses_attention_registry(type(m)) and _is_cross_attention(m)]
+    return [module for name, module in _registry_layers(model) if _is_cross_attention(name, module)]
 
 
 def attention_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
-    """The self-attention layers of ``model`` with their layer index, in module order."""
-    found = [
-        module
-        for module in model.modules()
-        if _uses_attention_registry(type(module)) and not _is_cross_attention(module)
-    ]
-    layers = []
-    for position, module in enumerate(found):
-        layer_idx = getattr(module, "layer_idx", None)
-        layers.append((layer_idx if isinstance(layer_idx, int) else position, module))
-    return layers
+    """The self-attention layers of ``model`` with their layer index, in module order.
+
+    The index is the layer's own ``layer_idx`` when every layer has a distinct one; else (an
+    encoder-decoder, whose decoder counts from 0 again; layers without one) the position in
+    module order, so that each layer has an index of its own.
+    """
+    found = [module for name, module in _registry_layers(model) if not _is_cross_attention(name, module)]
+    indices = [getattr(module, "layer_idx", None) for module in found]
+    if not all(isinstance(index, int) for index in indices) or len(set(indices)) != len(indices):
+        indices = list(range(len(found)))
+    return list(zip(indices, found, strict=True))
 
 
 class AttnormPatch:
@@ -348,7 +378,8 @@ def patch(model: nn.Module, normalizer: NormalizerSpec, *, recorder: Recorder | 
     Args:
         model: a loaded ``transformers`` ``PreTrainedModel`` whose attention uses the
             ``AttentionInterface`` registry (GPT-2, BERT-family, Llama-family, most decoders).
-        normalizer: a :class:`~attnorm.Normalizer` instance (shared by all layers), a
+        normalizer: a :class:`~attnorm.Normalizer` instance (shared by all layers: its
+            parameters are the first layer's submodule, the other layers refer to it), a
             spec string for :func:`attnorm.make` (one new normalizer per layer), or a
             factory ``layer_idx -> Normalizer`` (e.g. per-layer learnable parameters).
             Each layer's normalizer becomes its submodule ``attnorm_normalizer``, so
@@ -383,14 +414,16 @@ def patch(model: nn.Module, normalizer: NormalizerSpec, *, recorder: Recorder | 
         )
     normalizers = [_layer_normalizer(normalizer, layer_idx) for layer_idx, _ in layers]
     original, original_entry = model.config._attn_implementation, getattr(model.config, CONFIG_ATTR, None)
+    attached: set[int] = set()
     for (layer_idx, module), layer_normalizer in zip(layers, normalizers, strict=True):
-        module.add_module(NORMALIZER_ATTR, _on_device_of(layer_normalizer, module))
+        _attach(module, layer_normalizer, attached)
         setattr(module, _STATE_ATTR, _LayerState(layer_idx, recorder))
     for module in _cross_attention_layers(model):
         setattr(module, _STATE_ATTR, _LayerState(-1, recorder=None))
     specs = [spec_of(layer_normalizer) for layer_normalizer in normalizers]
     if all(spec is not None for spec in specs):
-        setattr(model.config, CONFIG_ATTR, config_entry(specs))
+        one = len(normalizers) > 1 and len(attached) == 1  # one instance for every layer
+        setattr(model.config, CONFIG_ATTR, config_entry(specs, shared=one))
     handle = AttnormPatch(model, layers, original, original_entry)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:

@@ -8,6 +8,11 @@ any other parameter of the model::
     config.attnorm = {"normalizer": ["softmax", "ssmax:learnable=true,num_heads=12", ...]}
 
 A bare spec string (``config.attnorm = "sparsemax"``) is accepted as a shorthand.
+``"shared": True`` (what :func:`attnorm.integrations.transformers.patch` writes for one
+instance given to every layer) builds one normalizer that every layer uses, its parameters
+saved once, under the first layer::
+
+    config.attnorm = {"normalizer": "ssmax:learnable=true,num_heads=12", "shared": True}
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from torch import Tensor
 from attnorm.normalizers import Normalizer
 from attnorm.normalizers.registry import _FACTORIES, make
 
-__all__ = ["CONFIG_ATTR", "config_entry", "layer_specs", "spec_of"]
+__all__ = ["CONFIG_ATTR", "config_entry", "layer_specs", "shared", "spec_of"]
 
 CONFIG_ATTR = "attnorm"
 _EXAMPLE = "{'normalizer': 'entmax:alpha=1.5'}"
@@ -54,6 +59,23 @@ def layer_specs(entry: Any, num_layers: int, owner: str) -> list[str]:
     return specs
 
 
+def shared(entry: Any, owner: str) -> bool:
+    """Whether a ``config.attnorm`` entry asks for one normalizer shared by every layer.
+
+    Raises:
+        ValueError: ``"shared"`` that is not a bool, or shared with one spec per layer.
+    """
+    if not isinstance(entry, dict) or "shared" not in entry:
+        return False
+    value = entry["shared"]
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.attnorm['shared'] must be True or False, got {value!r}")
+    if value and not isinstance(entry.get("normalizer"), str):
+        raise ValueError(f"{owner}.attnorm['shared'] = True needs one spec string for every layer, "
+                         f"got {entry.get('normalizer')!r}")
+    return value
+
+
 def spec_of(normalizer: Normalizer) -> str | None:
     """The spec string that rebuilds ``normalizer``'s structure, or None for an unregistered class.
 
@@ -75,6 +97,8 @@ def spec_of(normalizer: Normalizer) -> str | None:
     return name if not arguments else f"{name}:{','.join(arguments)}"
 
 
-def config_entry(specs: list[str]) -> dict[str, str | list[str]]:
-    """The ``config.attnorm`` entry for per-layer specs (one string when all layers agree)."""
+def config_entry(specs: list[str], shared: bool = False) -> dict[str, Any]:
+    """The ``config.attnorm`` entry for per-layer specs (one string when all layers agree), or one shared normalizer."""
+    if shared:
+        return {"normalizer": specs[0], "shared": True}
     return {"normalizer": specs[0] if len(set(specs)) == 1 else list(specs)}

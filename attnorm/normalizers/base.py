@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnorm.kernels import autograd, backends
+from attnorm.kernels import autograd, backends, shortcut
 from attnorm.kernels.rules import NO_MASK, RowMask, accumulation_dtype, check_key_lengths
 from attnorm.masks import StructuredMask
 from attnorm.validation import check_softcap, quiet_shape_checks_while_tracing
@@ -278,6 +278,20 @@ class Normalizer(nn.Module):
         incoming = {name: state_dict[prefix + name] for name in names if prefix + name in state_dict}
         self.check_state({name: value.detach().cpu() for name, value in incoming.items()})
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        shortcut.forget(self)
+
+    # Any change of state gives the module a new token: its calls are looked up afresh (kernels/shortcut.py).
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        shortcut.forget(self)
+
+    def register_buffer(self, name: str, tensor: Tensor | None, persistent: bool = True) -> None:
+        super().register_buffer(name, tensor, persistent)
+        shortcut.forget(self)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        super().register_parameter(name, param)
+        shortcut.forget(self)
 
     def forward(self, scores: Tensor, mask: Tensor | StructuredMask | None = None, *,
                 sink: float | Tensor | None = None, softcap: float | None = None) -> Tensor:
@@ -286,7 +300,13 @@ class Normalizer(nn.Module):
         ``sink``: a virtual key's score per row, its weight dropped; ``softcap``: normalise
         ``softcap * tanh(scores / softcap)`` instead (see :func:`normalize`).
         """
+        if mask is None and sink is None and softcap is None:
+            return shortcut.call(self, scores, self._plain)
         return normalize(self.kernel, scores, mask, self.dim, self.kernel_params(), self.backend, sink, softcap)
+
+    def _plain(self, scores: Tensor) -> Tensor:
+        """The weights of ``scores`` with no mask, sink or cap (a call :func:`shortcut.call` may replay)."""
+        return normalize(self.kernel, scores, None, self.dim, self.kernel_params(), self.backend)
 
     def _repr_fields(self) -> dict[str, Any]:
         return {}

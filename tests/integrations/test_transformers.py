@@ -237,6 +237,40 @@ def test_cross_attention_keeps_exact_softmax():
     torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], rtol=0, atol=1e-5)
 
 
+def tiny_bart() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )
+    return transformers.BartForConditionalGeneration(config).eval()
+
+
+def test_encoder_decoder_cross_attention_keeps_softmax_and_layers_have_their_own_index():
+    """BART's cross-attention is its self-attention class, named encoder_attn; its decoder counts layers from 0."""
+    model = tiny_bart()
+    eager = eager_twin(model)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    decoder_ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    seen = []
+    with torch.no_grad():
+        expected = eager(input_ids=ids, decoder_input_ids=decoder_ids).logits
+        with patch(model, lambda i: seen.append(i) or attnorm.Softmax()) as handle:
+            names = {id(module): name for name, module in model.named_modules()}
+            assert [names[id(module)] for _, module in handle.layers] == [
+                "model.encoder.layers.0.self_attn", "model.encoder.layers.1.self_attn",
+                "model.decoder.layers.0.self_attn", "model.decoder.layers.1.self_attn",
+            ]
+            assert seen == [0, 1, 2, 3] and sorted(handle.normalizers) == [0, 1, 2, 3]
+            got = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)  # softmax everywhere: the eager model
+        weights = []
+        with patch(model, "sparsemax", recorder=lambda i, q, k, v, w: weights.append((q.shape[2], k.shape[2]))):
+            model(input_ids=ids, decoder_input_ids=decoder_ids)
+        assert sorted(weights) == [(5, 5), (5, 5), (7, 7), (7, 7)]  # no (5, 7): cross-attention is not patched
+
+
 def test_minilm_softmax_equals_eager_and_padding_is_exact(minilm):
     model, tokenizer = minilm
     eager = eager_twin(model)

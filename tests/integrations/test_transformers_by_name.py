@@ -184,6 +184,45 @@ def test_bad_specs_and_a_layer_without_normalizer_are_errors():
         model(ids, attention_mask=mask, position_ids=positions)
 
 
+def test_one_shared_instance_saves_once_and_loads_shared(tmp_path):
+    """One learnable instance for every layer: saved once (not as tensors shared under two names), loaded shared."""
+    model = tiny_llama()
+    shared = attnorm.ScalableSoftmax(s=0.5, learnable=True, num_heads=4)
+    handle = integration.patch(model, shared)
+    assert model.config.attnorm == {"normalizer": "ssmax:s=0.5,learnable=True,num_heads=4", "shared": True}
+    with torch.no_grad():
+        shared.s.add_(torch.arange(4.0).view(4, 1, 1) / 10)
+    names = [name for name, _ in model.named_parameters() if integration.NORMALIZER_ATTR in name]
+    assert names == [f"model.layers.0.self_attn.attnorm_normalizer.{name}" for name in ("s", "bias")]
+    assert all(normalizer is shared for normalizer in handle.normalizers.values())
+    model.save_pretrained(tmp_path)  # raised on tensors shared between the layers' normalizers
+    ids, mask, positions = padded_batch("left")
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, position_ids=positions).logits
+    handle.remove()
+    assert not any(hasattr(layer.self_attn, integration.NORMALIZER_ATTR) for layer in model.model.layers)
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="attnorm", output_loading_info=True
+    )
+    assert not any(info.values())
+    first, second = (layer.self_attn.attnorm_normalizer for layer in loaded.model.layers)
+    assert first is second
+    torch.testing.assert_close(first.s.detach().flatten(), 0.5 + torch.arange(4.0) / 10)
+    with torch.no_grad():
+        got = loaded.eval()(ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_shared_entry_is_checked():
+    model = tiny_gpt2()
+    model.config.attnorm = {"normalizer": ["softmax", "sparsemax"], "shared": True}
+    with pytest.raises(ValueError, match="shared"):
+        model.set_attn_implementation("attnorm")
+    model.config.attnorm = {"normalizer": "softmax", "shared": "yes"}
+    with pytest.raises(ValueError, match="shared"):
+        model.set_attn_implementation("attnorm")
+
+
 def test_config_without_the_implementation_warns(tmp_path):
     model = tiny_gpt2()
     model.config.attnorm = {"normalizer": "entmax"}

@@ -71,8 +71,7 @@ def install(monkeypatch: Any, launches: list | None = None, triton_runs: list | 
     direct launch on, its device and stream the stand-in's; returns how many kernels were swapped."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from attnorm.kernels import fast_launch
-    from attnorm.kernels.triton import replay
+    from attnorm.kernels import fast_launch, shortcut
 
     swapped = 0
     for module in kernel_modules():
@@ -82,5 +81,5 @@ def install(monkeypatch: Any, launches: list | None = None, triton_runs: list | 
                 swapped += 1
     monkeypatch.setattr(fast_launch, "_ENABLED", True)
     monkeypatch.setattr(fast_launch, "_device_and_stream", lambda: (0, STREAM))
-    monkeypatch.setattr(replay, "DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(shortcut, "DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     return swapped

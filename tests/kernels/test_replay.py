@@ -18,7 +18,7 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from attnorm.kernels import fast_launch  # noqa: E402
+from attnorm.kernels import fast_launch, shortcut  # noqa: E402
 from attnorm.kernels.rules import NO_MASK, RowMask  # noqa: E402
 from attnorm.kernels.triton import entmax, launch, replay, self_adjusted, softmax, topk  # noqa: E402
 from tests.conftest import REPLAY_CHECK, poisoned_empty  # noqa: E402
@@ -384,7 +384,7 @@ def test_plans_keep_no_tensor_of_the_recorded_call(replaying):
 def test_cpu_calls_are_not_replayed_with_the_switch_on(monkeypatch):
     """ATTNORM_FAST_LAUNCH=1 on a machine without CUDA: interpreted kernels, no key, no CUDA query."""
     monkeypatch.setattr(fast_launch, "_ENABLED", True)
-    monkeypatch.setattr(replay, "DEVICE_TYPES", frozenset({"cuda"}))  # as shipped (ATTNORM_TEST_REPLAY adds "cpu")
+    monkeypatch.setattr(shortcut, "DEVICE_TYPES", frozenset({"cuda"}))  # as shipped (ATTNORM_TEST_REPLAY adds "cpu")
     monkeypatch.setattr(fast_launch, "_device_and_stream", lambda: pytest.fail("a CUDA query"))
     x = scores((2, 16), 0)
     assert replay._key(softmax.softmax_forward, (x,), {}) is None

@@ -18,7 +18,7 @@ such as a ``RowMask``) its dtype, shape, strides, device and whether its data po
 device and stream; Triton's ``debug`` and instrumentation knobs.  A call whose arguments
 hold anything else (a tensor subclass such as a fake or functorch tensor, though a
 ``Parameter`` counts as a tensor; a list, an object) is not keyed and runs as written, and
-so is a call off the devices of :data:`DEVICE_TYPES` (CUDA).
+so is a call off the devices of :data:`attnorm.kernels.shortcut.DEVICE_TYPES` (CUDA).
 
 **What a plan may hold**, checked when it is recorded; any other call is marked not
 replayable and runs as written every time:
@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from attnorm.kernels import fast_launch
+from attnorm.kernels import fast_launch, shortcut
 from attnorm.kernels.rules import NO_MASK
 from attnorm.kernels.triton import launch
 
@@ -87,8 +87,6 @@ made such a step slower than running it as written; now it costs the key and one
 here.  With many layers of one shape, the step's key comes back once per layer: the second
 layer records it and the others replay it."""
 _INPUT, _OUTPUT = 0, 1
-DEVICE_TYPES = frozenset({"cuda"})
-"""Devices whose calls are replayed (the tests' direct-launch stand-in adds ``"cpu"``)."""
 Builder = Callable[[list[Tensor], list[Tensor]], Any]
 """``(outputs, inputs) -> part of the result`` of a replay."""
 
@@ -109,9 +107,10 @@ class _Plan(NamedTuple):
 
 
 def clear() -> None:
-    """Forget every plan (and every key seen once)."""
+    """Forget every plan (and every key seen once), and the module calls that replay them (:mod:`..shortcut`)."""
     _PLANS.clear()
     _SEEN.clear()
+    shortcut.clear()
 
 
 def planned() -> tuple[int, int]:
@@ -157,7 +156,7 @@ def _key(function: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple
             parts.append(name)
             if not _walk(value, parts, inputs):
                 return None
-    if not inputs or inputs[0].device.type not in DEVICE_TYPES:
+    if not inputs or inputs[0].device.type not in shortcut.DEVICE_TYPES:
         return None  # the interpreter's kernels take no direct launch
     if inputs[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return None
@@ -307,14 +306,19 @@ def replayable(function: _F) -> _F:
             return function(*args, **kwargs)
         keyed = _key(function, args, kwargs)
         if keyed is None:
+            shortcut.note("other")
             return function(*args, **kwargs)
         key, inputs, stream = keyed
         plan = _PLANS.get(key)
         if plan is not None:
             _touch(key)
             if plan is _REFUSED:
+                shortcut.note("other")
                 return function(*args, **kwargs)
-            return _replay(plan, inputs, stream)
+            result = _replay(plan, inputs, stream)
+            shortcut.note("replay", (_replay, plan), inputs, result)
+            return result
+        shortcut.note("pending")
         if key not in _SEEN:  # a first sighting: run as written; record if the key comes back
             _keep(_SEEN, key, None, MAX_SEEN)
             # under a recording nobody reads, so that the replayable functions it calls run as written

@@ -1,0 +1,230 @@
+"""The module-level shortcut (attnorm/kernels/shortcut.py): repeated module calls replayed, never a stale answer.
+
+On CPU with the stand-in of :mod:`tests.kernels.standin` (JIT kernels whose launcher runs the
+interpreter, outputs poisoned), so a replayed call computes for real.  Every value is compared
+with torch's own softmax or with the module run with the direct launch off.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from collections import OrderedDict
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import attnorm  # noqa: E402
+from attnorm.kernels import fast_launch, shortcut  # noqa: E402
+from attnorm.kernels.triton import launch, replay  # noqa: E402
+from tests.conftest import poisoned_empty  # noqa: E402
+from tests.kernels import standin  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in runs the interpreter on CPU tensors")
+
+
+@pytest.fixture
+def shortcuts(monkeypatch):
+    """Stand-in kernels, fresh tables; yields a list that gets one item per shortcut hit."""
+    standin.install(monkeypatch)
+    monkeypatch.setattr(fast_launch, "_KEPT", {})
+    monkeypatch.setattr(replay, "_PLANS", OrderedDict())
+    monkeypatch.setattr(replay, "_SEEN", OrderedDict())
+    monkeypatch.setattr(shortcut, "_TABLE", {})
+    monkeypatch.setattr(launch, "empty", poisoned_empty)
+    hits = []
+    real_call = shortcut.call
+
+    def counted(module, x, run):
+        def slow(scores):
+            hits.pop()  # the call ran as written: not a hit
+            return run(scores)
+
+        hits.append(1)
+        return real_call(module, x, slow)
+
+    monkeypatch.setattr(shortcut, "call", counted)
+    yield hits
+
+
+def _fresh(shape=(4, 16), seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _warm(module, x, calls=3):
+    """Calls enough for the replay to record the key and the shortcut to keep it."""
+    for _ in range(calls):
+        module(x)
+
+
+def _softmax(x, temperature=1.0):
+    return torch.softmax(x.double() / temperature, -1).float()
+
+
+def test_a_repeated_call_is_replayed_and_computes_each_new_input(shortcuts):
+    module = attnorm.Softmax(temperature=0.5, backend="triton")
+    _warm(module, _fresh())
+    assert shortcut.entries() == (1, 0)
+    before = len(shortcuts)
+    for seed in range(1, 4):  # new values, same layout: each a hit that must compute its own answer
+        x = _fresh(seed=seed)
+        torch.testing.assert_close(module(x), _softmax(x, 0.5))
+    assert len(shortcuts) - before == 3
+
+
+@pytest.mark.parametrize("make", [
+    lambda: attnorm.Sparsemax(backend="triton"),
+    lambda: attnorm.Entmax(1.5, backend="triton"),
+    lambda: attnorm.TopKSoftmax(4, backend="triton"),
+    lambda: attnorm.TopKSoftmax(0.3, temperature=2.0, backend="triton"),
+    lambda: attnorm.SelfAdjustedSoftmax(normalized=True, backend="triton"),
+    lambda: attnorm.ScalableSoftmax(s=0.7, bias=0.2, backend="triton"),
+], ids=["sparsemax", "entmax", "topk", "topk-fraction", "self-adjusted", "ssmax"])
+def test_every_family_replays_what_the_reference_computes(shortcuts, make):
+    module = make()
+    reference = copy.deepcopy(module)
+    reference.backend = "reference"
+    _warm(module, _fresh())
+    assert shortcut.entries() == (1, 0)
+    x = _fresh(seed=5)
+    torch.testing.assert_close(module(x), reference(x), atol=2e-6, rtol=1e-5)
+
+
+def test_an_assignment_is_seen_by_the_next_call(shortcuts):
+    module = attnorm.Softmax(backend="triton")
+    _warm(module, _fresh())
+    module.temperature = 0.25
+    x = _fresh(seed=1)
+    torch.testing.assert_close(module(x), _softmax(x, 0.25))
+    _warm(module, x)
+    torch.testing.assert_close(module(x), _softmax(x, 0.25))  # a hit, under the new state
+    module.dim = 0
+    torch.testing.assert_close(module(x), torch.softmax(x.double() / 0.25, 0).float())
+
+
+def test_a_copy_changed_leaves_the_original_alone(shortcuts):
+    module = attnorm.Entmax(1.5, backend="triton")
+    _warm(module, _fresh())
+    twin = copy.deepcopy(module)
+    twin.alpha = 2.0
+    x = _fresh(seed=2)
+    torch.testing.assert_close(twin(x), attnorm.Sparsemax(backend="reference")(x))
+    torch.testing.assert_close(module(x), attnorm.Entmax(1.5, backend="reference")(x), atol=2e-6, rtol=1e-5)
+
+
+def test_layouts_and_dtypes_are_keys_of_their_own(shortcuts):
+    module = attnorm.Softmax(backend="triton")
+    base = _fresh((16, 8), seed=3)
+    for x in (base, base.t(), base[:, :5], base.double(), base[1:]):
+        _warm(module, x)
+        torch.testing.assert_close(module(x), torch.softmax(x, -1))
+
+
+def test_the_global_backend_and_the_switch_are_read_on_every_call(shortcuts):
+    module = attnorm.Softmax()  # the global default: here the reference (CPU tensors)
+    x = _fresh()
+    with attnorm.use_backend("triton"):
+        _warm(module, x)
+        assert shortcut.entries() == (1, 0)
+    launches = []
+    real_direct = fast_launch.direct_call
+    try:
+        fast_launch.direct_call = lambda *args: launches.append(1) or real_direct(*args)
+        torch.testing.assert_close(module(x), torch.softmax(x, -1))  # native or reference now: no launch
+        assert not launches
+        with attnorm.use_backend("triton"):
+            module(x)
+        assert launches
+        fast_launch.set_enabled(False)
+        launches.clear()
+        with attnorm.use_backend("triton"):
+            torch.testing.assert_close(module(x), torch.softmax(x, -1))
+        assert not launches  # the switch off: Triton's own launch, not the kept plan
+    finally:
+        fast_launch.direct_call = real_direct
+        fast_launch.set_enabled(True)
+
+
+def test_calls_that_need_more_than_the_kernel_are_not_looked_up(shortcuts):
+    module = attnorm.Softmax(temperature=2.0, backend="triton")
+    x = _fresh()
+    _warm(module, x)
+    hits = len(shortcuts)
+    leaf = x.clone().requires_grad_()
+    module(leaf).sum().backward()  # a gradient: the autograd Function
+    torch.testing.assert_close(leaf.grad, torch.zeros_like(x), atol=1e-6, rtol=0)
+
+    class Count(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        torch.testing.assert_close(module(x), _softmax(x, 2.0))
+    assert any("attnorm" in str(op) for op in Count.ops)  # the mode saw the op, as without the shortcut
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module(x)
+    with torch.autograd.forward_ad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode"):
+        module(x)  # as without the shortcut: the kernels take no forward-mode derivative
+    torch.testing.assert_close(torch.func.vmap(module)(x[None]), _softmax(x, 2.0)[None])
+    assert len(shortcuts) == hits  # none of those calls was a hit
+    module(x)
+    assert len(shortcuts) == hits + 1
+
+
+def test_modules_with_tensor_parameters_or_foreign_classes_run_as_written(shortcuts):
+    learnable = attnorm.ScalableSoftmax(s=0.5, learnable=True, backend="triton")
+    x = _fresh()
+    with torch.no_grad():
+        _warm(learnable, x)
+        learnable.s.fill_(2.0)  # in place: no assignment, the kernel reads the tensor
+        n = torch.tensor(16.0)
+        torch.testing.assert_close(learnable(x), torch.softmax(x * 2.0 * n.log(), -1))
+
+    class Sharper(attnorm.Softmax):  # a kernel_params of its own, reading state the module does not assign
+        sharpness = 1.0
+
+        def kernel_params(self):
+            return {"temperature": 1.0 / Sharper.sharpness}
+
+    sharper = Sharper(backend="triton")
+    _warm(sharper, x)
+    Sharper.sharpness = 4.0
+    torch.testing.assert_close(sharper(x), _softmax(x, 0.25))
+    assert shortcut.entries() == (0, 0)
+
+
+def test_a_replayed_function_that_is_cleared_is_forgotten(shortcuts):
+    module = attnorm.Sparsemax(backend="triton")
+    _warm(module, _fresh())
+    assert shortcut.entries() == (1, 0)
+    replay.clear()
+    assert shortcut.entries() == (0, 0)
+    x = _fresh(seed=4)
+    torch.testing.assert_close(module(x), attnorm.Sparsemax(backend="reference")(x))
+
+
+def test_threads_do_not_take_each_others_calls(shortcuts):
+    modules = [attnorm.Softmax(temperature=t, backend="triton") for t in (0.5, 1.0, 3.0)]
+    errors = []
+
+    def work(module, seed):
+        try:
+            for i in range(6):
+                x = _fresh(seed=seed * 10 + i)
+                torch.testing.assert_close(module(x), _softmax(x, module.temperature))
+        except AssertionError as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(m, i)) for i, m in enumerate(modules)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
