@@ -110,8 +110,9 @@ def attention(
     q, k, v, groups = _check_inputs(q, k, v, normalizer)
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    # float(): under torch.jit.trace a size is a traced 0-d tensor, whose ** -0.5 was float32 (1e-8 off in float64)
-    scale = float(q.shape[-1]) ** -0.5 if scale is None else _check_scale(scale)
+    # float(): under torch.jit.trace a size is a traced 0-d tensor, whose ** -0.5 was float32 (1e-8 off in float64).
+    # Head dim 0: every score is an empty sum, 0 at any scale (1, where 0 ** -0.5 raised ZeroDivisionError).
+    scale = (float(q.shape[-1]) ** -0.5 if q.shape[-1] else 1.0) if scale is None else _check_scale(scale)
     if isinstance(attn_mask, Tensor):
         attn_mask = _check_mask_shape(attn_mask, q, k.shape[-2])
     mask, additive = _split_mask(attn_mask, is_causal)

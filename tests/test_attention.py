@@ -538,3 +538,16 @@ def test_attention_never_synchronises_with_the_host_on_cuda(spec, lq):
             out.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax", "topk:k=3"])
+def test_head_dim_zero_takes_the_default_scale_like_sdpa(normalizer):
+    """Every score is an empty sum (0): uniform weights, as SDPA gives; 0 ** -0.5 raised ZeroDivisionError."""
+    q, k = torch.randn(1, 2, 5, 0), torch.randn(1, 2, 7, 0)
+    v = torch.randn(1, 2, 7, 4)
+    out = attnorm.attention(q, k, v, normalizer)
+    expected = v.mean(-2, keepdim=True).expand(1, 2, 5, 4)
+    if normalizer.startswith("topk"):
+        expected = v[..., :3, :].mean(-2, keepdim=True).expand(1, 2, 5, 4)  # ties: the lowest indices win
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(attnorm.attention(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v))

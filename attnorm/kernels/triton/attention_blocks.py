@@ -94,6 +94,25 @@ def mma(a, b, ACC: tl.constexpr):
 
 
 @triton.jit
+def rounded_mma(a, b, ACC: tl.constexpr):
+    """``a @ b`` with ``a`` (in the accumulation dtype) rounded to ``b``'s dtype for the product.
+
+    In float16 each row of ``a`` is first scaled by a power of two that puts its largest
+    magnitude in (2^13, 2^14], and that row of the product scaled back (both exact): score
+    gradients carry factors such as 1 / T, 1 / span or a logit multiplier, and rounded as
+    they are they overflowed float16 (65504: inf, then NaN, where the exact gradient fits),
+    and the Self-Adjusted forward's ``e x`` at a tiny spread sank into its subnormals.  Cost:
+    a row max and a multiply of ``a`` and of the product, in float16 only; bfloat16 has
+    float32's range and is rounded as is.
+    """
+    if b.dtype == tl.float16:
+        top = tl.max(tl.abs(a), 1)
+        exponent = tl.where(top > 0, tl.maximum(tl.ceil(tl.log2(tl.where(top > 0, top, 1.0))) - 14.0, -126.0), 0.0)
+        return mma((a * tl.exp2(-exponent)[:, None]).to(tl.float16), b, ACC) * tl.exp2(exponent)[:, None]
+    return mma(a.to(b.dtype), b, ACC)
+
+
+@triton.jit
 def as_acc(value, ACC: tl.constexpr):
     """A float64 scalar argument (``name: tl.float64``) in the accumulation dtype.
 

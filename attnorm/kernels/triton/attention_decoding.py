@@ -101,6 +101,7 @@ from attnorm.kernels.triton.attention_blocks import (
     load_tile,
     mask_arguments,
     mma,
+    rounded_mma,
 )
 from attnorm.kernels.triton.attention_launch import dot_operands, head_width, launch_options, problem
 from attnorm.kernels.triton.attention_self_adjusted import finish, posinf_mass
@@ -257,7 +258,7 @@ def _split_kernel(
         v_tile = load_tile(v_base, offs_n, offs_dv, lk, value_dim, sv_n, sv_d)
         top, total, shifted, plain = _merge(
             top, total, shifted, plain, block_top, tl.sum(e, 1),
-            mma((e * xs).to(v_tile.dtype), v_tile, ACC), mma(e.to(v_tile.dtype), v_tile, ACC),
+            rounded_mma(e * xs, v_tile, ACC), mma(e.to(v_tile.dtype), v_tile, ACC),
         )
     if tl.max(posinf_count, 0) > 0:
         # The limit of the finite case: the softmax mass sits uniformly on the +inf keys.
@@ -318,7 +319,7 @@ def _combine_kernel(
             top, total, shifted, plain, split_top, tl.load(ptrs + 1, mask=live, other=0.0),
             tl.load(PART_SHIFTED + sums, mask=tile, other=0.0), split_plain,
         )
-    out, _, _, _, _ = finish(top, total, bottom, shifted, plain, NORMALIZED)
+    out, _, _, _, _ = finish(top, top, total, bottom, shifted, plain, NORMALIZED)
     out = tl.where((posinf_count > 0)[:, None], limit / tl.maximum(posinf_count, 1.0)[:, None], out)
     out = tl.where((nan_count > 0)[:, None], float("nan"), out)
     out_rows = bh * rows + r

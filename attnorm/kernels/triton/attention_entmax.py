@@ -147,6 +147,7 @@ from attnorm.kernels.triton.attention_blocks import (
     query_block_range,
     query_block_tiles,
     query_program,
+    rounded_mma,
     row_arguments,
     row_values,
     sink_scores,
@@ -807,7 +808,7 @@ def _dq_add(logits, scores, slope, offs_n, grads, stats, operands, SOFTCAP: tl.c
         if SOFTCAP:
             ds = ds * slope
         k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
-        dq += mma(ds.to(k_tile.dtype), k_tile, ACC)
+        dq += rounded_mma(ds, k_tile, ACC)
     return dq, d_row_scale
 
 
@@ -1011,7 +1012,7 @@ def _entmax_attention_dkdv_kernel(
                 if SOFTCAP:
                     ds = ds * slope
                 dv += mma(tl.trans(p).to(do_tile.dtype), do_tile, ACC)
-                dk += mma(tl.trans(ds).to(q_tile.dtype), q_tile, ACC)
+                dk += rounded_mma(tl.trans(ds), q_tile, ACC)
     rows_out = (bkv * lk + offs_n)[:, None]
     inside = (offs_n < lk)[:, None]
     tl.store(DK + rows_out * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),

@@ -101,6 +101,7 @@ from attnorm.kernels.triton.attention_blocks import (
     query_block_range,
     query_block_tiles,
     query_program,
+    rounded_mma,
     sink_scores,
 )
 from attnorm.kernels.triton.attention_launch import Problem, dot_operands, launch_options, problem, row_dot
@@ -545,7 +546,7 @@ def _dq_add(x, slope, offs_n, dq, stats, operands, ties, SOFTCAP: tl.constexpr, 
         if SOFTCAP:
             ds = ds * slope
         k_tile = load_tile(k_base, offs_n, offs_d, lk, head_dim, sk_n, sk_d)
-        dq += mma(ds.to(k_tile.dtype), k_tile, ACC)
+        dq += rounded_mma(ds, k_tile, ACC)
     return dq
 
 
@@ -669,7 +670,7 @@ def _topk_dkdv_kernel(
                 ds = p * (g * factor[:, None] - _delta_factor(delta, factor)[:, None])
                 if SOFTCAP:
                     ds = ds * slope
-                dk += mma(tl.trans(ds.to(q_tile.dtype)), q_tile, ACC)
+                dk += rounded_mma(tl.trans(ds), q_tile, ACC)
     key_rows = bh * lk + offs_n
     tl.store(DK + key_rows[:, None] * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=(offs_n < lk)[:, None] & (offs_d < head_dim)[None, :])
