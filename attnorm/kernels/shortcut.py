@@ -119,6 +119,8 @@ def _looked_up(x: Tensor) -> bool:
     """Whether a call on scores ``x`` may be looked up (the module doc's conditions)."""
     if type(x) is not Tensor or not fast_launch._ENABLED or x.device.type not in DEVICE_TYPES:
         return False
+    if not backends.triton_installed():  # nothing is replayed, and the knobs below would import triton
+        return False
     if torch.is_grad_enabled() and x.requires_grad or ops.watched() or forward_ad._current_level >= 0:
         return False
     if getattr(_STATE, "notes", None) is not None or fast_launch.recording() is not None or fast_launch._hooked():

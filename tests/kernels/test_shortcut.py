@@ -228,3 +228,16 @@ def test_threads_do_not_take_each_others_calls(shortcuts):
     for thread in threads:
         thread.join()
     assert not errors
+
+
+def test_without_triton_nothing_imports_it(shortcuts, monkeypatch):
+    """A CUDA machine without triton: the lookup stops before Triton's knobs (whose first read imports triton)."""
+    from attnorm.kernels import backends
+
+    monkeypatch.setattr(backends, "_TRITON_INSTALLED", False)
+    monkeypatch.setattr(fast_launch, "_knobs", lambda: pytest.fail("the lookup read Triton's knobs"))
+    module = attnorm.Softmax()  # CPU tensors, which the stand-in's device types treat as CUDA's
+    x = _fresh()
+    for _ in range(3):
+        torch.testing.assert_close(module(x), torch.softmax(x, -1))
+    assert shortcut.entries() == (0, 0)
