@@ -24,7 +24,7 @@ as written while :func:`note` listens:
   refused and its calls run as written, at the cost of the lookup.
 
 Only the calls whose result can depend on nothing else are looked up: scores a plain
-``Tensor`` on a device of :data:`DEVICE_TYPES` (CUDA), no gradient recorded, nothing
+``Tensor`` on a device of :data:`DEVICE_TYPES` (CUDA) with triton installed, no gradient recorded, nothing
 :func:`attnorm.kernels.ops.watched` (``torch.compile``, ``torch.func``, dispatch and
 function modes, ``jit.trace``, autocast, the profiler), no forward-mode level, no CUDA
 graph capture, the direct launch on and no launch hook or recording under way; and
