@@ -65,7 +65,8 @@ import torch
 
 from attnorm.validation import check_bool
 
-__all__ = ["MAX_KEPT", "Recording", "direct_call", "enabled", "kept", "launcher", "recording", "set_enabled"]
+__all__ = ["MAX_KEPT", "Recording", "direct_call", "enabled", "kept", "launcher", "recording", "set_enabled",
+           "version"]
 
 MAX_KEPT = 4096
 """Most compiled kernels kept (one per key), and most call shapes planned; past it, launches take Triton's path."""
@@ -310,6 +311,19 @@ class Recording:
         self.outputs: list[torch.Tensor] = []
         self.launches: list[tuple[Any, tuple[int, ...], tuple[Any, ...]]] = []
         self.usable = True
+
+
+def version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter, 0 for an inference tensor (made under ``torch.inference_mode``, which has none).
+
+    The counters tell a recording (:mod:`attnorm.kernels.triton.replay`) and the module shortcut
+    (:mod:`attnorm.kernels.shortcut`) that a torch operation wrote a launched tensor or a result.  Under
+    ``torch.inference_mode`` the outputs are inference tensors and the check cannot see such a
+    write (reading ``_version`` raised there, so every eager Triton call under inference mode
+    failed on CUDA); it rests on the function's code, the same in both modes, which the suite
+    checks outside inference mode (``tests/kernels/test_replay.py``, ``ATTNORM_TEST_REPLAY=1``).
+    """
+    return 0 if tensor.is_inference() else tensor._version
 
 
 def recording() -> Recording | None:

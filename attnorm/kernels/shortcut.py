@@ -107,12 +107,9 @@ def note(kind: str, plan: Any = None, inputs: list[Tensor] | None = None, result
     """
     notes = getattr(_STATE, "notes", None)
     if notes is not None:
-        version = result[0] if type(result) is tuple and result and isinstance(result[0], Tensor) else result
-        notes.append((kind, plan, inputs, result, _version(version) if isinstance(version, Tensor) else None))
-
-
-def _version(tensor: Tensor) -> int:
-    return 0 if tensor.is_inference() else tensor._version
+        weights = result[0] if type(result) is tuple and result and isinstance(result[0], Tensor) else result
+        version = fast_launch.version(weights) if isinstance(weights, Tensor) else None
+        notes.append((kind, plan, inputs, result, version))
 
 
 def _looked_up(x: Tensor) -> bool:
@@ -166,7 +163,7 @@ def _entry(notes: list, x: Tensor, out: Tensor) -> _Replay | object | None:
     if len(notes) != 1 or notes[0][0] != "replay":
         return _REFUSED
     _, (replay, plan), inputs, result, version = notes[0]
-    if len(inputs) != 1 or inputs[0] is not x or version is None or _version(out) != version:
+    if len(inputs) != 1 or inputs[0] is not x or version is None or fast_launch.version(out) != version:
         return _REFUSED
     if out is result:
         return _Replay(replay, plan, False)

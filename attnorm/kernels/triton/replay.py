@@ -166,18 +166,6 @@ def _key(function: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple
     return tuple(parts), inputs, stream
 
 
-def _version(tensor: Tensor) -> int:
-    """``tensor``'s version counter, 0 for an inference tensor (made under ``torch.inference_mode``, which has none).
-
-    The counters tell a recording that a torch operation wrote a launched tensor.  Under
-    ``torch.inference_mode`` the outputs are inference tensors and the check cannot see such a
-    write (reading ``_version`` raised there, so every eager Triton call under inference mode
-    failed on CUDA); it rests on the function's code, the same in both modes, which the suite
-    checks outside inference mode (``tests/kernels/test_replay.py``, ``ATTNORM_TEST_REPLAY=1``).
-    """
-    return 0 if tensor.is_inference() else tensor._version
-
-
 def _find(tensor: Tensor, tensors: list[Tensor]) -> int:
     """Index of ``tensor`` among ``tensors`` by identity, else by data pointer (a view); -1: none.
 
@@ -230,7 +218,7 @@ def _builder(value: Any, outputs: list[Tensor], inputs: list[Tensor], shapes: di
 def _make_plan(record: fast_launch.Recording, inputs: list[Tensor], result: Any) -> _Plan | None:
     """The plan of a recorded call, or None where the recording shows something a replay would not repeat."""
     outputs = record.outputs
-    if not record.usable or not record.launches or any(_version(t) for t in outputs):
+    if not record.usable or not record.launches or any(fast_launch.version(t) for t in outputs):
         return None  # a launch not recorded, none at all, or an output written by a torch operation
     constants = launch.kept_constants()
     launches = []
@@ -324,11 +312,11 @@ def replayable(function: _F) -> _F:
             # under a recording nobody reads, so that the replayable functions it calls run as written
             # without keys of their own (their calls come back only as part of this one)
             return _recorded(function, args, kwargs)[0]
-        versions = [_version(t) for t in inputs]
+        versions = [fast_launch.version(t) for t in inputs]
         result, record = _recorded(function, args, kwargs)
         if _aliased(inputs) or _aliased(record.outputs):
             return result  # which tensor a launch read is ambiguous: record the next call afresh
-        changed = versions != [_version(t) for t in inputs]
+        changed = versions != [fast_launch.version(t) for t in inputs]
         plan = None if changed else _make_plan(record, inputs, result)
         _SEEN.pop(key, None)
         _keep(_PLANS, key, _REFUSED if plan is None else plan, MAX_PLANS)
