@@ -220,6 +220,12 @@ def _span_terms(total, weighted, low, high, low_count, high_count, state):
 
 
 @triton.jit
+def _finite_or_zero(value):
+    """``value`` where finite, else 0: a row's reference point (running maxima start at -inf; +inf rows are redone)."""
+    return tl.where((value > float("-inf")) & (value < float("inf")), value, 0.0)
+
+
+@triton.jit
 def finish(top, base, total, bottom, shifted, plain, NORMALIZED: tl.constexpr):
     """``out`` of finite rows from the sums ``A = sum e (x - base) v``, ``B`` (module docstring):
     ``(A + base B) / l`` or ``(A + (base - low) B) / (l span)``, 0 in rows without a finite key.
@@ -233,7 +239,7 @@ def finish(top, base, total, bottom, shifted, plain, NORMALIZED: tl.constexpr):
     low = tl.minimum(tl.where(live, bottom, 0.0), 0.0)
     high = tl.maximum(top, 0.0)
     divisor = tl.where(live, total, 1.0)
-    base = tl.where(live & (base > float("-inf")) & (base < float("inf")), base, 0.0)
+    base = tl.where(live, _finite_or_zero(base), 0.0)
     if NORMALIZED:
         s, span = _span(low, high)
         out = shifted * s[:, None] + (base * s - low * s)[:, None] * plain
@@ -319,7 +325,7 @@ def _forward_add(x, offs_n, sums, values, NORMALIZED: tl.constexpr, ONE_SUM: tl.
                                 tl.where(block_bottom == bottom, bottom_count + at_bottom, bottom_count))
         bottom = tl.minimum(bottom, block_bottom)
     new_top = tl.maximum(top, block_top)
-    ref = tl.where((new_top > float("-inf")) & (new_top < float("inf")), new_top, 0.0)
+    ref = _finite_or_zero(new_top)
     rescale = tl.where(top > float("-inf"), tl.exp(top - ref), 0.0)
     shifted = x - ref[:, None]
     e = tl.exp(shifted)
@@ -329,7 +335,7 @@ def _forward_add(x, offs_n, sums, values, NORMALIZED: tl.constexpr, ONE_SUM: tl.
         shifted_sum = rescale[:, None] * shifted_sum + rounded_mma(e * tl.maximum(x, _lowest(ACC)), v_tile, ACC)
     else:
         new_base = tl.maximum(base, block_top)
-        base_ref = tl.where((new_base > float("-inf")) & (new_base < float("inf")), new_base, 0.0)
+        base_ref = _finite_or_zero(new_base)
         moved = tl.where(base > float("-inf"), base - base_ref, 0.0)
         shifted_sum = rescale[:, None] * (shifted_sum + moved[:, None] * plain_sum)
         shifted_sum += rounded_mma(e * tl.maximum(x - base_ref[:, None], _lowest(ACC)), v_tile, ACC)
