@@ -83,6 +83,7 @@ class _LayerState:
     recorder: Recorder | None = None
     from_config: bool = False
     spec: str | None = None
+    shared: bool = False
 
 
 def attnorm_attention_forward(
@@ -248,14 +249,13 @@ def sync_from_config(model: nn.Module) -> None:
     built: Normalizer | None = None
     attached: set[int] = set()
     for (layer_idx, module), state, spec in zip(layers, states, specs, strict=True):
-        key = f"{spec} (shared)" if one else spec  # a layer built otherwise is rebuilt
-        if state is not None and (not state.from_config or state.spec == key):
-            continue
+        if state is not None and (not state.from_config or (state.spec, state.shared) == (spec, one)):
+            continue  # a layer built from another spec, or shared otherwise, is rebuilt
         if built is None or not one:
             built = make(spec)
             setattr(built, _SPEC_ATTR, spec)
         _attach(module, built, attached)
-        setattr(module, _STATE_ATTR, _LayerState(layer_idx, from_config=True, spec=key))
+        setattr(module, _STATE_ATTR, _LayerState(layer_idx, from_config=True, spec=spec, shared=one))
     for module in _cross_attention_layers(model):
         if not hasattr(module, _STATE_ATTR):
             setattr(module, _STATE_ATTR, _LayerState(-1, from_config=True))  # exact softmax, on purpose
