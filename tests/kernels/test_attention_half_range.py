@@ -11,15 +11,12 @@ autograd; the tolerances are float16's (the native CPU kernels, float32 inside, 
 from __future__ import annotations
 
 import math
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import attnorm  # noqa: E402
-from tests.conftest import DEVICE  # noqa: E402
+import attnorm
+from tests.conftest import DEVICE
 
 L, D = 20, 16
 

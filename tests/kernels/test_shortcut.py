@@ -8,21 +8,18 @@ with torch's own softmax or with the module run with the direct launch off.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 from collections import OrderedDict
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-import attnorm  # noqa: E402
-from attnorm.kernels import fast_launch, shortcut  # noqa: E402
-from attnorm.kernels.triton import launch, replay  # noqa: E402
-from tests.conftest import poisoned_empty  # noqa: E402
-from tests.kernels import standin  # noqa: E402
+import attnorm
+from attnorm.kernels import fast_launch, shortcut
+from attnorm.kernels.triton import launch, replay
+from tests.conftest import poisoned_empty
+from tests.kernels import standin
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in runs the interpreter on CPU tensors")
 
