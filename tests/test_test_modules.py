@@ -33,5 +33,6 @@ def test_no_test_module_sets_the_interpreter_at_import():
 
 
 def test_the_check_sees_the_form_that_was_there():
-    tree = ast.parse('import os\nos.environ.setdefault("TRITON_INTERPRET", "1")\nos.environ["TRITON_INTERPRET"] = "1"\n')
+    source = 'import os\nos.environ.setdefault("TRITON_INTERPRET", "1")\nos.environ["TRITON_INTERPRET"] = "1"\n'
+    tree = ast.parse(source)
     assert [_sets_interpreter(node) for node in tree.body] == [False, True, True]

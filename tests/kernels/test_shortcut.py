@@ -238,3 +238,84 @@ def test_without_triton_nothing_imports_it(shortcuts, monkeypatch):
     for _ in range(3):
         torch.testing.assert_close(module(x), torch.softmax(x, -1))
     assert shortcut.entries() == (0, 0)
+
+
+# ---- calls that record a gradient: the row Function applied, its forward replayed ----------------------
+
+
+FAMILIES = [
+    lambda: attnorm.Softmax(temperature=0.5, backend="triton"),
+    lambda: attnorm.Sparsemax(backend="triton"),
+    lambda: attnorm.Entmax(1.5, backend="triton"),
+    lambda: attnorm.TopKSoftmax(4, backend="triton"),
+    lambda: attnorm.TopKSoftmax(0.3, temperature=2.0, backend="triton"),
+    lambda: attnorm.SelfAdjustedSoftmax(normalized=True, backend="triton"),
+    lambda: attnorm.SelfAdjustedSoftmax(normalized=False, backend="triton"),
+    lambda: attnorm.ScalableSoftmax(s=0.7, bias=0.2, backend="triton"),
+]
+FAMILY_IDS = ["softmax", "sparsemax", "entmax", "topk", "topk-fraction", "sa-normalized", "sa-plain", "ssmax"]
+
+
+def _leaf(shape=(4, 16), seed=0, dtype=torch.float32):
+    return _fresh(shape, seed).to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("make", FAMILIES, ids=FAMILY_IDS)
+def test_with_a_gradient_every_family_replays_and_differentiates_the_new_scores(shortcuts, make):
+    module = make()
+    reference = copy.deepcopy(module)
+    reference.backend = "reference"
+    _warm(module, _leaf())
+    assert shortcut.entries() == (1, 0)
+    before = len(shortcuts)
+    for seed in (5, 6):
+        x, x_ref = _leaf(seed=seed), _leaf(seed=seed)
+        upstream = _fresh(seed=seed + 100)
+        y = module(x)
+        y_ref = reference(x_ref)
+        torch.testing.assert_close(y, y_ref, atol=2e-6, rtol=1e-5)
+        (y * upstream).sum().backward()
+        (y_ref * upstream).sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad, atol=2e-5, rtol=1e-4)
+    assert len(shortcuts) - before == 2  # both were hits
+
+
+@pytest.mark.parametrize("make", [FAMILIES[0], FAMILIES[2], FAMILIES[5]], ids=["softmax", "entmax", "sa-normalized"])
+def test_replayed_gradient_calls_pass_gradcheck_and_gradgradcheck(shortcuts, make):
+    module = make()
+    x = _leaf(dtype=torch.float64)
+    _warm(module, x)
+    before = len(shortcuts)
+    assert torch.autograd.gradcheck(module, (x,))
+    assert torch.autograd.gradgradcheck(module, (x,))
+    assert len(shortcuts) - before > 10  # gradcheck's calls on x's layout were hits
+
+
+def test_replayed_gradient_calls_keep_autograds_rules(shortcuts):
+    module = attnorm.Sparsemax(backend="triton")
+    _warm(module, _leaf())
+    before = len(shortcuts)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        module(_leaf(seed=1))
+    assert packed  # setup_context still saved what the backward reads, through the hooks
+    y = module(_leaf(seed=1))
+    y.mul_(2)  # an in-place write to a saved output: the backward must refuse, as without the shortcut
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    with torch.no_grad():  # the key of a call without a gradient is another one
+        assert module(_leaf(seed=2)).grad_fn is None
+    assert module(_leaf(seed=3)).grad_fn is not None
+    assert len(shortcuts) - before == 3
+
+
+def test_a_gradient_call_that_moves_the_axis_runs_as_written(shortcuts):
+    module = attnorm.Softmax(dim=0, backend="triton")  # normalize() hands the Function a moved view
+    x = _leaf((16, 4))
+    _warm(module, x)
+    assert shortcut.entries() == (0, 1)
+    x = _leaf((16, 4), seed=7)
+    y = module(x)
+    torch.testing.assert_close(y, torch.softmax(x.detach(), 0))
+    y[:, 0].sum().backward()  # sum of a softmax column: zero gradient
+    torch.testing.assert_close(x.grad, torch.zeros_like(x), atol=1e-6, rtol=0)
