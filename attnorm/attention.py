@@ -128,11 +128,15 @@ def attention(
         if result is not NotImplemented:
             return result
     if not return_weights:
+        decoding = q.shape[-2] <= DECODING_ROWS
+        if decoding and not modified:
+            out = decoding_route.ssmax_masked(normalizer, q, k, v, mask, additive, scale, dropout_p, groups)
+            if out is not None:
+                return out
         multiplier = logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
         # The fused and split-K kernels have no forward-mode derivative: while one may be
         # taken, the row routes (differentiated on the reference) and SDPA's math kernel run.
         kernels_ok = not forward_mode()
-        decoding = q.shape[-2] <= DECODING_ROWS
         if multiplier is not None:
             if kernels_ok and not decoding and fused.supports_scaled_softmax(normalizer, mask, q, k, v, dropout_p,
                                                                              additive, modified):

@@ -121,6 +121,7 @@ def install() -> None:
         "Entmax(1.5)": attnorm.Entmax(1.5, backend="triton"),
         "TopKSoftmax(k=4)": attnorm.TopKSoftmax(4, backend="triton"),
         "SelfAdjustedSoftmax": attnorm.SelfAdjustedSoftmax(backend="triton"),
+        "ScalableSoftmax": attnorm.ScalableSoftmax(backend="triton"),  # SDPA; a bool mask: the count kernel first
     })
 
 

@@ -6,6 +6,8 @@ op                                  outputs                                    b
 ``self_adjusted_decoding_fwd``      out ``(B, Hq, Lq, Dv)``                    raises
 ``decoding_scores_fwd``             scores ``(B, Hq, Lq, Lk)``, float32        raises
                                     (float64 for float64 inputs)
+``ssmax_queries_fwd``               ``c q`` ``(B, H, Lq, D)`` and bool rows    raises
+                                    attending any key ``(B, H, Lq, 1)``
 =================================== ========================================== ==============
 
 Defined in the ``attnorm`` namespace like :mod:`attnorm.kernels.attention_ops` (a fake
@@ -30,7 +32,7 @@ from torch import Tensor
 from attnorm.kernels import backends, inductor, ops
 from attnorm.kernels.rules import AttentionMask, accumulation_dtype
 
-__all__ = ["decoding_scores", "self_adjusted_decoding"]
+__all__ = ["decoding_scores", "self_adjusted_decoding", "ssmax_queries"]
 
 _LIBRARY = torch.library.Library("attnorm", "FRAGMENT")
 _NAME = "self_adjusted_decoding_fwd"
@@ -66,7 +68,7 @@ def _scores_fake(q, k, scale):
 
 
 def _forward_only(name):
-    def backward(ctx, grad_out):
+    def backward(ctx, *grads):
         raise RuntimeError(
             f"attnorm::{name} is forward only (decoding); attnorm.attention takes another route when inputs require "
             "grad"
@@ -88,6 +90,23 @@ def _register(name, kernel, fake):
 _register(_NAME, _device_kernel, _fake)
 _LIBRARY.define(f"{_SCORES}(Tensor q, Tensor k, float scale) -> Tensor")
 _register(_SCORES, _scores_kernel, _scores_fake)
+_SSMAX = "ssmax_queries_fwd"
+_LIBRARY.define(f"{_SSMAX}(Tensor q, Tensor mask, float s, Tensor? s_rows, float bias, Tensor? bias_rows) "
+                "-> (Tensor, Tensor)")
+
+
+def _ssmax_kernel(q, mask, s, s_rows, bias, bias_rows):
+    backends.resolve("triton", q.device)
+    from attnorm.kernels.triton.attention_decoding import ssmax_queries_forward
+
+    return ssmax_queries_forward(q, mask, s if s_rows is None else s_rows, bias if bias_rows is None else bias_rows)
+
+
+def _ssmax_fake(q, mask, *rest):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(*q.shape[:-1], 1, dtype=torch.bool)
+
+
+_register(_SSMAX, _ssmax_kernel, _ssmax_fake)
 
 
 def self_adjusted_decoding(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, normalized: bool,
@@ -112,3 +131,13 @@ def decoding_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     if ops.records_grad(q, k):
         return op(q, k, scale)
     return ops.call(op, q, k, scale)
+
+
+def ssmax_queries(q: Tensor, mask: Tensor, s: float | Tensor, bias: float | Tensor) -> tuple[Tensor, Tensor]:
+    """``(c q, attends)`` for Scalable-Softmax's SDPA call under a bool mask: ``c = s log n + bias`` per query row,
+    ``n`` its allowed keys (:func:`~attnorm.kernels.triton.attention_decoding.ssmax_queries_forward`); forward only."""
+    op = torch.ops.attnorm.ssmax_queries_fwd.default
+    s_value, s_rows = (1.0, s) if isinstance(s, Tensor) else (float(s), None)
+    bias_value, bias_rows = (0.0, bias) if isinstance(bias, Tensor) else (float(bias), None)
+    args = (q, mask, s_value, s_rows, bias_value, bias_rows)
+    return op(*args) if ops.records_grad(q, s_rows, bias_rows) else ops.call(op, *args)

@@ -11,6 +11,10 @@ rows as decoding.  Three designs read K and V once:
 * ``"rows"``: scores as rows, the materialised route (``q k^T``, the row kernel,
   ``w v``), for the multi-pass families.
 
+Scalable-Softmax under a bool mask (a left-padded batch's step) has its multiplier
+``s log n + bias`` counted per row: :func:`ssmax_masked` does the count, the multiplier
+and ``c q`` in one Triton launch before its SDPA call (:func:`attnorm.kernels.decoding_ops.ssmax_queries`).
+
 :data:`DECODING_ROUTES` gives each family its route; :func:`use_route` (or the
 ``ATTNORM_DECODING_ROUTE`` environment variable, read at import) overrides it for
 benchmarks.  :func:`supports` says whether the split-K kernel takes a call;
@@ -24,16 +28,18 @@ import os
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules import module as _module
 
 from attnorm.kernels import ops
-from attnorm.kernels.decoding_ops import self_adjusted_decoding
-from attnorm.kernels.ops import forward_mode, records_grad
+from attnorm.kernels.decoding_ops import self_adjusted_decoding, ssmax_queries
+from attnorm.kernels.ops import forward_mode, records_grad, watched
 from attnorm.kernels.rules import NO_MASK, RowMask
 from attnorm.normalizers.base import Normalizer, fits_bool_mask
 from attnorm.routes.common import kernel_mask
 from attnorm.routes.fused import _runs_triton
+from attnorm.routes.sdpa import SDPA_HAS_GQA
 
 __all__ = [
     "DECODING_ROUTES",
@@ -226,3 +232,31 @@ def _row_mask(mask: Tensor, q: Tensor, k: Tensor) -> RowMask | None:
 
 
 _WEIGHTS_FORWARD = None
+
+
+def ssmax_masked(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float,
+                 dropout_p: float, groups: int) -> Tensor | None:
+    """Scalable-Softmax attention under a bool mask with no gradient: ``c q`` and the rows that attend by one
+    kernel, then one SDPA call; None where it does not apply (the SDPA route of :mod:`.sdpa` runs).
+
+    It applies to a Scalable-Softmax normalizer whose backend runs Triton on ``q``'s device, a
+    bool tensor mask (no additive one), ``(B, H, L, D)`` inputs, a scale other than 0, and no
+    gradient, compile, ``torch.func`` transform or forward-mode derivative to take.  The
+    weights are those of the SDPA route (the same count, multiplier and rounding of ``c q``
+    into q's dtype, up to the last bit of ``log``); rows without an allowed key give zeros.
+    """
+    if getattr(normalizer, "kernel", None) != "scalable_softmax" or additive is not None or scale == 0:
+        return None
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return None
+    params = normalizer.kernel_params()
+    s, bias = params["s"], params["bias"]
+    tensors = [t for t in (s, bias) if isinstance(t, Tensor)]
+    if records_grad(q, k, v, *tensors) or watched() or forward_mode() or not _runs_triton(normalizer, q):
+        return None
+    scaled, attends = ssmax_queries(q, mask, s, bias)
+    if groups > 1 and not SDPA_HAS_GQA:
+        k, v, groups = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), 1
+    extra = {"enable_gqa": True} if groups > 1 else {}
+    out = F.scaled_dot_product_attention(scaled, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
+    return torch.where(attends, out, 0.0)

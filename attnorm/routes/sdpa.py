@@ -39,9 +39,9 @@ from attnorm.masks import StructuredMask
 from attnorm.normalizers import Normalizer
 from attnorm.routes.common import allowed_counts, interval, row_attends
 
-__all__ = ["logit_multiplier", "scaled_sdpa", "sdpa_mask_kind"]
+__all__ = ["SDPA_HAS_GQA", "logit_multiplier", "scaled_sdpa", "sdpa_mask_kind"]
 
-_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
 Multiplier = float | Tensor
 
@@ -74,7 +74,7 @@ def logit_multiplier(normalizer: Normalizer, mask, additive: Tensor | None, q: T
 def scaled_sdpa(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, additive: Tensor | None,
                 scale: float, dropout_p: float, groups: int) -> Tensor:
     """``softmax(multiplier * (scale q k^T + additive)) v`` with one ``scaled_dot_product_attention`` call."""
-    if groups > 1 and not _SDPA_HAS_GQA:
+    if groups > 1 and not SDPA_HAS_GQA:
         k, v, groups = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), 1
     lq, lk = q.shape[-2], k.shape[-2]
     attends = row_attends(mask, additive, q, lk)

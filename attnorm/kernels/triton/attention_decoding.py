@@ -115,6 +115,7 @@ __all__ = [
     "decoding_scores_forward",
     "decoding_weights_forward",
     "self_adjusted_decoding_forward",
+    "ssmax_queries_forward",
     "split_count",
 ]
 
@@ -480,3 +481,103 @@ def decoding_weights_forward(q: Tensor, k: Tensor, scale: float, kernel: str,
     weights = ops.weights(ops.functions("triton"), kernel, scores, mask, dict(params), sink=sink, softcap=softcap,
                           out_dtype=q.dtype if rounded else None)
     return weights if rounded else weights.to(q.dtype)
+
+
+@triton.jit
+def _ssmax_queries_kernel(
+    Q, MASK, S, BIAS, OUT, ATTENDS, sq_b, sq_h, sq_m, sq_d, sm_b, sm_h, sm_m, sm_n, ss_b, ss_h, ss_m,
+    sb_b, sb_h, sb_m, heads, lq, lk, head_dim, s_value: tl.float64, bias_value: tl.float64,
+    S_TENSOR: tl.constexpr, BIAS_TENSOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Query row ``(b, h, i)`` (program ``(b H + h) Lq + i``): ``n`` = its allowed keys, ``c = s log max(n, 1) + bias``,
+    ``OUT = c q`` rounded to q's dtype, ``ATTENDS = n > 0``.
+
+    The mask row is read through its own strides (0 where it broadcasts), one byte a key,
+    ``BLOCK_N`` keys a step; ``s`` and ``bias`` are numbers or read where they lie.
+    """
+    row = tl.program_id(0)
+    query = (row % lq).to(tl.int64)
+    head = ((row // lq) % heads).to(tl.int64)
+    batch = (row // (lq * heads)).to(tl.int64)
+    base = MASK + batch * sm_b + head * sm_h + query * sm_m
+    counts = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for start in range(0, lk, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        allowed = tl.load(base + offs_n.to(tl.int64) * sm_n, mask=offs_n < lk, other=0)
+        counts += (allowed != 0).to(tl.int32)
+    n = tl.sum(counts, axis=0)
+    if S_TENSOR:
+        s = tl.load(S + batch * ss_b + head * ss_h + query * ss_m).to(ACC)
+    else:
+        s = as_acc(s_value, ACC)
+    if BIAS_TENSOR:
+        bias = tl.load(BIAS + batch * sb_b + head * sb_h + query * sb_m).to(ACC)
+    else:
+        bias = as_acc(bias_value, ACC)
+    c = s * tl.log(tl.maximum(n, 1).to(ACC)) + bias
+    offs_d = tl.arange(0, BLOCK_D)
+    inside = offs_d < head_dim
+    x = tl.load(Q + batch * sq_b + head * sq_h + query * sq_m + offs_d * sq_d, mask=inside, other=0.0)
+    tl.store(OUT + row.to(tl.int64) * head_dim + offs_d, (x.to(ACC) * c).to(OUT.dtype.element_ty), mask=inside)
+    tl.store(ATTENDS + row, n > 0)
+
+
+SSMAX_MASK_BLOCK = 1024
+"""Mask bytes a step of :func:`ssmax_queries_forward`'s count loop reads (at most; fewer for short rows)."""
+
+
+def _head_strides(value: float | Tensor, shape: tuple[int, int, int, int], device: torch.device
+                  ) -> tuple[Tensor | None, int, int, int, float]:
+    """A Scalable-Softmax parameter as ``(tensor or None, batch, head, query strides, number)``, read in place."""
+    if not isinstance(value, Tensor):
+        return None, 0, 0, 0, float(value)
+    view = value.detach()
+    if view.device != device:
+        view = view.to(device)
+    view = view.expand(*shape[:3], 1)
+    return view, *view.stride()[:3], 0.0
+
+
+@replay.replayable
+def ssmax_queries_forward(q: Tensor, mask: Tensor, s: float | Tensor, bias: float | Tensor
+                          ) -> tuple[Tensor, Tensor]:
+    """Scalable-Softmax's scaled queries for one SDPA call under a bool mask, in one launch.
+
+    ``softmax(c x)`` with ``c = s log n + bias`` per query row is SDPA on ``c q`` (the route of
+    :mod:`attnorm.routes.sdpa`); under a bool mask ``n`` counts the row's allowed keys.  Done
+    with torch ops that was a count (``sum``), a cast, ``clamp``, ``log``, a product and a sum
+    for ``c``, an ``any`` for the rows that attend at all and the product ``c q``: six to eight
+    launches of a few hundred bytes each per step, where a padded batch's decoding step
+    (Hugging Face's ``(B, 1, 1, Lk)`` mask) spends its time issuing them (ScalableSoftmax 3.36x
+    SDPA at KV 4k on an H200, its SDPA call alone 1x).  Here one program per query row reads
+    the row's mask (``Lk`` bytes; a mask broadcast over heads is read from cache after its
+    first head), computes ``c`` in the accumulation dtype, writes ``c q`` rounded to q's dtype
+    (as ``torch.mul(q, c, out=...)`` rounds it: float32 product, one rounding) and whether
+    the row attends any key.  ``s``/``bias``: numbers or tensors broadcastable to
+    ``(B, H, Lq, 1)`` (per head ``(H, 1, 1)``), read where they lie in their own dtype.
+
+    Args:
+        q: ``(B, H, Lq, D)``.
+        mask: bool, broadcastable to ``(B, H, Lq, Lk)`` (True = may attend).
+
+    Returns:
+        ``(c q, attends)``: ``(B, H, Lq, D)`` in q's dtype (contiguous) and bool ``(B, H, Lq, 1)``.
+    """
+    batch, heads, lq, head_dim = q.shape
+    lk = mask.shape[-1]
+    out = launch.empty((batch, heads, lq, head_dim), q.dtype, q.device)
+    attends = launch.empty((batch, heads, lq, 1), torch.bool, q.device)
+    if attends.numel() == 0:
+        return out, attends
+    shape = (batch, heads, lq, lk)
+    allowed = mask.expand(shape)
+    s_arg, *s_strides, s_value = _head_strides(s, shape, q.device)
+    bias_arg, *bias_strides, bias_value = _head_strides(bias, shape, q.device)
+    launch.launchable(_ssmax_queries_kernel)[(batch * heads * lq,)](
+        q, allowed, s_arg, bias_arg, out, attends, *q.stride(), *allowed.stride(), *s_strides, *bias_strides,
+        heads, lq, lk, head_dim, s_value, bias_value, S_TENSOR=s_arg is not None, BIAS_TENSOR=bias_arg is not None,
+        BLOCK_N=min(SSMAX_MASK_BLOCK, max(16, launch.next_power_of_2(lk))),
+        BLOCK_D=max(16, launch.next_power_of_2(head_dim)), ACC=launch.compute_dtype(q), num_warps=4,
+    )
+    return out, attends
