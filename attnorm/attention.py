@@ -108,6 +108,14 @@ def attention(
     """
     normalizer = _as_normalizer(normalizer)
     q, k, v, groups = _check_inputs(q, k, v, normalizer)
+    if q.ndim == 2 or k.ndim == 2 or v.ndim == 2:
+        # (L, D) inputs, as SDPA takes them: one head (the routes index heads at dim -3).
+        result = attention(*(t.unsqueeze(0) if t.ndim == 2 else t for t in (q, k, v)), normalizer,
+                           attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                           return_weights=return_weights, softcap=softcap, sinks=sinks)
+        if q.ndim > 2:
+            return result
+        return tuple(t.squeeze(0) for t in result) if return_weights else result.squeeze(0)
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     # float(): under torch.jit.trace a size is a traced 0-d tensor, whose ** -0.5 was float32 (1e-8 off in float64).

@@ -92,6 +92,12 @@ class MultiheadAttention(nn.MultiheadAttention):
             ``(N, L, S)`` averaged, ``(N, num_heads, L, S)`` per head (no ``N`` when
             unbatched), or None when ``need_weights`` is False.
         """
+        if query.dim() not in (2, 3):
+            raise ValueError(f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query "
+                             "tensor")
+        for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if mask is not None and not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
+                raise TypeError(f"only bool and floating types of {name} are supported, got {mask.dtype}")
         batched = query.dim() == 3
         if not batched:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)

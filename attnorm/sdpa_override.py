@@ -4,8 +4,10 @@ A ``torch.overrides.TorchFunctionMode`` intercepts every call of
 ``torch.nn.functional.scaled_dot_product_attention`` made inside the block (custom
 models, nanoGPT-style code, timm and torchvision layers that call it) and runs
 :func:`attnorm.attention` with the same arguments instead.  The mode is inactive inside
-its own handler, so attnorm's SDPA route for softmax and Scalable-Softmax still reaches
-the real SDPA.  ``torch.compile`` traces through an active function mode.
+its own handler, and every other one passes attnorm's own SDPA calls through
+(:func:`attnorm.routes.sdpa.real_sdpa`), so attnorm's SDPA route for softmax and Scalable-Softmax
+reaches the real SDPA in nested blocks and in explicit :func:`attnorm.attention` calls too.
+``torch.compile`` traces through an active function mode.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from attnorm.attention import attention
 from attnorm.normalizers import Normalizer
 from attnorm.normalizers.registry import make
+from attnorm.routes.sdpa import internal_call
 
 __all__ = ["override_sdpa"]
 
@@ -35,11 +38,16 @@ def _attnorm_sdpa(
     enable_gqa: bool = False,
 ) -> Tensor:
     """SDPA's signature and conventions, weights from ``normalizer``."""
-    if not enable_gqa and query.ndim >= 3 and key.ndim >= 3 and query.shape[-3] != key.shape[-3]:
+    if (not enable_gqa and query.ndim >= 3 and key.ndim >= 3 and query.shape[-3] != key.shape[-3]
+            and key.shape[-3] != 1 and query.shape[-3] != 1):
+        # One head of k and v broadcasts over q's heads, as in SDPA (attention() takes it as one group); so does
+        # one head of q over k's (expanded below). Any other difference needs enable_gqa.
         raise RuntimeError(
             f"query has {query.shape[-3]} heads and key {key.shape[-3]}: pass enable_gqa=True for grouped-query "
             "attention (as scaled_dot_product_attention requires)"
         )
+    if not enable_gqa and query.ndim >= 3 and key.ndim >= 3 and query.shape[-3] == 1 < key.shape[-3]:
+        query = query.expand(*query.shape[:-3], key.shape[-3], *query.shape[-2:])
     return attention(
         query, key, value, normalizer, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
     )
@@ -69,6 +77,6 @@ class override_sdpa(TorchFunctionMode):  # noqa: N801  (used like a function: ``
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA:
+        if func is _SDPA and not internal_call():
             return _attnorm_sdpa(self.normalizer, *args, **kwargs)
         return func(*args, **kwargs)

@@ -19,6 +19,7 @@ implemented once, here, and every normalizer (and every backend) obeys them:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -196,6 +197,8 @@ def _row_sink(sink: float | Tensor, x: Tensor, dim: int) -> Tensor:
     """The sink as a column ``(..., 1)`` against ``x`` moved to normalise over ``dim=-1``, in the kernels' precision."""
     dtype = accumulation_dtype(x.dtype)
     if isinstance(sink, (int, float)) and not isinstance(sink, bool):
+        if math.isnan(sink):  # a number is checked like the other parameters; a tensor's NaN gives NaN rows
+            raise ValueError("sink must not be NaN (-inf: no sink)")
         return torch.full((1,) * x.ndim, float(sink), dtype=dtype, device=x.device)
     if not isinstance(sink, Tensor) or not sink.dtype.is_floating_point:
         kind = sink.dtype if isinstance(sink, Tensor) else type(sink).__name__

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from attnorm.masks import StructuredMask
 from attnorm.normalizers.registry import register_kind, register_normalizer
+from attnorm.validation import check_finite
 
 __all__ = ["L2NormAttention", "OutputNormalizer"]
 
@@ -38,6 +39,16 @@ class OutputNormalizer(nn.Module):
         from attnorm.attention import attention  # attention imports the normalizers
 
         return attention(q, k, v, self, **options)
+
+    def check_state(self, state: dict[str, Tensor]) -> None:
+        """Raise ``ValueError`` if a value about to be loaded (by name) is invalid."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # As the row normalizers (Normalizer._load_from_state_dict): checked before anything is copied.
+        names = (*self._parameters, *self._buffers)
+        self.check_state({name: state_dict[prefix + name].detach().cpu() for name in names
+                          if prefix + name in state_dict})
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class L2NormAttention(OutputNormalizer):
@@ -67,6 +78,10 @@ class L2NormAttention(OutputNormalizer):
             raise ValueError(f"gain must be a finite number, got {gain!r}")
         self.heads = heads
         self.gain = None if heads is None else nn.Parameter(torch.full((heads,), float(gain)))
+
+    def check_state(self, state: dict[str, Tensor]) -> None:
+        if state.get("gain") is not None:
+            check_finite("gain", state["gain"])
 
     def attend(self, q, k, v, *, mask, additive, scale, dropout_p, groups, return_weights):
         from attnorm.attention import attention

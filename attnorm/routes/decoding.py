@@ -28,7 +28,6 @@ import os
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules import module as _module
 
@@ -39,7 +38,7 @@ from attnorm.kernels.rules import NO_MASK, RowMask
 from attnorm.normalizers.base import Normalizer, fits_bool_mask
 from attnorm.routes.common import kernel_mask
 from attnorm.routes.fused import _runs_triton
-from attnorm.routes.sdpa import SDPA_HAS_GQA
+from attnorm.routes.sdpa import SDPA_HAS_GQA, real_sdpa
 
 __all__ = [
     "DECODING_ROUTES",
@@ -258,5 +257,5 @@ def ssmax_masked(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Te
     if groups > 1 and not SDPA_HAS_GQA:
         k, v, groups = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), 1
     extra = {"enable_gqa": True} if groups > 1 else {}
-    out = F.scaled_dot_product_attention(scaled, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
+    out = real_sdpa(scaled, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
     return torch.where(attends, out, 0.0)

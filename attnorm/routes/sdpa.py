@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +40,36 @@ from attnorm.masks import StructuredMask
 from attnorm.normalizers import Normalizer
 from attnorm.routes.common import allowed_counts, interval, row_attends
 
-__all__ = ["SDPA_HAS_GQA", "logit_multiplier", "scaled_sdpa", "sdpa_mask_kind"]
+__all__ = ["SDPA_HAS_GQA", "internal_call", "logit_multiplier", "real_sdpa", "scaled_sdpa", "sdpa_mask_kind"]
 
 SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
 Multiplier = float | Tensor
+
+
+_INTERNAL = threading.local()
+
+
+def internal_call() -> bool:
+    """Whether the SDPA call being made comes from attnorm's own routes (:func:`real_sdpa`), in this thread.
+
+    :class:`attnorm.override_sdpa` passes such calls through: a route's SDPA call is how attnorm computes
+    softmax and Scalable-Softmax, not a model's attention to re-route (an outer block would otherwise apply
+    its normalizer to an inner block's softmax, or to an explicit :func:`attnorm.attention` call).
+    """
+    return getattr(_INTERNAL, "depth", 0) > 0
+
+
+def real_sdpa(*args, **kwargs) -> Tensor:
+    """``F.scaled_dot_product_attention(*args, **kwargs)``, marked as attnorm's own call while a function mode
+    (such as :class:`attnorm.override_sdpa`) is active."""
+    if not torch._C._is_torch_function_mode_enabled():
+        return F.scaled_dot_product_attention(*args, **kwargs)
+    _INTERNAL.depth = getattr(_INTERNAL, "depth", 0) + 1
+    try:
+        return F.scaled_dot_product_attention(*args, **kwargs)
+    finally:
+        _INTERNAL.depth -= 1
 
 
 def logit_multiplier(normalizer: Normalizer, mask, additive: Tensor | None, q: Tensor, lk: int) -> Multiplier | None:
@@ -104,7 +130,7 @@ def scaled_sdpa(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, a
     # SDPA's fused kernels have no forward-mode derivative; its math backend does.
     with contextlib.nullcontext() if recompute is None else recompute.hooks(), \
             sdpa_kernel(SDPBackend.MATH) if forward_mode() else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(
+        out = real_sdpa(
             q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
         )
     if recompute is not None:
