@@ -71,7 +71,27 @@ MAX_ENTRIES = 1024
 _TABLE: dict[tuple, Any] = {}
 _REFUSED = object()
 """A key whose calls run as written."""
-_NEVER = object()
+
+
+class _Never:
+    """The token of a module that is never looked up; one object, kept by ``copy.deepcopy`` and pickling.
+
+    A module's token travels in its ``__dict__``: a plain ``object()`` here came back from a deep copy or a
+    pickle round trip as a new object, which :func:`_token` took for an ordinary state token, and such a
+    copy's calls were looked up and replayed after a change the key does not see.
+    """
+
+    def __copy__(self) -> _Never:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> _Never:
+        return self
+
+    def __reduce__(self) -> str:
+        return "_NEVER"
+
+
+_NEVER = _Never()
 """The token of a module that is never looked up (a tensor parameter, a class from outside attnorm)."""
 _TOKEN = "_shortcut_token"
 _STATE = threading.local()

@@ -319,3 +319,29 @@ def test_a_gradient_call_that_moves_the_axis_runs_as_written(shortcuts):
     torch.testing.assert_close(y, torch.softmax(x.detach(), 0))
     y[:, 0].sum().backward()  # sum of a softmax column: zero gradient
     torch.testing.assert_close(x.grad, torch.zeros_like(x), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("clone", ["deepcopy", "pickle"])
+def test_a_copied_module_that_is_never_looked_up_stays_so(shortcuts, clone):
+    import pickle
+
+    module = _Sharpened(backend="triton")
+    x = _fresh()
+    module(x)  # its token: never looked up (kernel_params reads state the module does not assign)
+    twin = copy.deepcopy(module) if clone == "deepcopy" else pickle.loads(pickle.dumps(module))
+    for grad in (False, True):
+        leaf = x.clone().requires_grad_(grad)
+        _warm(twin, leaf)
+        _Sharpened.sharpness = 4.0
+        try:
+            torch.testing.assert_close(twin(leaf), _softmax(x, 0.25))
+        finally:
+            _Sharpened.sharpness = 1.0
+    assert shortcut.entries() == (0, 0)
+
+
+class _Sharpened(attnorm.Softmax):  # module level: pickled by reference
+    sharpness = 1.0
+
+    def kernel_params(self):
+        return {"temperature": 1.0 / _Sharpened.sharpness}
