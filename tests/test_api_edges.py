@@ -125,3 +125,36 @@ def test_taylor_order_zero_is_uniform_with_a_zero_gradient():
         torch.testing.assert_close(weights, torch.full((2, 5), 0.2, dtype=torch.float64))
         (grad,) = torch.autograd.grad((weights * torch.randn(2, 5, dtype=torch.float64)).sum(), x)
         torch.testing.assert_close(grad, torch.zeros_like(x))
+
+
+def _materialised(spec, q, k, v, additive=None):
+    """float64 attention written out: the normalizer over the whole scores (its own module, not attention())."""
+    x = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if additive is not None:
+        x = x + additive
+    return attnorm.make(spec)(x) @ v
+
+
+@pytest.mark.parametrize("spec", ["sparsemax", "entmax:alpha=1.5", "sa_softmax"])
+def test_the_blocked_route_under_torch_func_and_tracing(force_blocked, spec):
+    q, k, v = _qkv(1, 2, 5, 4, lk=6, dv=4, seed=3)
+    attend = lambda q: attnorm.attention(q, k, v, spec)  # noqa: E731
+    torch.testing.assert_close(torch.func.vmap(attend)(q[None])[0], _materialised(spec, q, k, v))
+    expected = torch.func.grad(lambda q: _materialised(spec, q, k, v).sum())(q)
+    torch.testing.assert_close(torch.func.grad(lambda q: attend(q).sum())(q), expected)
+    expected = torch.func.jacrev(lambda q: _materialised(spec, q, k, v))(q)
+    torch.testing.assert_close(torch.func.jacrev(attend)(q), expected)
+    with torch.no_grad():
+        traced = torch.jit.trace(attend, (q,), check_trace=False)
+    torch.testing.assert_close(traced(q), attend(q))
+
+
+def test_the_blocked_route_backward_takes_batched_gradients(force_blocked):
+    q, k, v = _qkv(1, 2, 5, 4, lk=6, dv=4, seed=4)
+    additive = torch.randn(1, 1, 5, 6, dtype=torch.float64)
+    inputs = (q, additive)
+    jacobian = torch.autograd.functional.jacobian(
+        lambda q, a: attnorm.attention(q, k, v, "sparsemax", attn_mask=a), inputs, vectorize=True)
+    expected = torch.autograd.functional.jacobian(lambda q, a: _materialised("sparsemax", q, k, v, a), inputs)
+    for got, want in zip(jacobian, expected, strict=True):
+        torch.testing.assert_close(got, want)

@@ -17,6 +17,7 @@ Everything runs in float64.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -139,15 +140,21 @@ def finite_difference_sensitivity(
         Float64 tensor ``(...)``.
 
     Raises:
-        ValueError: ``eps`` or ``temperature`` not > 0.
+        ValueError: ``eps`` or ``temperature`` not finite and > 0, ``direction`` not broadcastable to ``logits``.
     """
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < eps < math.inf:
+        raise ValueError(f"eps must be finite and > 0, got {eps}")
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     apply = row_function(normalizer, mask)
     base = logits.detach().to(torch.float64)
-    allowed = allowed_positions(base, mask)
+    allowed = allowed_positions(base, mask) & (base != -math.inf)  # a -inf logit counts as masked
+    if direction is not None and direction.shape != base.shape:
+        try:
+            direction = direction.expand(base.shape)
+        except RuntimeError:
+            raise ValueError(f"direction of shape {tuple(direction.shape)} does not broadcast to the logits' "
+                             f"{tuple(base.shape)}") from None
     if direction is None:
         direction = torch.randn(base.shape, generator=generator, dtype=torch.float64).to(base.device)
     direction = direction.to(torch.float64).masked_fill(~allowed, 0.0)

@@ -123,6 +123,8 @@ def loglog_slope(x, y) -> tuple[float, float]:
     """
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
+    if x.ndim != 1 or y.ndim != 1 or len(x) != len(y):
+        raise ValueError(f"x and y must be 1-D of one length, got shapes {x.shape} and {y.shape}")
     usable = (x > 0) & (y > 0) & np.isfinite(x) & np.isfinite(y)
     if usable.sum() < 2:
         return math.nan, math.nan

@@ -44,12 +44,19 @@ def allowed_positions(weights: Tensor, mask: Mask = None) -> Tensor:
     Raises:
         TypeError: ``mask`` is neither None, a bool tensor nor a StructuredMask.
     """
+    if not isinstance(weights, Tensor) or not weights.dtype.is_floating_point:
+        kind = weights.dtype if isinstance(weights, Tensor) else type(weights).__name__
+        raise TypeError(f"weights must be a floating tensor, got {kind}")
     if mask is None:
         return torch.ones_like(weights, dtype=torch.bool)
     if isinstance(mask, StructuredMask):
         mask = mask.materialize(weights.shape, weights.device)
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor, a StructuredMask or None, got {mask!r}")
+    if mask.ndim > weights.ndim or any(m not in (1, w) for m, w in zip(mask.shape[::-1], weights.shape[::-1],
+                                                                        strict=False)):
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the weights' "
+                         f"{tuple(weights.shape)}")
     return mask.expand(weights.shape)
 
 
@@ -113,7 +120,7 @@ def support_size(weights: Tensor, mask: Mask = None, eps: float = 0.0) -> Tensor
     Raises:
         ValueError: ``eps`` < 0.
     """
-    if eps < 0:
+    if not eps >= 0:  # NaN too
         raise ValueError(f"eps must be >= 0, got {eps}")
     allowed = allowed_positions(weights, mask)
     return ((weights > eps) & allowed).sum(-1)

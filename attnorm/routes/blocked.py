@@ -81,10 +81,13 @@ def blocked_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additiv
     """``normalizer(scale q k^T + additive, mask) v`` a block of ``rows`` query rows at a time.
 
     Forward mode saves nothing for a backward: under it the blocks are plain torch (the
-    recomputing Function has no JVP), memory bounded all the same.
+    recomputing Function has no JVP), memory bounded all the same.  So do ``torch.func``
+    transforms and ``torch.jit.trace``, which take no old-style Function (its backward
+    recomputes each block: the blocks' graphs are kept there, as the materialised route keeps
+    its weights).
     """
     setup = (normalizer, mask, scale, softcap, dropout_p, groups, rows)
-    if forward_mode():
+    if forward_mode() or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state():
         return torch.cat([out for _, _, out in _outputs(setup, q, k, v, additive, sinks)], dim=-2)
     params = tuple(parameter for parameter in normalizer.parameters() if parameter.requires_grad)
     return _BlockedAttention.apply(setup, q, k, v, additive, sinks, *params)
@@ -257,11 +260,15 @@ class _BlockedAttention(torch.autograd.Function):
         if sinks is not None:
             sinks = sinks.detach().requires_grad_(ctx.needs_input_grad[5])
         wants_additive = additive is not None and ctx.needs_input_grad[4]
-        dq = torch.zeros_like(q) if ctx.needs_input_grad[1] else None
+        wants_q = ctx.needs_input_grad[1]
+        # Per-block gradients of q and of a per-row additive mask are concatenated, not written into a
+        # zeroed tensor: the incoming gradient may be batched by vmap (autograd.functional.jacobian with
+        # vectorize=True), which takes no in-place copy of a batched tensor into a plain one.
+        dq_blocks, dadditive_blocks = [], []
         dk = dv = dadditive = dsinks = None
         dparams = [None] * len(params)
         inputs = [t for t in (k, v, sinks) if t is not None and t.requires_grad] + list(params)
-        if not (inputs or dq is not None or wants_additive):
+        if not (inputs or wants_q or wants_additive):
             return (None,) * (6 + len(params))
         lq, bounds = q.shape[-2], _bounds(mask, q, k)
         with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0):
@@ -270,25 +277,23 @@ class _BlockedAttention(torch.autograd.Function):
             for start in range(0, lq, rows):
                 stop = min(start + rows, lq)
                 with torch.enable_grad():
-                    q_rows = q[..., start:stop, :].detach().requires_grad_(dq is not None)
+                    q_rows = q[..., start:stop, :].detach().requires_grad_(wants_q)
                     additive_rows = _rows(additive, start, stop)
                     if wants_additive:
                         additive_rows = additive_rows.detach().requires_grad_()
                     out = _block(normalizer, q, q_rows, k, v, mask, bounds, additive_rows, sinks, scale, softcap,
                                  dropout_p, groups, start, stop, trim=True)[0]
-                    wanted = inputs + ([q_rows] if dq is not None else []) + ([additive_rows] if wants_additive else [])
+                    wanted = inputs + ([q_rows] if wants_q else []) + ([additive_rows] if wants_additive else [])
                     grads = list(torch.autograd.grad(out, wanted, grad_out[..., start:stop, :], allow_unused=True))
                 if wants_additive:
                     grad = grads.pop()
-                    if grad is not None and additive.shape[-2] > 1:
-                        dadditive = additive.new_zeros(additive.shape) if dadditive is None else dadditive
-                        dadditive[..., start:stop, :] += grad
+                    if additive.shape[-2] > 1:
+                        dadditive_blocks.append(torch.zeros_like(additive_rows) if grad is None else grad)
                     else:
                         dadditive = _add(dadditive, grad)
-                if dq is not None:
+                if wants_q:
                     grad = grads.pop()
-                    if grad is not None:
-                        dq[..., start:stop, :] = grad
+                    dq_blocks.append(torch.zeros_like(q_rows) if grad is None else grad)
                 if k.requires_grad:
                     dk = _add(dk, grads.pop(0))
                 if v.requires_grad:
@@ -296,6 +301,9 @@ class _BlockedAttention(torch.autograd.Function):
                 if sinks is not None and sinks.requires_grad:
                     dsinks = _add(dsinks, grads.pop(0))
                 dparams = [_add(total, grad) for total, grad in zip(dparams, grads, strict=True)]
+        dq = torch.cat(dq_blocks, dim=-2) if wants_q else None
+        if dadditive_blocks:
+            dadditive = torch.cat(dadditive_blocks, dim=-2)
         return (None, dq, dk, dv, dadditive, dsinks, *dparams)
 
 
