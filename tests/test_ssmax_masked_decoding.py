@@ -69,14 +69,16 @@ def test_a_left_padded_step_takes_one_launch_and_matches_the_definition(taken, d
                                rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("shape", [(3, 1, 1, 29), (3, 4, 1, 29), (1, 1, 1, 29), (29,), (3, 1, 5, 29), (1, 4, 5, 1)],
-                         ids=["padded", "per-head", "shared", "keys-only", "rows", "one-key"])
-def test_every_mask_broadcast_and_fully_masked_rows(taken, shape):
-    lq, lk = (shape[-2] if len(shape) > 1 else 1), shape[-1]
+@pytest.mark.parametrize("shape, lk", [((3, 1, 1, 29), 29), ((3, 4, 1, 29), 29), ((1, 1, 1, 29), 29), ((29,), 29),
+                                       ((3, 1, 5, 29), 29), ((1, 4, 5, 1), 1), ((3, 1, 5, 1), 29), ((1,), 29)],
+                         ids=["padded", "per-head", "shared", "keys-only", "rows", "one-key", "key-broadcast",
+                              "one-element"])
+def test_every_mask_broadcast_and_fully_masked_rows(taken, shape, lk):
+    lq = shape[-2] if len(shape) > 1 else 1
     q, k, v = _inputs(lq=lq, lk=lk, seed=1)
     generator = torch.Generator().manual_seed(2)
     mask = (torch.rand(shape, generator=generator) < 0.6).to(DEVICE)
-    mask.reshape(-1, lk)[0] = False  # one fully masked row: zeros
+    mask.reshape(-1, shape[-1])[0] = False  # one fully masked row: zeros
     out = attnorm.attention(q, k, v, attnorm.ScalableSoftmax(s=1.3, bias=-0.2, backend="triton"), attn_mask=mask)
     assert taken
     torch.testing.assert_close(out.double(), _reference(q, k, v, mask, 1.3, -0.2), atol=2e-6, rtol=2e-6)

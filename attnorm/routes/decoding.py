@@ -253,6 +253,8 @@ def ssmax_masked(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Te
     tensors = [t for t in (s, bias) if isinstance(t, Tensor)]
     if records_grad(q, k, v, *tensors) or watched() or forward_mode() or not _runs_triton(normalizer, q):
         return None
+    if mask.shape[-1] != k.shape[-2]:  # broadcast over the keys: every key of a row allowed, or none
+        mask = mask.expand(*mask.shape[:-1], k.shape[-2])
     scaled, attends = ssmax_queries(q, mask, s, bias)
     if groups > 1 and not SDPA_HAS_GQA:
         k, v, groups = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), 1

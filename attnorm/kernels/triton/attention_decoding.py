@@ -559,7 +559,8 @@ def ssmax_queries_forward(q: Tensor, mask: Tensor, s: float | Tensor, bias: floa
 
     Args:
         q: ``(B, H, Lq, D)``.
-        mask: bool, broadcastable to ``(B, H, Lq, Lk)`` (True = may attend).
+        mask: bool ``(..., Lk)``, broadcastable to ``(B, H, Lq, Lk)`` (True = may attend); its last dim is
+            the keys' count (a mask broadcast over the keys is expanded first).
 
     Returns:
         ``(c q, attends)``: ``(B, H, Lq, D)`` in q's dtype (contiguous) and bool ``(B, H, Lq, 1)``.
