@@ -399,12 +399,19 @@ def patch(model: nn.Module, normalizer: NormalizerSpec, *, recorder: Recorder | 
         ValueError: no attention layer routed through the registry, or the model refused the switch.
         RuntimeError: the model already has attnorm normalizers (patched, or built from ``config.attnorm``).
         TypeError: a factory returned something other than a Normalizer.
+        NotImplementedError: the layers add a relative position bias to their scores (T5, mT5, UMT5).
     """
     _register()
     layers = attention_layers(model)
     if not layers:
         raise ValueError(
             f"{type(model).__name__} has no attention layer that calls transformers' ALL_ATTENTION_FUNCTIONS registry"
+        )
+    biased = [module for _, module in layers if hasattr(module, "has_relative_attention_bias")]
+    if biased:  # T5 and its kin: every layer adds a learned relative position bias to its scores
+        raise NotImplementedError(
+            f"{type(biased[0]).__name__} adds a relative position bias (position_bias) to its scores, which "
+            f"attnorm attention does not take: {type(model).__name__} cannot be patched"
         )
     if any(hasattr(module, NORMALIZER_ATTR) for _, module in layers):
         raise RuntimeError(

