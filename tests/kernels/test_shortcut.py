@@ -73,18 +73,30 @@ def test_a_repeated_call_is_replayed_and_computes_each_new_input(shortcuts):
     assert len(shortcuts) - before == 3
 
 
-@pytest.mark.parametrize("make", [
+FAMILIES = [
+    lambda: attnorm.Softmax(temperature=0.5, backend="triton"),
     lambda: attnorm.Sparsemax(backend="triton"),
     lambda: attnorm.Entmax(1.5, backend="triton"),
     lambda: attnorm.TopKSoftmax(4, backend="triton"),
     lambda: attnorm.TopKSoftmax(0.3, temperature=2.0, backend="triton"),
     lambda: attnorm.SelfAdjustedSoftmax(normalized=True, backend="triton"),
+    lambda: attnorm.SelfAdjustedSoftmax(normalized=False, backend="triton"),
     lambda: attnorm.ScalableSoftmax(s=0.7, bias=0.2, backend="triton"),
-], ids=["sparsemax", "entmax", "topk", "topk-fraction", "self-adjusted", "ssmax"])
-def test_every_family_replays_what_the_reference_computes(shortcuts, make):
+]
+FAMILY_IDS = ["softmax", "sparsemax", "entmax", "topk", "topk-fraction", "sa-normalized", "sa-plain", "ssmax"]
+
+
+def _with_reference(make):
+    """A module from ``make`` and its twin on the reference backend."""
     module = make()
     reference = copy.deepcopy(module)
     reference.backend = "reference"
+    return module, reference
+
+
+@pytest.mark.parametrize("make", FAMILIES, ids=FAMILY_IDS)
+def test_every_family_replays_what_the_reference_computes(shortcuts, make):
+    module, reference = _with_reference(make)
     _warm(module, _fresh())
     assert shortcut.entries() == (1, 0)
     x = _fresh(seed=5)
@@ -243,28 +255,13 @@ def test_without_triton_nothing_imports_it(shortcuts, monkeypatch):
 # ---- calls that record a gradient: the row Function applied, its forward replayed ----------------------
 
 
-FAMILIES = [
-    lambda: attnorm.Softmax(temperature=0.5, backend="triton"),
-    lambda: attnorm.Sparsemax(backend="triton"),
-    lambda: attnorm.Entmax(1.5, backend="triton"),
-    lambda: attnorm.TopKSoftmax(4, backend="triton"),
-    lambda: attnorm.TopKSoftmax(0.3, temperature=2.0, backend="triton"),
-    lambda: attnorm.SelfAdjustedSoftmax(normalized=True, backend="triton"),
-    lambda: attnorm.SelfAdjustedSoftmax(normalized=False, backend="triton"),
-    lambda: attnorm.ScalableSoftmax(s=0.7, bias=0.2, backend="triton"),
-]
-FAMILY_IDS = ["softmax", "sparsemax", "entmax", "topk", "topk-fraction", "sa-normalized", "sa-plain", "ssmax"]
-
-
 def _leaf(shape=(4, 16), seed=0, dtype=torch.float32):
     return _fresh(shape, seed).to(dtype).requires_grad_()
 
 
 @pytest.mark.parametrize("make", FAMILIES, ids=FAMILY_IDS)
 def test_with_a_gradient_every_family_replays_and_differentiates_the_new_scores(shortcuts, make):
-    module = make()
-    reference = copy.deepcopy(module)
-    reference.backend = "reference"
+    module, reference = _with_reference(make)
     _warm(module, _leaf())
     assert shortcut.entries() == (1, 0)
     before = len(shortcuts)
