@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import threading
 from typing import Any
 
 STREAM = 77
 """The stream the stand-in reports; every launch must be given it."""
+INTERPRETER = threading.Lock()
+"""Triton's interpreter is not thread-safe (its patched ``tl`` functions are process-wide): kernels run one at a
+time, the Python around them (keys, plans, the module shortcut) in as many threads as a test starts."""
 
 
 class Compiled:
@@ -36,7 +40,8 @@ class Compiled:
                 STREAM, "function handle", ("packed",), None, None, None)
             if self.launches is not None:
                 self.launches.append(bound)
-            self.interpreted[(grid_0, grid_1, grid_2)](*bound)
+            with INTERPRETER:
+                self.interpreted[(grid_0, grid_1, grid_2)](*bound)
 
         return launcher
 
@@ -51,7 +56,8 @@ def jitted(interpreted: Any, launches: list | None = None, triton_runs: list | N
     def run(*args, grid, warmup, **kwargs):
         if triton_runs is not None:
             triton_runs.append(kernel)
-        interpreted[grid](*args, **kwargs)
+        with INTERPRETER:
+            interpreted[grid](*args, **kwargs)
         return compiled
 
     kernel.run = run

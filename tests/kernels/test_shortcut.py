@@ -228,7 +228,7 @@ def test_threads_do_not_take_each_others_calls(shortcuts):
             for i in range(6):
                 x = _fresh(seed=seed * 10 + i)
                 torch.testing.assert_close(module(x), _softmax(x, module.temperature))
-        except AssertionError as error:  # pragma: no cover - reported below
+        except Exception as error:  # pragma: no cover - reported below (a wrong value, or any failure)
             errors.append(error)
 
     threads = [threading.Thread(target=work, args=(m, i)) for i, m in enumerate(modules)]
