@@ -48,6 +48,7 @@ Usage::
     python benchmarks/bench_normalizers.py --quick      # under a minute on a 2-core CPU
     python benchmarks/bench_normalizers.py --backends native reference     # also attnorm's reference (slow)
     python benchmarks/bench_normalizers.py --device cuda                    # float32 and bfloat16
+    python benchmarks/bench_normalizers.py --device cuda --graphs           # the kernels alone (CUDA graphs)
     python benchmarks/bench_normalizers.py --shapes 4096x1024 --dtype bfloat16 --backends triton
 
 Writes ``bench_normalizers.csv``, ``.md`` (ratios vs torch.softmax, also printed) and
@@ -224,9 +225,18 @@ def interleaved_samples(functions: dict, x, grad, mode: str, device: str, repeat
     return samples
 
 
+CUDA_GRAPHS = False
+"""``--graphs``: time CUDA-graph replays (``triton.testing.do_bench_cudagraph``) instead of eager calls."""
+
+
 def cuda_quantiles(functions: dict, x, grad, mode: str, errors: dict) -> dict[tuple, tuple[float, float, float]]:
-    """(median, p20, p80) seconds of each case from ``triton.testing.do_bench`` (L2 flushed per call)."""
-    from triton.testing import do_bench
+    """(median, p20, p80) seconds of each case from ``triton.testing.do_bench`` (L2 flushed per call), or with
+    :data:`CUDA_GRAPHS` from ``do_bench_cudagraph`` (the calls captured once and replayed: the GPU's time alone,
+    no host time and no L2 flush, for every provider alike)."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    if CUDA_GRAPHS:
+        do_bench = do_bench_cudagraph  # noqa: F811 (same signature for what is passed here)
 
     found = {}
     for key, fn in functions.items():
@@ -423,8 +433,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="CPU: timed rounds per case (slow cases get fewer)")
     parser.add_argument("--budget", type=float, default=6.0, help="CPU: seconds of timed rounds per slow case and mode")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="CUDA: time each call captured in a CUDA graph and replayed (the kernels alone, no host "
+                             "time), written as bench_normalizers_graphs.*")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
+    if args.graphs and args.device != "cuda":
+        parser.error("--graphs needs --device cuda (CUDA graphs)")
+    global CUDA_GRAPHS
+    CUDA_GRAPHS = args.graphs
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else FULL_SHAPES)
@@ -436,6 +453,9 @@ def main() -> None:
     one_time = native_one_time_cost() if args.device == "cpu" and "native" in backends else None
     method = ("triton.testing.do_bench (L2 flushed per call); ratio of medians" if args.device == "cuda" else
               f"<= {repeats} interleaved rounds (>= 3); ratio = median of within-round ratios")
+    if args.graphs:
+        method = ("triton.testing.do_bench_cudagraph (calls captured in a CUDA graph and replayed: the GPU's time "
+                  "alone, no host time, no L2 flush); ratio of medians")
     print(f"shapes (rows x L): {', '.join(f'{r}x{n}' for r, n in shapes)}; dtypes {', '.join(dtypes)}; "
           f"device {args.device}; attnorm backends {', '.join(backends)}")
     print(f"versions: {stamp}; attnorm from {Path(attnorm.__file__).parent}")
@@ -455,7 +475,7 @@ def main() -> None:
                             "p80": seconds})
     for row in results:
         row["versions"] = stamp
-    stem = args.out / "bench_normalizers"
+    stem = args.out / ("bench_normalizers_graphs" if args.graphs else "bench_normalizers")
     write_csv(stem.with_suffix(".csv"), results, COLUMNS)
 
     sections = []

@@ -10,6 +10,7 @@
 #   STEPS="replay overhead" bash scripts/gpu_check.sh             # the direct launch + replay against Triton's
 #   STEPS="decoding growing" bash scripts/gpu_check.sh            # decoding: a fixed KV length, then a growing one
 #   STEPS="padded" bash scripts/gpu_check.sh                      # decoding a left-padded batch (a bool mask)
+#   STEPS="normalizers graphs" bash scripts/gpu_check.sh          # row kernels vs torch.softmax: eager, then CUDA graphs
 #   STEPS=tests TEST_K="one_call or sinks" TEST_M="slow or not slow" bash scripts/gpu_check.sh  # -k / -m selections
 #
 # Keep each call short: on 2026-11-26 a machine was taken back mid-call and the call returned nothing
@@ -87,6 +88,8 @@ tests/kernels/test_fast_launch.py && ATTNORM_FAST_LAUNCH=0 python3 benchmarks/be
         step gpt2 120 python3 benchmarks/bench_attention.py --gpt2-step $results ;;
     normalizers)
         step normalizers 150 python3 benchmarks/bench_normalizers.py --device cuda $results ;;
+    graphs)  # the row kernels against torch.softmax with no host time: each call captured in a CUDA graph
+        step graphs 150 python3 benchmarks/bench_normalizers.py --device cuda --graphs $results ;;
     *) log "unknown step $s" ;;
     esac
     tar -czf "$OUT/results.tar.gz" -C "$OUT" results  # after every step: a call cut off at its limit keeps the rest
