@@ -100,6 +100,27 @@ def test_learnable_parameters_are_read_in_place_without_a_gradient(taken, per_he
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=2e-6)
 
 
+def test_a_learnable_step_without_a_mask_takes_the_kernel_and_a_numbers_step_does_not(taken):
+    heads = 4
+    module = attnorm.ScalableSoftmax(learnable=True, num_heads=heads, backend="triton").to(DEVICE)
+    with torch.no_grad():
+        module.s.copy_(torch.tensor([0.3, 0.8, 1.2, 2.0]).reshape(heads, 1, 1))
+        module.bias.copy_(torch.tensor([0.1, -0.2, 0.0, 0.4]).reshape(heads, 1, 1))
+    q, k, v = _inputs(heads=heads, kv_heads=2, lk=41, seed=10)
+    everything = torch.ones(1, dtype=torch.bool, device=DEVICE)
+    with torch.no_grad():
+        out = attnorm.attention(q, k, v, module)
+        causal_step = attnorm.attention(q, k, v, module, attn_mask=attnorm.causal_mask(40))  # the last row's keys
+    assert len(taken) == 2
+    expected = _reference(q, k, v, everything, module.s.detach(), module.bias.detach())
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(causal_step, out)
+    numbers = attnorm.ScalableSoftmax(s=0.6, bias=0.1, backend="triton")
+    torch.testing.assert_close(attnorm.attention(q, k, v, numbers).double(),
+                               _reference(q, k, v, everything, 0.6, 0.1), atol=2e-6, rtol=2e-6)
+    assert len(taken) == 2  # a number multiplier is SDPA's scale: nothing to launch before it
+
+
 def test_odd_head_dims_and_strided_queries(taken):
     q, k, v = _inputs(lk=50, dim=80, seed=4)
     q = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, batch and head strides swapped
@@ -158,7 +179,7 @@ def test_the_op_passes_opcheck_is_forward_only_and_compiles():
     q, _, _ = _inputs(seed=9, dtype=torch.float16)
     mask = _left_padded([37, 4, 0], 37)
     s = torch.full((4, 1, 1), 0.8, device=DEVICE)
-    torch.library.opcheck(torch.ops.attnorm.ssmax_queries_fwd, (q, mask, 1.0, s, 0.1, None),
+    torch.library.opcheck(torch.ops.attnorm.ssmax_queries_fwd, (q, mask, 1.0, s, 0.1, None, 37),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     scaled, _ = ssmax_queries(q.clone().requires_grad_(), mask, s, 0.1)
     with pytest.raises(RuntimeError, match="forward only"):

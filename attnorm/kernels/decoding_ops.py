@@ -91,15 +91,16 @@ _register(_NAME, _device_kernel, _fake)
 _LIBRARY.define(f"{_SCORES}(Tensor q, Tensor k, float scale) -> Tensor")
 _register(_SCORES, _scores_kernel, _scores_fake)
 _SSMAX = "ssmax_queries_fwd"
-_LIBRARY.define(f"{_SSMAX}(Tensor q, Tensor mask, float s, Tensor? s_rows, float bias, Tensor? bias_rows) "
+_LIBRARY.define(f"{_SSMAX}(Tensor q, Tensor? mask, float s, Tensor? s_rows, float bias, Tensor? bias_rows, int lk) "
                 "-> (Tensor, Tensor)")
 
 
-def _ssmax_kernel(q, mask, s, s_rows, bias, bias_rows):
+def _ssmax_kernel(q, mask, s, s_rows, bias, bias_rows, lk):
     backends.resolve("triton", q.device)
     from attnorm.kernels.triton.attention_decoding import ssmax_queries_forward
 
-    return ssmax_queries_forward(q, mask, s if s_rows is None else s_rows, bias if bias_rows is None else bias_rows)
+    return ssmax_queries_forward(q, mask, s if s_rows is None else s_rows, bias if bias_rows is None else bias_rows,
+                                 lk)
 
 
 def _ssmax_fake(q, mask, *rest):
@@ -133,11 +134,13 @@ def decoding_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return ops.call(op, q, k, scale)
 
 
-def ssmax_queries(q: Tensor, mask: Tensor, s: float | Tensor, bias: float | Tensor) -> tuple[Tensor, Tensor]:
-    """``(c q, attends)`` for Scalable-Softmax's SDPA call under a bool mask: ``c = s log n + bias`` per query row,
-    ``n`` its allowed keys (:func:`~attnorm.kernels.triton.attention_decoding.ssmax_queries_forward`); forward only."""
+def ssmax_queries(q: Tensor, mask: Tensor | None, s: float | Tensor, bias: float | Tensor, lk: int = -1
+                  ) -> tuple[Tensor, Tensor]:
+    """``(c q, attends)`` for Scalable-Softmax's SDPA call: ``c = s log n + bias`` per query row, ``n`` its allowed
+    keys under a bool ``mask`` (or all ``lk`` keys without one)
+    (:func:`~attnorm.kernels.triton.attention_decoding.ssmax_queries_forward`); forward only."""
     op = torch.ops.attnorm.ssmax_queries_fwd.default
     s_value, s_rows = (1.0, s) if isinstance(s, Tensor) else (float(s), None)
     bias_value, bias_rows = (0.0, bias) if isinstance(bias, Tensor) else (float(bias), None)
-    args = (q, mask, s_value, s_rows, bias_value, bias_rows)
+    args = (q, mask, s_value, s_rows, bias_value, bias_rows, lk)
     return op(*args) if ops.records_grad(q, s_rows, bias_rows) else ops.call(op, *args)

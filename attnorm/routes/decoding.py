@@ -239,25 +239,32 @@ def ssmax_masked(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Te
     kernel, then one SDPA call; None where it does not apply (the SDPA route of :mod:`.sdpa` runs).
 
     It applies to a Scalable-Softmax normalizer whose backend runs Triton on ``q``'s device, a
-    bool tensor mask (no additive one), ``(B, H, L, D)`` inputs, a scale other than 0, and no
-    gradient, compile, ``torch.func`` transform or forward-mode derivative to take.  The
+    bool tensor mask (no additive one) or, for learnable (tensor) ``s``/``bias``, none at all
+    (``bias + s log Lk`` and ``c q`` in the one launch, where they were two), ``(B, H, L, D)``
+    inputs with keys, a scale other than 0, and no gradient, compile, ``torch.func`` transform or
+    forward-mode derivative to take.  The
     weights are those of the SDPA route (the same count, multiplier and rounding of ``c q``
     into q's dtype, up to the last bit of ``log``); rows without an allowed key give zeros.
     """
     if getattr(normalizer, "kernel", None) != "scalable_softmax" or additive is not None or scale == 0:
         return None
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[-2] == 0:
         return None
     params = normalizer.kernel_params()
     s, bias = params["s"], params["bias"]
     tensors = [t for t in (s, bias) if isinstance(t, Tensor)]
+    if mask is None:
+        if not tensors:  # numbers: c is a number, SDPA's scale (the SDPA route has nothing to launch before it)
+            return None
+    elif not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        return None
     if records_grad(q, k, v, *tensors) or watched() or forward_mode() or not _runs_triton(normalizer, q):
         return None
-    if mask.shape[-1] != k.shape[-2]:  # broadcast over the keys: every key of a row allowed, or none
+    if mask is not None and mask.shape[-1] != k.shape[-2]:  # broadcast over the keys: a row's keys all, or none
         mask = mask.expand(*mask.shape[:-1], k.shape[-2])
-    scaled, attends = ssmax_queries(q, mask, s, bias)
+    scaled, attends = ssmax_queries(q, mask, s, bias, k.shape[-2])
     if groups > 1 and not SDPA_HAS_GQA:
         k, v, groups = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), 1
     extra = {"enable_gqa": True} if groups > 1 else {}
     out = real_sdpa(scaled, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
-    return torch.where(attends, out, 0.0)
+    return out if mask is None else torch.where(attends, out, 0.0)  # without a mask every row has its keys

@@ -487,8 +487,8 @@ def decoding_weights_forward(q: Tensor, k: Tensor, scale: float, kernel: str,
 def _ssmax_queries_kernel(
     Q, MASK, S, BIAS, OUT, ATTENDS, sq_b, sq_h, sq_m, sq_d, sm_b, sm_h, sm_m, sm_n, ss_b, ss_h, ss_m,
     sb_b, sb_h, sb_m, heads, lq, lk, head_dim, s_value: tl.float64, bias_value: tl.float64,
-    S_TENSOR: tl.constexpr, BIAS_TENSOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ACC: tl.constexpr,
+    HAS_MASK: tl.constexpr, S_TENSOR: tl.constexpr, BIAS_TENSOR: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):
     """Query row ``(b, h, i)`` (program ``(b H + h) Lq + i``): ``n`` = its allowed keys, ``c = s log max(n, 1) + bias``,
     ``OUT = c q`` rounded to q's dtype, ``ATTENDS = n > 0``.
@@ -500,13 +500,16 @@ def _ssmax_queries_kernel(
     query = (row % lq).to(tl.int64)
     head = ((row // lq) % heads).to(tl.int64)
     batch = (row // (lq * heads)).to(tl.int64)
-    base = MASK + batch * sm_b + head * sm_h + query * sm_m
-    counts = tl.zeros([BLOCK_N], dtype=tl.int32)
-    for start in range(0, lk, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        allowed = tl.load(base + offs_n.to(tl.int64) * sm_n, mask=offs_n < lk, other=0)
-        counts += (allowed != 0).to(tl.int32)
-    n = tl.sum(counts, axis=0)
+    if HAS_MASK:
+        base = MASK + batch * sm_b + head * sm_h + query * sm_m
+        counts = tl.zeros([BLOCK_N], dtype=tl.int32)
+        for start in range(0, lk, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            allowed = tl.load(base + offs_n.to(tl.int64) * sm_n, mask=offs_n < lk, other=0)
+            counts += (allowed != 0).to(tl.int32)
+        n = tl.sum(counts, axis=0)
+    else:
+        n = lk
     if S_TENSOR:
         s = tl.load(S + batch * ss_b + head * ss_h + query * ss_m).to(ACC)
     else:
@@ -540,7 +543,7 @@ def _head_strides(value: float | Tensor, shape: tuple[int, int, int, int], devic
 
 
 @replay.replayable
-def ssmax_queries_forward(q: Tensor, mask: Tensor, s: float | Tensor, bias: float | Tensor
+def ssmax_queries_forward(q: Tensor, mask: Tensor | None, s: float | Tensor, bias: float | Tensor, lk: int = -1
                           ) -> tuple[Tensor, Tensor]:
     """Scalable-Softmax's scaled queries for one SDPA call under a bool mask, in one launch.
 
@@ -560,25 +563,32 @@ def ssmax_queries_forward(q: Tensor, mask: Tensor, s: float | Tensor, bias: floa
     Args:
         q: ``(B, H, Lq, D)``.
         mask: bool ``(..., Lk)``, broadcastable to ``(B, H, Lq, Lk)`` (True = may attend); its last dim is
-            the keys' count (a mask broadcast over the keys is expanded first).
+            the keys' count (a mask broadcast over the keys is expanded first).  None: every one of ``lk``
+            keys allowed (a learnable Scalable-Softmax step without a mask: ``c`` and ``c q`` in one launch
+            where ``bias + s log n`` and the product were two).
+        lk: the keys' count without a mask (read from the mask otherwise).
 
     Returns:
         ``(c q, attends)``: ``(B, H, Lq, D)`` in q's dtype (contiguous) and bool ``(B, H, Lq, 1)``.
     """
     batch, heads, lq, head_dim = q.shape
-    lk = mask.shape[-1]
+    lk = mask.shape[-1] if mask is not None else lk
+    if lk < 0:
+        raise ValueError("lk (the keys' count) is needed without a mask")
     out = launch.empty((batch, heads, lq, head_dim), q.dtype, q.device)
     attends = launch.empty((batch, heads, lq, 1), torch.bool, q.device)
     if attends.numel() == 0:
         return out, attends
     shape = (batch, heads, lq, lk)
-    allowed = mask.expand(shape)
+    allowed = mask.expand(shape) if mask is not None else None
+    mask_strides = allowed.stride() if allowed is not None else (0, 0, 0, 0)
     s_arg, *s_strides, s_value = _head_strides(s, shape, q.device)
     bias_arg, *bias_strides, bias_value = _head_strides(bias, shape, q.device)
     launch.launchable(_ssmax_queries_kernel)[(batch * heads * lq,)](
-        q, allowed, s_arg, bias_arg, out, attends, *q.stride(), *allowed.stride(), *s_strides, *bias_strides,
-        heads, lq, lk, head_dim, s_value, bias_value, S_TENSOR=s_arg is not None, BIAS_TENSOR=bias_arg is not None,
-        BLOCK_N=min(SSMAX_MASK_BLOCK, max(16, launch.next_power_of_2(lk))),
+        q, allowed, s_arg, bias_arg, out, attends, *q.stride(), *mask_strides, *s_strides, *bias_strides,
+        heads, lq, lk, head_dim, s_value, bias_value, HAS_MASK=allowed is not None, S_TENSOR=s_arg is not None,
+        BIAS_TENSOR=bias_arg is not None,
+        BLOCK_N=min(SSMAX_MASK_BLOCK, max(16, launch.next_power_of_2(lk))) if allowed is not None else 16,
         BLOCK_D=max(16, launch.next_power_of_2(head_dim)), ACC=launch.compute_dtype(q), num_warps=4,
     )
     return out, attends
