@@ -38,16 +38,16 @@ def _attnorm_sdpa(
     enable_gqa: bool = False,
 ) -> Tensor:
     """SDPA's signature and conventions, weights from ``normalizer``."""
-    if (not enable_gqa and query.ndim >= 3 and key.ndim >= 3 and query.shape[-3] != key.shape[-3]
-            and key.shape[-3] != 1 and query.shape[-3] != 1):
-        # One head of k and v broadcasts over q's heads, as in SDPA (attention() takes it as one group); so does
-        # one head of q over k's (expanded below). Any other difference needs enable_gqa.
-        raise RuntimeError(
-            f"query has {query.shape[-3]} heads and key {key.shape[-3]}: pass enable_gqa=True for grouped-query "
-            "attention (as scaled_dot_product_attention requires)"
-        )
-    if not enable_gqa and query.ndim >= 3 and key.ndim >= 3 and query.shape[-3] == 1 < key.shape[-3]:
-        query = query.expand(*query.shape[:-3], key.shape[-3], *query.shape[-2:])
+    if not enable_gqa and query.ndim >= 3 and key.ndim >= 3 and query.shape[-3] != key.shape[-3]:
+        # One head broadcasts over the other side's, as in SDPA: q's is expanded, k's and v's taken by
+        # attention() as one group.  Any other difference needs enable_gqa.
+        if query.shape[-3] == 1:
+            query = query.expand(*query.shape[:-3], key.shape[-3], *query.shape[-2:])
+        elif key.shape[-3] != 1:
+            raise RuntimeError(
+                f"query has {query.shape[-3]} heads and key {key.shape[-3]}: pass enable_gqa=True for grouped-query "
+                "attention (as scaled_dot_product_attention requires)"
+            )
     return attention(
         query, key, value, normalizer, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
     )

@@ -53,11 +53,11 @@ def allowed_positions(weights: Tensor, mask: Mask = None) -> Tensor:
         mask = mask.materialize(weights.shape, weights.device)
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor, a StructuredMask or None, got {mask!r}")
-    if mask.ndim > weights.ndim or any(m not in (1, w) for m, w in zip(mask.shape[::-1], weights.shape[::-1],
-                                                                        strict=False)):
+    try:
+        return mask.expand(weights.shape)
+    except RuntimeError:
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the weights' "
-                         f"{tuple(weights.shape)}")
-    return mask.expand(weights.shape)
+                         f"{tuple(weights.shape)}") from None
 
 
 def _masked_distribution(weights: Tensor, mask: Mask) -> tuple[Tensor, Tensor]:

@@ -31,7 +31,7 @@ from attnorm.kernels.rules import NO_MASK, RowMask, accumulation_dtype, check_ke
 from attnorm.masks import StructuredMask
 from attnorm.validation import check_softcap, quiet_shape_checks_while_tracing
 
-__all__ = ["Checked", "Normalizer", "broadcast_param", "fits_bool_mask", "normalize"]
+__all__ = ["Checked", "Normalizer", "broadcast_param", "fits_bool_mask", "incoming_state", "normalize"]
 
 
 def _check_scores(scores: Any) -> None:
@@ -193,6 +193,13 @@ def normalize(
     return out.reshape(()) if squeeze else out
 
 
+def incoming_state(module: nn.Module, state_dict: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The values a state-dict load would copy into ``module``'s own parameters and buffers, by name, on the CPU
+    (what a ``check_state`` method reads before anything is copied)."""
+    names = (*module._parameters, *module._buffers)
+    return {name: state_dict[prefix + name].detach().cpu() for name in names if prefix + name in state_dict}
+
+
 def _row_sink(sink: float | Tensor, x: Tensor, dim: int) -> Tensor:
     """The sink as a column ``(..., 1)`` against ``x`` moved to normalise over ``dim=-1``, in the kernels' precision."""
     dtype = accumulation_dtype(x.dtype)
@@ -277,9 +284,7 @@ class Normalizer(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # Loaded values skip the constructor's checks: they are checked before anything
         # is copied, so a failed load leaves the module as it was.
-        names = (*self._parameters, *self._buffers)
-        incoming = {name: state_dict[prefix + name] for name in names if prefix + name in state_dict}
-        self.check_state({name: value.detach().cpu() for name, value in incoming.items()})
+        self.check_state(incoming_state(self, state_dict, prefix))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         shortcut.forget(self)
 

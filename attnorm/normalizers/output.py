@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from attnorm.masks import StructuredMask
+from attnorm.normalizers.base import incoming_state
 from attnorm.normalizers.registry import register_kind, register_normalizer
 from attnorm.validation import check_finite
 
@@ -45,9 +46,7 @@ class OutputNormalizer(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # As the row normalizers (Normalizer._load_from_state_dict): checked before anything is copied.
-        names = (*self._parameters, *self._buffers)
-        self.check_state({name: state_dict[prefix + name].detach().cpu() for name in names
-                          if prefix + name in state_dict})
+        self.check_state(incoming_state(self, state_dict, prefix))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 

@@ -42,16 +42,14 @@ def allowed_counts(mask: Mask, q: Tensor, lk: int) -> Tensor | None:
     if isinstance(mask, StructuredMask):
         start, stop = interval(mask, q, lk)
         return stop - start
+    rows = max(1, _COUNT_BLOCK_BYTES // (8 * math.prod(mask.shape[:-2]) * mask.shape[-1])) if mask.ndim > 1 else 1
+    if mask.ndim > 1 and mask.shape[-2] > rows:
+        blocks = [mask[..., start : start + rows, :].sum(-1, keepdim=True) for start in range(0, mask.shape[-2], rows)]
+        counts = torch.cat(blocks, dim=-2)
+    else:  # one block (a decoding step's mask): no slice, no cat (two launches less)
+        counts = mask.sum(-1, keepdim=True)
     # A mask broadcast over the keys (last dim 1) allows all lk keys of a row or none.
-    keys = lk if mask.shape[-1] == 1 else 1
-    if mask.ndim < 2:
-        return mask.sum(-1, keepdim=True) * keys
-    rows = max(1, _COUNT_BLOCK_BYTES // (8 * math.prod(mask.shape[:-2]) * mask.shape[-1]))
-    if mask.shape[-2] <= rows:  # one block (a decoding step's mask): no slice, no cat (two launches less)
-        return mask.sum(-1, keepdim=True) * keys if keys != 1 else mask.sum(-1, keepdim=True)
-    blocks = [mask[..., start : start + rows, :].sum(-1, keepdim=True) for start in range(0, mask.shape[-2], rows)]
-    counts = torch.cat(blocks, dim=-2)
-    return counts * keys if keys != 1 else counts
+    return counts * lk if mask.shape[-1] == 1 and lk != 1 else counts
 
 
 def row_attends(mask: Mask, additive: Tensor | None, q: Tensor, lk: int) -> Tensor | None:

@@ -38,7 +38,7 @@ from attnorm.kernels.rules import NO_MASK, RowMask
 from attnorm.normalizers.base import Normalizer, fits_bool_mask
 from attnorm.routes.common import kernel_mask
 from attnorm.routes.fused import _runs_triton
-from attnorm.routes.sdpa import SDPA_HAS_GQA, real_sdpa
+from attnorm.routes.sdpa import real_sdpa
 
 __all__ = [
     "DECODING_ROUTES",
@@ -263,8 +263,5 @@ def ssmax_masked(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Te
     if mask is not None and mask.shape[-1] != k.shape[-2]:  # broadcast over the keys: a row's keys all, or none
         mask = mask.expand(*mask.shape[:-1], k.shape[-2])
     scaled, attends = ssmax_queries(q, mask, s, bias, k.shape[-2])
-    if groups > 1 and not SDPA_HAS_GQA:
-        k, v, groups = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), 1
-    extra = {"enable_gqa": True} if groups > 1 else {}
-    out = real_sdpa(scaled, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
+    out = real_sdpa(scaled, k, v, groups, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     return out if mask is None else torch.where(attends, out, 0.0)  # without a mask every row has its keys

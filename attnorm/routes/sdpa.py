@@ -60,14 +60,20 @@ def internal_call() -> bool:
     return getattr(_INTERNAL, "depth", 0) > 0
 
 
-def real_sdpa(*args, **kwargs) -> Tensor:
-    """``F.scaled_dot_product_attention(*args, **kwargs)``, marked as attnorm's own call while a function mode
-    (such as :class:`attnorm.override_sdpa`) is active."""
+def real_sdpa(q: Tensor, k: Tensor, v: Tensor, groups: int = 1, **kwargs) -> Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, **kwargs)`` with ``groups`` query heads per key/value head
+    (``enable_gqa``, or K and V repeated on a torch without it), marked as attnorm's own call while a
+    function mode (such as :class:`attnorm.override_sdpa`) is active."""
+    if groups > 1:
+        if SDPA_HAS_GQA:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     if not torch._C._is_torch_function_mode_enabled():
-        return F.scaled_dot_product_attention(*args, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
     _INTERNAL.depth = getattr(_INTERNAL, "depth", 0) + 1
     try:
-        return F.scaled_dot_product_attention(*args, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
     finally:
         _INTERNAL.depth -= 1
 
@@ -100,8 +106,6 @@ def logit_multiplier(normalizer: Normalizer, mask, additive: Tensor | None, q: T
 def scaled_sdpa(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, additive: Tensor | None,
                 scale: float, dropout_p: float, groups: int) -> Tensor:
     """``softmax(multiplier * (scale q k^T + additive)) v`` with one ``scaled_dot_product_attention`` call."""
-    if groups > 1 and not SDPA_HAS_GQA:
-        k, v, groups = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), 1
     lq, lk = q.shape[-2], k.shape[-2]
     attends = row_attends(mask, additive, q, lk)
     recompute = None
@@ -126,13 +130,10 @@ def scaled_sdpa(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, a
         # c (scale q k^T + additive): the additive mask is scaled too, its -inf entries kept.
         scaled = additive * multiplier if isinstance(multiplier, Tensor) or multiplier != 1 else additive
         sdpa_mask = torch.where(torch.isneginf(additive), -math.inf, scaled).to(q.dtype)
-    extra = {"enable_gqa": True} if groups > 1 else {}
     # SDPA's fused kernels have no forward-mode derivative; its math backend does.
     with contextlib.nullcontext() if recompute is None else recompute.hooks(), \
             sdpa_kernel(SDPBackend.MATH) if forward_mode() else contextlib.nullcontext():
-        out = real_sdpa(
-            q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
-        )
+        out = real_sdpa(q, k, v, groups, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
     if recompute is not None:
         recompute.scaled = None  # the graph holds the hooks' state: it must not keep c q alive
     return out if attends is None else torch.where(attends, out, 0.0)
