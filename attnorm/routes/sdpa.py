@@ -40,9 +40,9 @@ from attnorm.masks import StructuredMask
 from attnorm.normalizers import Normalizer
 from attnorm.routes.common import allowed_counts, interval, row_attends
 
-__all__ = ["SDPA_HAS_GQA", "internal_call", "logit_multiplier", "real_sdpa", "scaled_sdpa", "sdpa_mask_kind"]
+__all__ = ["internal_call", "logit_multiplier", "real_sdpa", "scaled_sdpa", "sdpa_mask_kind"]
 
-SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
 Multiplier = float | Tensor
 
@@ -65,7 +65,7 @@ def real_sdpa(q: Tensor, k: Tensor, v: Tensor, groups: int = 1, **kwargs) -> Ten
     (``enable_gqa``, or K and V repeated on a torch without it), marked as attnorm's own call while a
     function mode (such as :class:`attnorm.override_sdpa`) is active."""
     if groups > 1:
-        if SDPA_HAS_GQA:
+        if _SDPA_HAS_GQA:
             kwargs["enable_gqa"] = True
         else:
             k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
