@@ -315,7 +315,17 @@ def attention_normalizers() -> dict:
         "SA normalized": (lambda: attnorm.SelfAdjustedSoftmax(**triton), "causal"),
         "top-k 5": (lambda: attnorm.TopKSoftmax(5, temperature=0.7, **triton), "causal"),
         "top-k 0.3": (lambda: attnorm.TopKSoftmax(0.3, **triton), "causal"),
+        "top-k radix": (lambda: _radix_topk(**triton), "causal"),  # the last family: it switches the buffers off
     }
+
+
+def _radix_topk(**options):
+    """Top-k 5 through the radix select: the candidate buffers are switched off for the rest of the recording."""
+    import attnorm
+    from attnorm.kernels.triton import attention_topk
+
+    attention_topk.CANDIDATE_KEEP = 0
+    return attnorm.TopKSoftmax(5, temperature=0.7, **options)
 
 
 def attention_mask(kind: str, lq: int, lk: int, dtype) -> dict:

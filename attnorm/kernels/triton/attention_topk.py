@@ -9,7 +9,33 @@ No ``(Lq, Lk)`` matrix is stored: score tiles are recomputed by
 :func:`.attention_blocks.score_tile` on the same aligned ``(BLOCK_M, BLOCK_N)`` tiles in
 every kernel, so every pass sees bit-identical scores.
 
-**Selection: a radix select on the scores' bits, per query block.**  Each score maps to
+**Selection for k up to** :data:`CANDIDATE_KEEP` **(64): candidate buffers, one pass over K.**
+Each row keeps a buffer in global memory, :data:`CANDIDATE_ROOM` tiles past ``kp`` slots
+(``kp``: the power of two at or above the most keys a row may keep, ``K``; 256 slots of 4
+bytes for k = 64 and 64-key blocks), that always holds a multiset of the row's scores
+containing its ``K`` largest: a score joins it when it is at least the ``K``-th largest
+held so far (:func:`_append`: one comparison a score; slots from a prefix sum along the
+row, only in tiles where some row has a candidate), and a buffer past ``CAP - BLOCK_N``
+is shrunk to its ``K`` largest (:func:`_reselect`: a running top ``KP`` merged with
+``KP`` slots at a time by Triton's bitonic ``tl.topk``, ``KP`` the larger of that power of
+two and :data:`CANDIDATE_CHUNK`, then compacted in place; ties at the ``K``-th score are
+interchangeable; the largest score ever dropped is kept per row).  Past its first ``CAP - BLOCK_N`` scores a
+row appends about ``K ln(n / m)`` of its scores ``m..n`` in a random order: a float32
+model (64-row blocks, q, k ~ N(0, 1), head dim 64, scale 1 / 8, ``/tmp``-style, not in
+the repository) appends 468 scores a row and shrinks 3 times a block at Lk = 2048, 683
+and 5 at 16384 (k = 64); every tile still holds some row's candidate, so the prefix
+sum runs in each.  The same pass counts allowed and NaN keys; at its end the row's exact ``keep``
+gives the threshold, the ``keep``-th largest held score (:func:`_candidate_threshold`):
+the scores above it are all held (fewer than ``keep``), and its ties are cut by key
+order when the buffer holds more than ``keep - above`` of them or one was dropped, which
+the output pass resolves as below.  Per score: the radix passes' ~30 integer operations
+times ~6 passes become one comparison plus the allowed and NaN counts; bytes per row:
+``4 CAP`` written and read back per shrink (L2-resident: a block's buffers are 64 KiB),
+``4 CAP`` per row allocated per launch, at most :data:`CANDIDATE_BYTES` (a larger
+forward runs in launches of whole (batch, head) pairs).  Float64 scores and larger k
+take the radix select.
+
+**Selection otherwise: a radix select on the scores' bits, per query block.**  Each score maps to
 an unsigned integer ordered like it (its signed magnitude plus the bits of +inf, so
 masked keys, at -inf, are 0, both zeros are equal and NaN is largest: :func:`_sortable`).  The k-th largest key ``t``
 is built :data:`RADIX_BITS` bits at a time, most significant first: a pass over the
@@ -32,8 +58,8 @@ A float32 model of the selection (64-row blocks, q, k ~ N(0, 1), head dim 64, sc
 1 / 8) stops after 6.0 passes at Lk = 2048 (k = 64 or 6 %), 6.25 (k = 64) and 6.75
 (k = 6 %) at Lk = 16384, instead of 8.
 
-**Forward passes over K and V per query block:** at most ``32 / RADIX_BITS`` over K
-(scores only) plus one over K and V (online softmax over the kept keys, the product
+**Forward passes over K and V per query block:** one over K with candidate buffers, else
+at most ``32 / RADIX_BITS`` over K (scores only); then one over K and V (online softmax over the kept keys, the product
 with V skipped in key blocks where no row keeps a key).  **Backward** (FlashAttention-2 style,
 no atomics): ``delta = rowsum(dO * out)`` (a pre-pass over out, no K/V); the kept set
 is rebuilt from the stats (``x >= t``; or ``x > t``, or ``x = t`` at a key index
@@ -75,7 +101,7 @@ the backward's dq kernel writes each row's sink score gradient ``-p_sink delta /
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -270,6 +296,151 @@ def _cut(prefix, at, keep, KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.c
     return (at == keep) & (value > float("-inf"))
 
 
+@triton.jit
+def _append(x, bound, count, buffer_rows, live):
+    """Append a tile's scores ``>= bound`` to their rows' candidate buffers (in tile order); the new counts.
+
+    A tile where no row has a candidate costs the comparison and one reduction; elsewhere
+    the slots come from a running count and a prefix sum along the row.
+    """
+    fresh = (x >= bound[:, None]) & live[:, None]
+    if tl.max(tl.max(fresh.to(tl.int32), 1), 0) > 0:
+        slots = count[:, None] + tl.cumsum(fresh.to(tl.int32), 1) - 1
+        tl.store(buffer_rows[:, None] + slots, x, mask=fresh)
+        count += tl.sum(fresh.to(tl.int32), 1)
+    return count
+
+
+@triton.jit
+def _chunk(buffer_rows, count, live, start, KP: tl.constexpr):
+    """Slots ``[start, start + KP)`` of a block's candidate buffers: their scores (-inf past a row's count), held."""
+    slots = start + tl.arange(0, KP)
+    held = (slots[None, :] < count[:, None]) & live[:, None]
+    return tl.load(buffer_rows[:, None] + slots[None, :], mask=held, other=float("-inf")), held
+
+
+@triton.jit
+def _nth_largest(buffer_rows, count, live, n, BLOCK_M: tl.constexpr, CAP: tl.constexpr, KP: tl.constexpr):
+    """Per row the ``n``-th largest held score (``1 <= n <= KP``; -inf where ``n`` is 0 or past the count).
+
+    A running top ``KP`` merged with the buffer ``KP`` slots at a time (Triton's bitonic
+    ``tl.topk`` on ``(BLOCK_M, 2 KP)``): a loop, not one network over all ``CAP`` slots.
+    """
+    tl.debug_barrier()  # every thread's appends are visible
+    best, _ = _chunk(buffer_rows, count, live, 0, KP)
+    for start in range(KP, CAP, KP):
+        values, _ = _chunk(buffer_rows, count, live, start, KP)
+        best = tl.topk(tl.reshape(tl.join(best, values), (BLOCK_M, 2 * KP)), KP)
+    best = tl.topk(best, KP)  # sorted, also when CAP == KP
+    rank = tl.arange(0, KP)
+    return tl.max(tl.where(rank[None, :] == n[:, None] - 1, best, float("-inf")), 1)
+
+
+@triton.jit
+def _reselect(buffer_rows, count, keep_bound, dropped, live, BLOCK_M: tl.constexpr, CAP: tl.constexpr,
+              KP: tl.constexpr, ACC: tl.constexpr):
+    """Shrink each row's candidates to its ``keep_bound`` largest; the new counts, append bounds and drop maxima.
+
+    The buffer holds a multiset of the row's scores that contains its ``keep_bound``
+    largest; keeping only those (of the scores tied at the ``keep_bound``-th, as many as
+    fit: equal values are interchangeable) keeps that true.  ``dropped`` records the
+    largest score ever dropped: the final selection tells from it whether some score tied
+    at the k-th is not in the buffer.  The new bound is the ``keep_bound``-th score
+    (-largest while a row holds fewer: every allowed score is a candidate).  Compacted in
+    place ``KP`` slots at a time (a kept score moves to a slot at or before its own).
+    """
+    bound = _nth_largest(buffer_rows, count, live, count * 0 + keep_bound, BLOCK_M, CAP, KP)
+    room = count * 0 + keep_bound
+    for start in range(0, CAP, KP):
+        values, _ = _chunk(buffer_rows, count, live, start, KP)
+        room -= tl.sum((values > bound[:, None]).to(tl.int32), 1)
+    kept_count = count * 0
+    for start in range(0, CAP, KP):
+        values, held = _chunk(buffer_rows, count, live, start, KP)
+        ties = held & (values == bound[:, None])
+        ranks = tl.cumsum(ties.to(tl.int32), 1)
+        kept = held & ((values > bound[:, None]) | (ties & (ranks <= room[:, None])))
+        room -= tl.sum(ties.to(tl.int32), 1)
+        dropped = tl.maximum(dropped, tl.max(tl.where(held & ~kept, values, float("-inf")), 1))
+        slots = kept_count[:, None] + tl.cumsum(kept.to(tl.int32), 1) - 1
+        tl.debug_barrier()  # every thread has read this chunk before any of its slots is rewritten
+        tl.store(buffer_rows[:, None] + slots, values, mask=kept)
+        kept_count += tl.sum(kept.to(tl.int32), 1)
+    bound = tl.where(bound > float("-inf"), bound, -_largest(ACC))
+    return kept_count, bound, dropped
+
+
+@triton.jit
+def _candidate_pass(
+    q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, span, lk, scale, softcap, batch,
+    head, masking, buffer_rows, live, keep_bound,
+    HAS_DENSE: tl.constexpr, HAS_ADDITIVE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, ACC: tl.constexpr, CAP: tl.constexpr, KP: tl.constexpr,
+):
+    """One pass over K: each row's candidates (a multiset holding its ``keep_bound`` largest scores) and key counts.
+
+    Returns ``(count, bound, dropped, allowed_count, nan_count)``: the scores a row's buffer
+    holds, the bound a score must reach to join it, the largest score dropped from it, its
+    allowed keys (NaN included) and NaN keys.  A
+    score joins the buffer when it is at least the ``keep_bound``-th largest held so far;
+    a buffer past ``CAP - BLOCK_N`` is shrunk (:func:`_reselect`) before the next tile.
+    """
+    count = tl.zeros(live.shape, tl.int32)
+    dropped = tl.full(live.shape, float("-inf"), ACC)
+    bound = tl.full(live.shape, -_largest(ACC), ACC)
+    allowed_count = tl.zeros(live.shape, tl.int32)
+    nan_count = tl.zeros(live.shape, tl.int32)
+    first, inner_lo, inner_hi, masked = span
+    for i in range(0, masked):
+        offs_n = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N) + tl.arange(0, BLOCK_N)
+        x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                       softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
+        allowed_count += tl.sum((x != float("-inf")).to(tl.int32), 1)
+        nan_count += tl.sum((x != x).to(tl.int32), 1)
+        count = _append(x, bound, count, buffer_rows, live)
+        if tl.max(count, 0) > CAP - BLOCK_N:
+            count, bound, dropped = _reselect(buffer_rows, count, keep_bound, dropped, live, BLOCK_M, CAP, KP, ACC)
+    for start in range(inner_lo, inner_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
+                       softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC, False)
+        allowed_count += tl.sum((x != float("-inf")).to(tl.int32), 1)
+        nan_count += tl.sum((x != x).to(tl.int32), 1)
+        count = _append(x, bound, count, buffer_rows, live)
+        if tl.max(count, 0) > CAP - BLOCK_N:
+            count, bound, dropped = _reselect(buffer_rows, count, keep_bound, dropped, live, BLOCK_M, CAP, KP, ACC)
+    return count, bound, dropped, allowed_count, nan_count
+
+
+@triton.jit
+def _candidate_threshold(buffer_rows, count, keep, dropped, live, BLOCK_M: tl.constexpr, CAP: tl.constexpr,
+                         KP: tl.constexpr):
+    """Per row ``(keep, posinf_row, threshold, above, tie_cut)`` from its candidates.
+
+    A row holding +inf keeps at most its +inf scores (all in the buffer, or at least
+    ``keep`` of them).  ``threshold`` is the ``keep``-th largest score; ``above`` counts the
+    scores above it (all in the buffer: fewer than ``keep``); ``tie_cut`` is whether some
+    score tied at it is left out (more ties than the ``keep - above`` slots, in the buffer
+    or dropped from it).
+    """
+    tl.debug_barrier()  # every thread's appends are visible
+    posinf_count = count * 0
+    for start in range(0, CAP, KP):
+        values, _ = _chunk(buffer_rows, count, live, start, KP)
+        posinf_count += tl.sum((values == float("inf")).to(tl.int32), 1)
+    posinf_row = posinf_count > 0
+    keep = tl.where(posinf_row, tl.minimum(keep, posinf_count), keep)
+    threshold = _nth_largest(buffer_rows, count, live, keep, BLOCK_M, CAP, KP)
+    above = count * 0
+    ties = count * 0
+    for start in range(0, CAP, KP):
+        values, held = _chunk(buffer_rows, count, live, start, KP)
+        above += tl.sum((values > threshold[:, None]).to(tl.int32), 1)
+        ties += tl.sum((held & (values == threshold[:, None])).to(tl.int32), 1)
+    tie_cut = (ties > keep - above) | (dropped == threshold)
+    return keep, posinf_row, threshold, above, tie_cut
+
+
 _LOG2E = tl.constexpr(1.4426950408889634)
 _NO_TIE_CUT = tl.constexpr(2**31 - 1)
 """A row's ``tie_until`` when every key tied at its threshold is kept (a key index beyond any)."""
@@ -346,7 +517,7 @@ def _softmax_tile(kept, x, offs_n, running, slope, v_base, offs_dv, lk, value_di
 
 @triton.jit
 def _topk_forward_kernel(
-    Q, K, V, OUT, OUT_FLOAT, STATS_PTR, K_PARAM,
+    Q, K, V, OUT, OUT_FLOAT, STATS_PTR, K_PARAM, BUFFER, keep_bound, first_bh,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     heads, group, lq, lk, head_dim, value_dim, scale: tl.float64, inv_temperature: tl.float64,
     key_start, key_stop, range_stride,
@@ -356,14 +527,15 @@ def _topk_forward_kernel(
     SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, IS_FRACTION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
     KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.constexpr, RADIX: tl.constexpr, FLOAT_OUT: tl.constexpr,
+    CANDIDATES: tl.constexpr, CAP: tl.constexpr, KP: tl.constexpr,
 ):
-    """One query block: radix select of each row's k-th score, then a flash pass over the kept keys.
+    """One query block: each row's k-th score (candidate buffers or radix select), then a flash pass over kept keys.
 
     ``FLOAT_OUT``: the output is also stored unrounded, in the accumulation dtype, to ``OUT_FLOAT``.
     """
     scale = as_acc(scale, ACC)
     inv_temperature = as_acc(inv_temperature, ACC)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + first_bh  # a launch may take some of the (batch, head) pairs: see CANDIDATE_BYTES
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
@@ -379,45 +551,71 @@ def _topk_forward_kernel(
     sink_key = _sortable(sink_score, KEY, UKEY, KEY_BITS)
     sinks_here = sink_allowed.to(tl.int32)
 
-    # Selection, most significant digit first; the first pass also counts the allowed keys.
-    prefix = tl.zeros((BLOCK_M,), UKEY)
-    above = tl.zeros((BLOCK_M,), tl.int32)
-    shift = tl.full((), KEY_BITS - RADIX, tl.int32)
-    counts, allowed_count, posinf_count, nan_count = _candidate_counts(
-        q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, span, lk, scale, softcap, batch,
-        head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, True, BLOCK_M, BLOCK_N,
-        ACC, KEY, UKEY, KEY_BITS, RADIX,
-    )
-    # A fraction is of the real allowed keys; the sink may take one of the slots.
-    if IS_FRACTION:
-        keep = tl.maximum(_keep_count(allowed_count, tl.load(K_PARAM), IS_FRACTION), sinks_here)
-    else:
-        keep = _keep_count(allowed_count + sinks_here, tl.load(K_PARAM), IS_FRACTION)
-    posinf_count += (sink_score == float("inf")).to(tl.int32)
-    nan_count += (sink_score != sink_score).to(tl.int32)
-    posinf_row = posinf_count > 0
-    keep = tl.where(posinf_row, tl.minimum(keep, posinf_count), keep)
-    prefix, above, at = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
-    every = keep >= allowed_count + sinks_here
-    # The block stops once each row keeps every key or has a candidate with exactly k keys at or above it.
-    cut = _cut(prefix, at, keep, KEY, UKEY, KEY_BITS, ACC)
-    level = 1
-    while (level < KEY_BITS // RADIX) & (tl.min((every | cut).to(tl.int32), 0) == 0):
-        shift = KEY_BITS - RADIX * (level + 1)
-        counts, _, _, _ = _candidate_counts(
+    if CANDIDATES:
+        # One pass: candidate buffers holding each row's keep_bound largest scores, then the k-th among them.
+        live = offs_m < lq
+        buffer_rows = BUFFER + (tl.program_id(1) * lq + offs_m).to(tl.int64) * CAP
+        count, bound, dropped, allowed_count, nan_count = _candidate_pass(
             q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, span, lk, scale, softcap,
-            batch, head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, False,
-            BLOCK_M, BLOCK_N, ACC, KEY, UKEY, KEY_BITS, RADIX,
+            batch, head, masking, buffer_rows, live, keep_bound, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, BLOCK_M, BLOCK_N,
+            ACC, CAP, KP,
         )
+        if HAS_SINK:  # the sink, after every key: one more candidate (the buffer has room for a tile)
+            sink_fresh = (sink_score >= bound) & live
+            tl.store(buffer_rows + count, sink_score, mask=sink_fresh)
+            count += sink_fresh.to(tl.int32)
+        if IS_FRACTION:
+            keep = tl.maximum(_keep_count(allowed_count, tl.load(K_PARAM), IS_FRACTION), sinks_here)
+        else:
+            keep = _keep_count(allowed_count + sinks_here, tl.load(K_PARAM), IS_FRACTION)
+        nan_count += (sink_score != sink_score).to(tl.int32)
+        keep, posinf_row, threshold, above, ties_cut = _candidate_threshold(buffer_rows, count, keep, dropped, live,
+                                                                             BLOCK_M, CAP, KP)
+        every = keep >= allowed_count + sinks_here
+        cut = ~ties_cut  # every tie at the threshold kept
+        at = keep + ties_cut.to(tl.int32)  # more than keep at or above the threshold: ties cut by key order
+        threshold = tl.where(every, float("-inf"), threshold)
+        tie_slots = tl.where(every | cut, 1 << 30, keep - above)
+    else:
+        # Selection, most significant digit first; the first pass also counts the allowed keys.
+        prefix = tl.zeros((BLOCK_M,), UKEY)
+        above = tl.zeros((BLOCK_M,), tl.int32)
+        shift = tl.full((), KEY_BITS - RADIX, tl.int32)
+        counts, allowed_count, posinf_count, nan_count = _candidate_counts(
+            q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, span, lk, scale, softcap, batch,
+            head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, True, BLOCK_M, BLOCK_N,
+            ACC, KEY, UKEY, KEY_BITS, RADIX,
+        )
+        # A fraction is of the real allowed keys; the sink may take one of the slots.
+        if IS_FRACTION:
+            keep = tl.maximum(_keep_count(allowed_count, tl.load(K_PARAM), IS_FRACTION), sinks_here)
+        else:
+            keep = _keep_count(allowed_count + sinks_here, tl.load(K_PARAM), IS_FRACTION)
+        posinf_count += (sink_score == float("inf")).to(tl.int32)
+        nan_count += (sink_score != sink_score).to(tl.int32)
+        posinf_row = posinf_count > 0
+        keep = tl.where(posinf_row, tl.minimum(keep, posinf_count), keep)
         prefix, above, at = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
+        every = keep >= allowed_count + sinks_here
+        # The block stops once each row keeps every key or has a candidate with exactly k keys at or above it.
         cut = _cut(prefix, at, keep, KEY, UKEY, KEY_BITS, ACC)
-        level += 1
-    # Rows keeping every allowed key: threshold below all of them (key 0), no ties.  Cut rows keep every tie
-    # at their candidate; after the last digit the ties kept are the k - (keys above the k-th) first ones.
-    threshold_key = tl.where(every, tl.zeros_like(prefix), prefix)
-    tie_slots = tl.where(every | cut, 1 << 30, keep - above)
-    # The threshold as a score (-inf: every allowed key kept); the output pass compares floats (see _kept).
-    threshold = tl.where(every, float("-inf"), _sortable_value(threshold_key, ACC, KEY, UKEY, KEY_BITS))
+        level = 1
+        while (level < KEY_BITS // RADIX) & (tl.min((every | cut).to(tl.int32), 0) == 0):
+            shift = KEY_BITS - RADIX * (level + 1)
+            counts, _, _, _ = _candidate_counts(
+                q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, span, lk, scale, softcap,
+                batch, head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, False,
+                BLOCK_M, BLOCK_N, ACC, KEY, UKEY, KEY_BITS, RADIX,
+            )
+            prefix, above, at = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
+            cut = _cut(prefix, at, keep, KEY, UKEY, KEY_BITS, ACC)
+            level += 1
+        # Rows keeping every allowed key: threshold below all of them (key 0), no ties.  Cut rows keep every tie
+        # at their candidate; after the last digit the ties kept are the k - (keys above the k-th) first ones.
+        threshold_key = tl.where(every, tl.zeros_like(prefix), prefix)
+        tie_slots = tl.where(every | cut, 1 << 30, keep - above)
+        # The threshold as a score (-inf: every allowed key kept); the output pass compares floats (see _kept).
+        threshold = tl.where(every, float("-inf"), _sortable_value(threshold_key, ACC, KEY, UKEY, KEY_BITS))
 
     state = tl.where(nan_count > 0, 0, tl.where(keep > 0, tl.where(posinf_row, 2, 1), 0))
     kept_from, slope = _row_terms(state, every, threshold, inv_temperature, ACC)
@@ -701,6 +899,42 @@ def _arguments(shape: Problem, q: Tensor, k: Tensor, v: Tensor, mask: AttentionM
     return strides, sizes, constants
 
 
+CANDIDATE_KEEP = 64
+"""The largest number of kept keys (an integer ``k``, or ``ceil(k Lk)`` for a fraction) selected by candidate buffers.
+
+Above it, or for float64 scores, the forward takes the radix select (module docstring)."""
+
+CANDIDATE_ROOM = 2
+"""Tiles of scores a row's candidate buffer takes past its kept keys before it is shrunk (tests: 1, shrunk often)."""
+
+CANDIDATE_BYTES = 64 << 20
+"""Candidate buffer bytes per launch: a forward whose rows need more runs in launches of whole (batch, head) pairs."""
+
+
+CANDIDATE_CHUNK = 32
+"""Fewest buffer slots a shrink reads at a time (``KP``: at least the power of two at or above the kept keys)."""
+
+
+class _Candidates(NamedTuple):
+    """The candidate selection's sizes: kept keys at most, buffer slots read at a time, buffer slots per row."""
+
+    keep_bound: int
+    kp: int
+    cap: int
+
+
+def _candidates(shape: Problem, q: Tensor, k_keep: float, is_fraction: bool) -> _Candidates | None:
+    """The candidate selection's sizes for this call, or None where the radix select runs."""
+    if q.dtype == torch.float64:
+        return None
+    bound = math.ceil(k_keep * shape.lk) if is_fraction else int(k_keep)
+    bound = max(1, min(bound, shape.lk + 1))
+    if bound > CANDIDATE_KEEP:
+        return None
+    cap = launch.next_power_of_2(launch.next_power_of_2(bound) + CANDIDATE_ROOM * shape.block)
+    return _Candidates(bound, min(cap, max(launch.next_power_of_2(bound), CANDIDATE_CHUNK)), cap)
+
+
 def _key_constants(q: Tensor) -> dict[str, Any]:
     """The forward's sortable-key types (the backward compares scores as floats: :func:`_kept`)."""
     wide = q.dtype == torch.float64
@@ -751,13 +985,26 @@ def topk_attention_forward(
     if stats.numel() == 0:
         return out, stats, out_float
     k_param = launch.constant(float(k_keep), torch.float64, q.device)  # kept: no fill kernel per call
+    plan = _candidates(shape, q, k_keep, is_fraction)
     q, k, v = dot_operands(q, k, v)
     strides, sizes, constants = _arguments(shape, q, k, v, mask, scale, temperature, softcap, sinks)
-    launch.launchable(_topk_forward_kernel)[shape.query_grid](
-        q, k, v, out, out if out_float is None else out_float, stats, k_param, *strides, *sizes,
-        IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, FLOAT_OUT=out_float is not None, **constants,
-        **_key_constants(q), **launch_options(shape, q),
-    )
+    constants.update(IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, FLOAT_OUT=out_float is not None,
+                     **_key_constants(q), **launch_options(shape, q))
+    blocks, pairs = shape.query_grid
+    if plan is None:
+        launch.launchable(_topk_forward_kernel)[blocks, pairs](
+            q, k, v, out, out if out_float is None else out_float, stats, k_param, stats, 0, 0, *strides, *sizes,
+            CANDIDATES=False, CAP=1, KP=1, **constants,
+        )
+        return out, stats, out_float
+    # Candidate buffers for as many (batch, head) pairs as CANDIDATE_BYTES holds, reused launch after launch.
+    per_launch = max(1, min(pairs, CANDIDATE_BYTES // (4 * plan.cap * shape.lq)))
+    buffer = launch.empty((per_launch * shape.lq * plan.cap,), torch.float32, q.device)  # scratch
+    for first in range(0, pairs, per_launch):
+        launch.launchable(_topk_forward_kernel)[blocks, min(per_launch, pairs - first)](
+            q, k, v, out, out if out_float is None else out_float, stats, k_param, buffer, plan.keep_bound, first,
+            *strides, *sizes, CANDIDATES=True, CAP=plan.cap, KP=plan.kp, **constants,
+        )
     return out, stats, out_float
 
 
