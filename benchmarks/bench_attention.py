@@ -19,7 +19,10 @@ forward+backward — with ``q, k, v`` of shape ``(batch, heads, L, head_dim)``:
   logit scalings (softmax with temperature: ``score / T``; Scalable-Softmax:
   ``score * (s_h log n_i + b_h)`` with ``n_i`` the keys row ``i`` may attend) and a causal
   block mask.  On CUDA by default; on the CPU it has no backward and compiles for ~30 s
-  per shape, so ask for it with ``--providers``.
+  per shape, so ask for it with ``--providers``;
+* ``radix``: attnorm's fused top-k with the forward's radix select forced
+  (``attention_topk.CANDIDATE_KEEP = 0``) where it takes candidate buffers: the two
+  selections side by side, on CUDA.
 
 Each provider is isolated: an exception (an out-of-memory error included) while
 building or running it becomes an ``error`` row and the run goes on; memory is freed
@@ -98,7 +101,7 @@ SPECS = (
     "topk:k=0.06", "sa_softmax", "sa_softmax:normalized=false",
 )
 BASELINE = ("softmax", "sdpa")
-PROVIDERS = ("sdpa", "attnorm", "materialised", "adasplash", "flex")
+PROVIDERS = ("sdpa", "attnorm", "materialised", "adasplash", "flex", "radix")
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,26 @@ def providers(specs: Sequence[str], wanted: Sequence[str], device: str, shape: t
             found.append(Provider(spec, "adasplash", functools.partial(adasplash_attend, alpha)))
         if "flex" in wanted and is_scaling(spec) and spec != "softmax":
             found.append(Provider(spec, "flex", functools.partial(flex_attend, spec, device)))
+        if "radix" in wanted and spec.startswith("topk") and device == "cuda":
+            found.append(Provider(spec, "radix", functools.partial(radix_attend, spec, device)))
     return found
+
+
+def radix_attend(spec: str, device: str, causal: bool, length: int):
+    """attnorm's fused top-k with its forward's radix select, where it would take candidate buffers (k <= 64)."""
+    from attnorm.kernels.triton import attention_topk
+
+    attend, parameters = attnorm_attend(spec, device, False, causal, length)
+
+    def call(q, k, v):
+        kept = attention_topk.CANDIDATE_KEEP
+        attention_topk.CANDIDATE_KEEP = 0
+        try:
+            return attend(q, k, v)
+        finally:
+            attention_topk.CANDIDATE_KEEP = kept
+
+    return call, parameters
 
 
 def attnorm_attend(spec: str, device: str, return_weights: bool, causal: bool, length: int):
