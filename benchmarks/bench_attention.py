@@ -175,18 +175,25 @@ def providers(specs: Sequence[str], wanted: Sequence[str], device: str, shape: t
 
 
 def radix_attend(spec: str, device: str, causal: bool, length: int):
-    """attnorm's fused top-k with its forward's radix select, where it would take candidate buffers (k <= 64)."""
-    from attnorm.kernels.triton import attention_topk
+    """attnorm's fused top-k with its forward's radix select, where it would take candidate buffers (k <= 64).
+
+    The switch is a module constant, which replayed calls do not read: the replay plans are
+    forgotten as it flips (so these calls run as written, ~0.1 ms of host time against
+    forwards of milliseconds).
+    """
+    from attnorm.kernels.triton import attention_topk, replay
 
     attend, parameters = attnorm_attend(spec, device, False, causal, length)
 
     def call(q, k, v):
         kept = attention_topk.CANDIDATE_KEEP
         attention_topk.CANDIDATE_KEEP = 0
+        replay.clear()
         try:
             return attend(q, k, v)
         finally:
             attention_topk.CANDIDATE_KEEP = kept
+            replay.clear()
 
     return call, parameters
 

@@ -10,6 +10,7 @@
 #   STEPS="replay overhead" bash scripts/gpu_check.sh             # the direct launch + replay against Triton's
 #   STEPS="decoding growing" bash scripts/gpu_check.sh            # decoding: a fixed KV length, then a growing one
 #   STEPS="padded" bash scripts/gpu_check.sh                      # decoding a left-padded batch (a bool mask)
+#   STEPS="topk" bash scripts/gpu_check.sh                        # top-k: candidate buffers against the radix select
 #   STEPS="normalizers graphs" bash scripts/gpu_check.sh          # row kernels vs torch.softmax: eager, then CUDA graphs
 #   STEPS=tests TEST_K="one_call or sinks" TEST_M="slow or not slow" bash scripts/gpu_check.sh  # -k / -m selections
 #
@@ -66,6 +67,10 @@ tests/kernels/test_fast_launch.py && ATTNORM_FAST_LAUNCH=0 python3 benchmarks/be
             --lengths ${ATTENTION_LENGTHS:-2048 16384} --providers ${ATTENTION_PROVIDERS:-sdpa attnorm adasplash} \
             --specs ssmax sparsemax entmax:alpha=1.5 topk:k=64 topk:k=0.06 sa_softmax sa_softmax:normalized=false \
             $results ;;
+    topk)  # top-k attention's two forward selections side by side: candidate buffers (k <= 64) and the radix select
+        step topk "${TOPK_SECONDS:-120}" python3 benchmarks/bench_attention.py --causal yes --modes forward forward+backward \
+            --lengths ${ATTENTION_LENGTHS:-2048 16384} --providers sdpa attnorm radix --specs topk:k=64 topk:k=8 \
+            --out "$OUT/results/topk" ;;
     decoding)
         step decoding 90 python3 benchmarks/bench_decoding.py --lengths ${DECODING_LENGTHS:-4096 65536} --copies $results ;;
     growing)  # decoding against a KV cache one key longer every call (generation: no shape repeats, no replay)

@@ -29,15 +29,25 @@ from tests.kernels.test_attention_topk import SCALE, check
 pytest.importorskip("triton")
 
 from attnorm.kernels.triton import attention_topk as fused  # noqa: E402
+from attnorm.kernels.triton import replay  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def switched(monkeypatch, name, value):
+    """Set a launcher constant; replay plans recorded under the old value (``ATTNORM_TEST_REPLAY``) go."""
+    monkeypatch.setattr(fused, name, value)
+    replay.clear()
 
 
 @pytest.fixture(autouse=True)
 def shrunk_every_tile(monkeypatch):
     """Buffers shrunk after every tile, read in chunks of the kept keys' power of two (several per buffer)."""
-    monkeypatch.setattr(fused, "CANDIDATE_ROOM", 1)
-    monkeypatch.setattr(fused, "CANDIDATE_CHUNK", 1)
+    switched(monkeypatch, "CANDIDATE_ROOM", 1)
+    switched(monkeypatch, "CANDIDATE_CHUNK", 1)
+    yield
+    monkeypatch.undo()
+    replay.clear()
 
 
 def both_selections(monkeypatch, q, k, v, mask, k_keep, is_fraction=False, temperature=1.0, sinks=None):
@@ -53,7 +63,7 @@ def both_selections(monkeypatch, q, k, v, mask, k_keep, is_fraction=False, tempe
     grad_out = torch.randn(*q.shape[:3], v.shape[-1], generator=torch.Generator().manual_seed(5)).to(q)
     results = []
     for keep in (fused.CANDIDATE_KEEP, 0):
-        monkeypatch.setattr(fused, "CANDIDATE_KEEP", keep)
+        switched(monkeypatch, "CANDIDATE_KEEP", keep)
         out, stats, _ = fused.topk_attention_forward(*args, sinks=sinks)
         grads = fused.topk_attention_backward(q, k, v, out, grad_out, stats, mask, SCALE, k_keep, is_fraction,
                                               temperature, sinks=sinks)
@@ -139,7 +149,7 @@ def test_launches_split_by_buffer_bytes(monkeypatch, device):
     q, k, v = make_qkv(2, 3, 1, 18, 90, 16, 16, torch.float32, device, seed=2)
     mask = MASKS["causal"](2, 18, 90, device)
     whole = fused.topk_attention_forward(q, k, v, mask, SCALE, 5, False, 1.0)[:2]
-    monkeypatch.setattr(fused, "CANDIDATE_BYTES", 1)
+    switched(monkeypatch, "CANDIDATE_BYTES", 1)
     launches = []
     original = fused.launch.launchable
 
