@@ -42,9 +42,9 @@ def switched(monkeypatch, name, value):
 
 @pytest.fixture(autouse=True)
 def shrunk_every_tile(monkeypatch):
-    """Buffers shrunk after every tile, read in chunks of the kept keys' power of two (several per buffer)."""
+    """Buffers shrunk after every tile, read in chunks of the kept keys' power of two, at least 4 (several a buffer)."""
     switched(monkeypatch, "CANDIDATE_ROOM", 1)
-    switched(monkeypatch, "CANDIDATE_CHUNK", 1)
+    switched(monkeypatch, "CANDIDATE_CHUNK", 4)
     yield
     monkeypatch.undo()
     replay.clear()

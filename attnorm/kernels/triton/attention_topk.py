@@ -28,12 +28,17 @@ sum runs in each.  The same pass counts allowed and NaN keys; at its end the row
 gives the threshold, the ``keep``-th largest held score (:func:`_candidate_threshold`):
 the scores above it are all held (fewer than ``keep``), and its ties are cut by key
 order when the buffer holds more than ``keep - above`` of them or one was dropped, which
-the output pass resolves as below.  Per score: the radix passes' ~30 integer operations
-times ~6 passes become one comparison plus the allowed and NaN counts; bytes per row:
-``4 CAP`` written and read back per shrink (L2-resident: a block's buffers are 64 KiB),
-``4 CAP`` per row allocated per launch, at most :data:`CANDIDATE_BYTES` (a larger
-forward runs in launches of whole (batch, head) pairs).  Float64 scores and larger k
-take the radix select.
+the output pass resolves as below.  sm_90 SASS (Triton 3.6, bf16, head dim 64, k = 5;
+``scripts/sass_loops.py``, counts, not times): the candidate pass's loops take 38.0
+(masked key blocks) and 32.9 (inner ones) instructions per score with the append, the
+shrink compiled out to count them; the radix passes of the same build 38.7 (the first)
+and 27.4-33.3 (the others), ~6-7 of them: the selection's ~190 instructions per score
+become ~35 plus the shrinks.  Bytes per row: ``4 CAP`` written and read back per shrink
+(L2-resident: a block's buffers are 64 KiB); ``4 CAP`` per row allocated per launch, at
+most :data:`CANDIDATE_BYTES` or one (batch, head) pair's rows (a larger forward runs in
+launches of whole pairs).  Float64 scores and larger k take the radix select.  Untimed:
+no GPU in the session that wrote it (``benchmarks/bench_attention.py --providers sdpa
+attnorm radix`` times both selections side by side).
 
 **Selection otherwise: a radix select on the scores' bits, per query block.**  Each score maps to
 an unsigned integer ordered like it (its signed magnitude plus the bits of +inf, so
@@ -914,7 +919,7 @@ CANDIDATE_ROOM = 2
 """Tiles of scores a row's candidate buffer takes past its kept keys before it is shrunk (tests: 1, shrunk often)."""
 
 CANDIDATE_BYTES = 64 << 20
-"""Candidate buffer bytes per launch: a forward whose rows need more runs in launches of whole (batch, head) pairs."""
+"""Candidate buffer bytes per launch (or one (batch, head) pair's, if more): a forward needing more runs in launches."""
 
 
 CANDIDATE_CHUNK = 32
@@ -954,8 +959,9 @@ def topk_attention_forward(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Exact top-k attention: ``out = softmax(x / T over the kept keys) v``, ``x = cap(scale q k^T) + additive``.
 
-    ``32 / RADIX_BITS`` passes over K (``64 / RADIX_BITS`` for float64) select each row's
-    k-th score, one pass over K and V accumulates the output (module docstring).
+    One pass over K with candidate buffers (k up to :data:`CANDIDATE_KEEP`, not float64),
+    else up to ``32 / RADIX_BITS`` passes over K (``64 / RADIX_BITS`` for float64), select
+    each row's k-th score; one pass over K and V accumulates the output (module docstring).
 
     Args:
         q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, Dv)``; ``Hq % Hkv == 0``.
