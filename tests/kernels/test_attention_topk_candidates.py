@@ -134,7 +134,8 @@ def test_posinf_scores_beyond_k_keep_the_first(monkeypatch, device):
     assert out[0, 0, 2].isnan().all() and out[0, 0, 3].isfinite().all()
 
 
-@pytest.mark.parametrize("where", ["above", "tied", "below", "masked"])
+@pytest.mark.parametrize("where", [pytest.param(where, marks=slow_under_interpreter(where in ("tied", "masked")))
+                                   for where in ("above", "tied", "below", "masked")])
 def test_sinks_compete_for_slots(where, monkeypatch, device):
     """A sink (key Lk, losing ties) above every score, tied at the k-th, below it, or -inf."""
     q, k, v = make_qkv(1, 2, 1, 6, 100, 16, 16, torch.float32, device, integer=True)
@@ -146,8 +147,8 @@ def test_sinks_compete_for_slots(where, monkeypatch, device):
 
 def test_launches_split_by_buffer_bytes(monkeypatch, device):
     """A forward whose buffers exceed ``CANDIDATE_BYTES`` runs in launches of (batch, head) pairs: same results."""
-    q, k, v = make_qkv(2, 3, 1, 18, 90, 16, 16, torch.float32, device, seed=2)
-    mask = MASKS["causal"](2, 18, 90, device)
+    q, k, v = make_qkv(2, 2, 1, 18, 70, 16, 16, torch.float32, device, seed=2)
+    mask = MASKS["causal"](2, 18, 70, device)
     whole = fused.topk_attention_forward(q, k, v, mask, SCALE, 5, False, 1.0)[:2]
     switched(monkeypatch, "CANDIDATE_BYTES", 1)
     launches = []
@@ -159,5 +160,5 @@ def test_launches_split_by_buffer_bytes(monkeypatch, device):
 
     monkeypatch.setattr(fused.launch, "launchable", counted)
     split = fused.topk_attention_forward(q, k, v, mask, SCALE, 5, False, 1.0)[:2]
-    assert len(launches) == 6
+    assert len(launches) == 4
     assert_identical(split, whole)

@@ -380,6 +380,19 @@ def _reselect(buffer_rows, count, keep_bound, dropped, live, BLOCK_M: tl.constex
 
 
 @triton.jit
+def _candidate_tile(x, state, buffer_rows, live, keep_bound, upper, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    ACC: tl.constexpr, CAP: tl.constexpr, KP: tl.constexpr):
+    """A score tile of :func:`_candidate_pass`: counted, its candidates appended, the buffers shrunk when near full."""
+    count, bound, dropped, allowed_count, nan_count = state
+    allowed_count += tl.sum((x != float("-inf")).to(tl.int32), 1)
+    nan_count += tl.sum((x != x).to(tl.int32), 1)
+    count = _append(x, bound, count, buffer_rows, live, upper)
+    if tl.max(count, 0) > CAP - BLOCK_N:
+        count, bound, dropped = _reselect(buffer_rows, count, keep_bound, dropped, live, BLOCK_M, CAP, KP, ACC)
+    return count, bound, dropped, allowed_count, nan_count
+
+
+@triton.jit
 def _candidate_pass(
     q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, span, lk, scale, softcap, batch,
     head, masking, buffer_rows, live, keep_bound,
@@ -390,37 +403,27 @@ def _candidate_pass(
 
     Returns ``(count, bound, dropped, allowed_count, nan_count)``: the scores a row's buffer
     holds, the bound a score must reach to join it, the largest score dropped from it, its
-    allowed keys (NaN included) and NaN keys.  A
-    score joins the buffer when it is at least the ``keep_bound``-th largest held so far;
-    a buffer past ``CAP - BLOCK_N`` is shrunk (:func:`_reselect`) before the next tile.
+    allowed keys (NaN included) and NaN keys.  A score joins the buffer when it is at least
+    the ``keep_bound``-th largest held so far; a buffer past ``CAP - BLOCK_N`` is shrunk
+    (:func:`_reselect`) before the next tile.  Masked key blocks first, then the inner ones
+    (a multiset does not care in which order its scores come).
     """
     columns = tl.arange(0, BLOCK_N)
     upper = (columns[:, None] <= columns[None, :]).to(tl.float16)
-    count = tl.zeros(live.shape, tl.int32)
-    dropped = tl.full(live.shape, float("-inf"), ACC)
-    bound = tl.full(live.shape, -_largest(ACC), ACC)
-    allowed_count = tl.zeros(live.shape, tl.int32)
-    nan_count = tl.zeros(live.shape, tl.int32)
+    zeros = tl.zeros(live.shape, tl.int32)
+    state = (zeros, tl.full(live.shape, -_largest(ACC), ACC), tl.full(live.shape, float("-inf"), ACC), zeros, zeros)
     first, inner_lo, inner_hi, masked = span
     for i in range(0, masked):
         offs_n = masked_block_start(i, first, inner_lo, inner_hi, BLOCK_N) + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                        softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC)
-        allowed_count += tl.sum((x != float("-inf")).to(tl.int32), 1)
-        nan_count += tl.sum((x != x).to(tl.int32), 1)
-        count = _append(x, bound, count, buffer_rows, live, upper)
-        if tl.max(count, 0) > CAP - BLOCK_N:
-            count, bound, dropped = _reselect(buffer_rows, count, keep_bound, dropped, live, BLOCK_M, CAP, KP, ACC)
+        state = _candidate_tile(x, state, buffer_rows, live, keep_bound, upper, BLOCK_M, BLOCK_N, ACC, CAP, KP)
     for start in range(inner_lo, inner_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         x = key_scores(q_tile, k_base, sk_n, sk_d, offs_m, offs_n, offs_d, head_dim, row_start, row_stop, lk, scale,
                        softcap, batch, head, masking, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, ACC, False)
-        allowed_count += tl.sum((x != float("-inf")).to(tl.int32), 1)
-        nan_count += tl.sum((x != x).to(tl.int32), 1)
-        count = _append(x, bound, count, buffer_rows, live, upper)
-        if tl.max(count, 0) > CAP - BLOCK_N:
-            count, bound, dropped = _reselect(buffer_rows, count, keep_bound, dropped, live, BLOCK_M, CAP, KP, ACC)
-    return count, bound, dropped, allowed_count, nan_count
+        state = _candidate_tile(x, state, buffer_rows, live, keep_bound, upper, BLOCK_M, BLOCK_N, ACC, CAP, KP)
+    return state
 
 
 @triton.jit
