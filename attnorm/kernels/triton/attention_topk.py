@@ -302,6 +302,15 @@ def _cut(prefix, at, keep, KEY: tl.constexpr, UKEY: tl.constexpr, KEY_BITS: tl.c
 
 
 @triton.jit
+def _slots(allowed_count, sinks_here, K_PARAM, IS_FRACTION: tl.constexpr):
+    """Keys a row keeps before the +inf rule: a fraction is of the real allowed keys; the sink may take a slot."""
+    if IS_FRACTION:
+        return tl.maximum(_keep_count(allowed_count, tl.load(K_PARAM), IS_FRACTION), sinks_here)
+    else:
+        return _keep_count(allowed_count + sinks_here, tl.load(K_PARAM), IS_FRACTION)
+
+
+@triton.jit
 def _append(x, bound, count, buffer_rows, live, upper):
     """Append a tile's scores ``>= bound`` to their rows' candidate buffers (in tile order); the new counts.
 
@@ -578,18 +587,13 @@ def _topk_forward_kernel(
             sink_fresh = (sink_score >= bound) & live
             tl.store(buffer_rows + count, sink_score, mask=sink_fresh)
             count += sink_fresh.to(tl.int32)
-        if IS_FRACTION:
-            keep = tl.maximum(_keep_count(allowed_count, tl.load(K_PARAM), IS_FRACTION), sinks_here)
-        else:
-            keep = _keep_count(allowed_count + sinks_here, tl.load(K_PARAM), IS_FRACTION)
-        nan_count += (sink_score != sink_score).to(tl.int32)
+        keep = _slots(allowed_count, sinks_here, K_PARAM, IS_FRACTION)
         keep, posinf_row, threshold, above, ties_cut = _candidate_threshold(buffer_rows, count, keep, dropped, live,
                                                                              BLOCK_M, CAP, KP)
         every = keep >= allowed_count + sinks_here
         cut = ~ties_cut  # every tie at the threshold kept
         at = keep + ties_cut.to(tl.int32)  # more than keep at or above the threshold: ties cut by key order
         threshold = tl.where(every, float("-inf"), threshold)
-        tie_slots = tl.where(every | cut, 1 << 30, keep - above)
     else:
         # Selection, most significant digit first; the first pass also counts the allowed keys.
         prefix = tl.zeros((BLOCK_M,), UKEY)
@@ -600,13 +604,8 @@ def _topk_forward_kernel(
             head, masking, prefix, shift, sink_key, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, HAS_SINK, True, BLOCK_M, BLOCK_N,
             ACC, KEY, UKEY, KEY_BITS, RADIX,
         )
-        # A fraction is of the real allowed keys; the sink may take one of the slots.
-        if IS_FRACTION:
-            keep = tl.maximum(_keep_count(allowed_count, tl.load(K_PARAM), IS_FRACTION), sinks_here)
-        else:
-            keep = _keep_count(allowed_count + sinks_here, tl.load(K_PARAM), IS_FRACTION)
+        keep = _slots(allowed_count, sinks_here, K_PARAM, IS_FRACTION)
         posinf_count += (sink_score == float("inf")).to(tl.int32)
-        nan_count += (sink_score != sink_score).to(tl.int32)
         posinf_row = posinf_count > 0
         keep = tl.where(posinf_row, tl.minimum(keep, posinf_count), keep)
         prefix, above, at = _settle_digit(counts, prefix, above, keep, shift, UKEY, RADIX)
@@ -627,9 +626,10 @@ def _topk_forward_kernel(
         # Rows keeping every allowed key: threshold below all of them (key 0), no ties.  Cut rows keep every tie
         # at their candidate; after the last digit the ties kept are the k - (keys above the k-th) first ones.
         threshold_key = tl.where(every, tl.zeros_like(prefix), prefix)
-        tie_slots = tl.where(every | cut, 1 << 30, keep - above)
         # The threshold as a score (-inf: every allowed key kept); the output pass compares floats (see _kept).
         threshold = tl.where(every, float("-inf"), _sortable_value(threshold_key, ACC, KEY, UKEY, KEY_BITS))
+    nan_count += (sink_score != sink_score).to(tl.int32)
+    tie_slots = tl.where(every | cut, 1 << 30, keep - above)
 
     state = tl.where(nan_count > 0, 0, tl.where(keep > 0, tl.where(posinf_row, 2, 1), 0))
     kept_from, slope = _row_terms(state, every, threshold, inv_temperature, ACC)
@@ -1006,19 +1006,15 @@ def topk_attention_forward(
     constants.update(IS_FRACTION=bool(is_fraction), RADIX=RADIX_BITS, FLOAT_OUT=out_float is not None,
                      **_key_constants(q), **launch_options(shape, q))
     blocks, pairs = shape.query_grid
-    if plan is None:
-        launch.launchable(_topk_forward_kernel)[blocks, pairs](
-            q, k, v, out, out if out_float is None else out_float, stats, k_param, stats, 0, 0, *strides, *sizes,
-            CANDIDATES=False, CAP=1, KP=1, **constants,
-        )
-        return out, stats, out_float
-    # Candidate buffers for as many (batch, head) pairs as CANDIDATE_BYTES holds, reused launch after launch.
-    per_launch = max(1, min(pairs, CANDIDATE_BYTES // (4 * plan.cap * shape.lq)))
-    buffer = launch.empty((per_launch * shape.lq * plan.cap,), torch.float32, q.device)  # scratch
+    if plan is None:  # the radix select: one launch, no buffer (stats stands in for the unread pointer)
+        plan, per_launch, buffer = _Candidates(0, 1, 1), pairs, stats
+    else:  # candidate buffers for as many (batch, head) pairs as CANDIDATE_BYTES holds, reused launch after launch
+        per_launch = max(1, min(pairs, CANDIDATE_BYTES // (4 * plan.cap * shape.lq)))
+        buffer = launch.empty((per_launch * shape.lq * plan.cap,), torch.float32, q.device)  # scratch
     for first in range(0, pairs, per_launch):
         launch.launchable(_topk_forward_kernel)[blocks, min(per_launch, pairs - first)](
             q, k, v, out, out if out_float is None else out_float, stats, k_param, buffer, plan.keep_bound, first,
-            *strides, *sizes, CANDIDATES=True, CAP=plan.cap, KP=plan.kp, **constants,
+            *strides, *sizes, CANDIDATES=plan.keep_bound > 0, CAP=plan.cap, KP=plan.kp, **constants,
         )
     return out, stats, out_float
 
