@@ -70,6 +70,7 @@ __all__ = [
     "entmax_fwd",
     "forward_mode",
     "functions",
+    "kernel",
     "modifiers",
     "plain",
     "plain_tensor",
@@ -182,6 +183,11 @@ lives as long as the process)."""
 def register_eager(op, kernel: Callable[..., Any]) -> None:
     """Let :func:`call` run ``kernel``, the op's CPU and CUDA kernel, in plain eager calls of ``op``."""
     _DEVICE_KERNELS[id(op)] = kernel
+
+
+def kernel(op) -> Callable[..., Any]:
+    """The CPU/CUDA kernel :func:`call` runs for ``op`` in a plain eager call (callers that checked :func:`plain`)."""
+    return _DEVICE_KERNELS[id(op)]
 
 
 def call(op, *args: Any) -> Any:

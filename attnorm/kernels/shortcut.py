@@ -5,7 +5,7 @@ already a replay (:mod:`attnorm.kernels.triton.replay`): outputs allocated, comp
 kernels launched with the recorded arguments.  What is left of a 4x16 module call is the
 Python *above* that function, the same for every call of a given module on a given
 tensor layout: :func:`attnorm.normalizers.base.normalize`'s checks, the backend's
-resolution, :func:`attnorm.kernels.autograd._direct`'s tests, the parameters' packing,
+resolution, :func:`attnorm.kernels.autograd._lane`'s tests, the parameters' packing,
 the replay's own key (~13 of a ~27 us call on the stand-in of
 ``scripts/launch_overhead.py``; the H200 read ~27-31 us against a goal of 25).
 
@@ -60,8 +60,8 @@ from torch.autograd import forward_ad
 
 from attnorm.kernels import backends, fast_launch, ops
 
-__all__ = ["DEVICE_TYPES", "MAX_ENTRIES", "call", "clear", "entries", "forget", "listening", "note", "note_apply",
-           "note_outputs", "take"]
+__all__ = ["DEVICE_TYPES", "MAX_ENTRIES", "apply_with", "call", "clear", "entries", "forget", "listening", "note",
+           "note_apply", "note_outputs", "take"]
 
 DEVICE_TYPES = frozenset({"cuda"})
 """Devices whose calls are replayed (the direct-launch stand-ins of the tests and of
@@ -185,8 +185,22 @@ def note_outputs(outputs: Any) -> None:
     _STATE.notes.append(("outputs", outputs))
 
 
-def take() -> tuple[_GradReplay, int] | None:
-    """The replay a row Function's forward is to run in place of its op, once: ``(entry, stream)`` or None."""
+def apply_with(function: type, args: tuple, pending: tuple[_GradReplay, int] | Callable[..., Any]) -> Any:
+    """``function.eager_apply(*args)``, its forward running ``pending`` in place of its op (:func:`take`).
+
+    ``pending``: ``(entry, stream)``, a kept key's replay; or the op's device kernel itself
+    (:func:`attnorm.kernels.ops.kernel`), for a plain eager call its caller has already checked
+    (:func:`attnorm.kernels.autograd._lane`).
+    """
+    _STATE.pending = pending
+    try:
+        return function.eager_apply(*args)
+    finally:
+        _STATE.pending = None
+
+
+def take() -> tuple[_GradReplay, int] | Callable[..., Any] | None:
+    """What a row Function's forward is to run in place of its op, once (:func:`apply_with`), or None."""
     pending = getattr(_STATE, "pending", None)
     if pending is not None:
         _STATE.pending = None
@@ -227,11 +241,7 @@ def call(module: torch.nn.Module, x: Tensor, run: Callable[[Tensor], Tensor]) ->
         if entry is _REFUSED:
             return run(x)
         if mode == _GRAD:
-            _STATE.pending = (entry, stream)
-            try:
-                return entry.function.eager_apply(x, *entry.args)[0]
-            finally:
-                _STATE.pending = None
+            return apply_with(entry.function, (x, *entry.args), (entry, stream))[0]
         result = entry.replay(entry.plan, [x], stream)
         return result[0] if entry.first else result
     notes: list = []

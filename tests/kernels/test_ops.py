@@ -475,6 +475,21 @@ def test_a_plain_eager_call_runs_the_kernels_without_the_dispatcher(kernel_calls
 
 
 @pytest.mark.parametrize("backend", [b for b in OP_BACKENDS if b != "reference"])
+def test_a_kernel_that_raises_in_a_plain_call_with_a_gradient_leaves_nothing_pending(monkeypatch, backend):
+    """The plain lane hands the forward its kernel through :func:`shortcut.apply_with`: an error in
+    the kernel must not leave it for the next Function's forward (a watched call would skip the op)."""
+    from attnorm.kernels import shortcut
+
+    def broken(*args):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setitem(ops._DEVICE_KERNELS, id(ops.softmax_fwd), broken)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        attnorm.Softmax(temperature=0.5, backend=backend)(scores(3, 7, requires_grad=True))
+    assert shortcut.take() is None
+
+
+@pytest.mark.parametrize("backend", [b for b in OP_BACKENDS if b != "reference"])
 def test_a_plain_call_that_needs_no_gradient_keeps_the_weights_alone(kernel_calls, backend):
     """No gradient wanted and nothing watching: the backend's forward runs directly with
     ``weights_only=True`` (no op, no statistics), inside ``no_grad`` or on inputs that need none."""
@@ -558,11 +573,13 @@ WATCHERS = {"profiler": _profiled, "dispatch mode": _dispatched, "jit.trace": _t
             "vmap": _vmapped}
 
 
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no grad", "requires grad"])
 @pytest.mark.parametrize("watcher", WATCHERS)
-def test_whatever_watches_an_eager_call_sees_the_op_through_the_dispatcher(kernel_calls, watcher):
+def test_whatever_watches_an_eager_call_sees_the_op_through_the_dispatcher(kernel_calls, watcher, requires_grad):
     """A profiler, a dispatch mode, jit.trace, autocast or a torch.func transform: the op goes
-    through the dispatcher (the direct call is never taken) and shows where each looks."""
-    x = scores(3, 7, dtype=torch.bfloat16 if watcher == "autocast" else torch.float32)
+    through the dispatcher (the direct call is never taken, with a gradient or without) and shows
+    where each looks."""
+    x = scores(3, 7, dtype=torch.bfloat16 if watcher == "autocast" else torch.float32, requires_grad=requires_grad)
     results = []
     seen = WATCHERS[watcher](lambda: results.append(attnorm.Softmax(temperature=0.5)(x)))
     assert kernel_calls == []
