@@ -130,7 +130,7 @@ def _forward(op, args: tuple) -> Any:
 
     The module shortcut applies a Function whose call it has seen end in one replayed launch
     on the scores; the forward then replays it directly (a pending ``(entry, stream)``).  A
-    plain eager call (:func:`_call` with ``_PLAIN``) hands the op's device kernel itself,
+    plain eager call (:func:`_call` with ``_PLAIN_GRAD``) hands the op's device kernel itself,
     which the forward runs without :func:`ops.call`'s checks, already made by :func:`_lane`.
     """
     pending = shortcut.take()
@@ -324,25 +324,26 @@ def _needs_grad(args: tuple, params: tuple[int, ...]) -> bool:
     return False
 
 
-_WATCHED, _PLAIN = 0, 1
+_WATCHED, _PLAIN, _PLAIN_GRAD = 0, 1, 2
 """What :func:`_lane` says of a call besides its direct functions: seen by more than the op's kernel
-(the dispatcher serves it), or plain (the op's device kernel may run without the dispatcher)."""
+(the dispatcher serves it), or plain (the op's device kernel may run without the dispatcher), with
+no gradient needed or with one."""
 
 
 def _call(function: type[_RowFunction], op, args: tuple, lane: int, *params: int) -> Tensor:
     """The weights from ``op(*args)``, through ``function`` when a differentiable input needs a gradient.
 
     The differentiable inputs are the scores ``args[0]`` and the parameters at positions ``params``.
-    ``lane``: :func:`_lane`'s verdict, ``_PLAIN`` or ``_WATCHED``.  A plain call skips what only a
-    watched one needs (the dispatcher, ``Function.apply``'s transform handling).
+    ``lane``: :func:`_lane`'s verdict, ``_WATCHED``, ``_PLAIN`` or ``_PLAIN_GRAD``.  A plain call
+    skips what only a watched one needs (the dispatcher, ``Function.apply``'s transform handling).
     """
     if lane == _PLAIN:
+        return ops.kernel(op)(*args)[0]
+    if lane == _WATCHED:
         if not _needs_grad(args, params):
-            return ops.kernel(op)(*args)[0]
-    elif not _needs_grad(args, params):
-        return ops.call(op, *args)[0]
-    elif torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return function.apply(*args)[0]
+            return ops.call(op, *args)[0]
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return function.apply(*args)[0]
     # Function.apply's first step outside transforms: unwrap tensors that escaped a
     # finished torch.func call (dead wrappers); only differentiable inputs matter.
     unwrap, args = torch._C._functorch.unwrap_if_dead, list(args)
@@ -357,7 +358,7 @@ def _call(function: type[_RowFunction], op, args: tuple, lane: int, *params: int
 
 def _lane(implementation: str, x: Tensor, mask: RowMask, *inputs: object) -> SimpleNamespace | int:
     """How a call runs: the backend's functions (:func:`ops.functions`) when it may run its forward
-    directly and keep the weights alone; else ``_PLAIN`` or ``_WATCHED`` for :func:`_call`.
+    directly and keep the weights alone; else ``_PLAIN``, ``_PLAIN_GRAD`` or ``_WATCHED`` for :func:`_call`.
 
     Directly when no gradient is needed (what else the forward op returns is read by its
     backward only), when :func:`ops.plain` holds for the scores, the mask's fields and the
@@ -365,9 +366,9 @@ def _lane(implementation: str, x: Tensor, mask: RowMask, *inputs: object) -> Sim
     when the backend takes ``x``'s dtype as it is (:func:`ops.takes_as_is`; else the op
     computes in float32).  The op's layers (argument packing, :func:`ops.call`, the op body)
     and the statistics only a backward reads cost about a third of a call on a tiny tensor.
-    ``_PLAIN`` when :func:`ops.plain` holds but a gradient is needed or the dtype is upcast:
-    the op's device kernel then runs without :func:`ops.call`'s second look (~1.5 us of a
-    ~19 us call with a gradient on a 4x16 tensor).  :func:`ops.watched` first, so that Dynamo
+    ``_PLAIN_GRAD`` when :func:`ops.plain` holds but a gradient is needed, ``_PLAIN`` when
+    none is but the dtype is upcast: the op's device kernel then runs without :func:`ops.call`'s
+    second look (~1.5 us of a ~19 us call with a gradient on a 4x16 tensor).  :func:`ops.watched` first, so that Dynamo
     reads nothing else; then one pass over the inputs: this runs on every call.
     """
     if ops.watched() or not ops.plain_tensor(x):
@@ -383,7 +384,7 @@ def _lane(implementation: str, x: Tensor, mask: RowMask, *inputs: object) -> Sim
             if grad and value.requires_grad:
                 direct = False
     if not direct:
-        return _PLAIN
+        return _PLAIN_GRAD
     functions = ops.functions(implementation)
     return functions if ops.takes_as_is(functions, x.dtype) else _PLAIN
 
