@@ -301,6 +301,28 @@ def test_topk_ties_keep_the_lowest_index(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_keeps_the_k_largest_lowest_index_first_on_short_tied_rows(dtype):
+    """Rows of 1-40 scores (both sides of the short-row insertion select) drawn from a few values,
+    +-0 and -inf among them: for every k, the kept positions are the first k of the allowed ones
+    sorted by value, then index (Python's sort, where -0 == +0), and the weights their softmax."""
+    generator = torch.Generator().manual_seed(11)
+    values = torch.tensor([-math.inf, -2.0, -0.0, 0.0, 0.5, 3.0], dtype=torch.float64)
+    for length in (*range(1, 36), 40):
+        x = values[torch.randint(0, len(values), (3, length), generator=generator)]
+        x[0, 0] = 3.0  # at least one allowed score in some rows
+        for k in range(1, length + 1):
+            y, _ = native.topk_forward(x.to(dtype), NO_MASK, k, False, 1.0)
+            for row, weights in zip(x.tolist(), y.double(), strict=True):
+                allowed = [i for i, v in enumerate(row) if v != -math.inf]
+                kept = sorted(sorted(allowed, key=lambda i: -row[i])[:k])
+                expected = torch.zeros(length, dtype=torch.float64)  # a fully masked row: zeros
+                if kept:
+                    expected[kept] = torch.softmax(torch.tensor([row[i] for i in kept], dtype=torch.float64), 0)
+                assert (weights > 0).nonzero().flatten().tolist() == kept, (row, k)
+                close(weights, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_topk_with_negative_or_zero_temperature_inverse(dtype):
     x = torch.tensor([[3e38, -3e38, 1.0, 2.0]], dtype=dtype)
     y, _ = native.topk_forward(x, NO_MASK, 2, False, -1.0)  # keeps the 2 largest, softmax of -x over them

@@ -219,6 +219,7 @@ enum { ROW_FINITE = 0, ROW_NAN = 1, ROW_EMPTY = 2, ROW_POSINF = 3 };
 #define SA_STATS 5           /* per-row numbers SA-Softmax's forward keeps for its backward */
 #define MAX_GROUPS 256       /* position groups whose maxima bound entmax's threshold */
 #define MAX_TOPK_GROUPS 4096 /* ... and top-k's k-th largest score (for k <= 2048) */
+#define SMALL_SELECT 32      /* top-k's k-th largest of at most this many values: by insertion */
 #define MAX_SUPPORT_STEPS 64 /* moves of entmax_anchored's support boundary (1 or 2 in practice) */
 
 /*

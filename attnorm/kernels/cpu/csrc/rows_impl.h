@@ -682,9 +682,24 @@ static void FN(entmax_grad_row)(const REAL* y, const REAL* g, REAL* gx, int64_t 
  * order-preserving integer keys, one bit at a time from the top.  Each step counts
  * the remaining keys with the bit set (a vectorised count), keeps the half that
  * holds the answer, and stops as soon as the answer is the largest or the smallest
- * of what remains.  No branches on the data beyond one per bit.
+ * of what remains.  No branches on the data beyond one per bit.  Up to SMALL_SELECT
+ * values (short rows: the bit loop's ~20 steps cost more than the row), an insertion
+ * of each value into the k largest so far, descending: the same value up to the sign
+ * of a zero (-0 and +0 compare equal, so every use of the threshold is the same).
  */
 static REAL FN(kth_largest)(const REAL* v, int64_t n, int64_t k, KEY* keys) {
+    if (n <= SMALL_SELECT) {
+        REAL largest[SMALL_SELECT];
+        int64_t held = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const REAL vi = v[i];
+            if (held == k && !(vi > largest[k - 1])) continue;
+            int64_t j = held < k ? held++ : k - 1;
+            for (; j > 0 && largest[j - 1] < vi; j--) largest[j] = largest[j - 1];
+            largest[j] = vi;
+        }
+        return largest[k - 1];
+    }
     for (int64_t i = 0; i < n; i++) keys[i] = CAT(key, SUFFIX)(v[i]);
     int64_t size = n, rank = k; /* the answer is the rank-th largest of keys[0..size) */
     for (int bit = 8 * (int)sizeof(KEY) - 1; bit >= 0 && rank != 1 && rank != size; bit--) {
