@@ -209,7 +209,10 @@ def take() -> tuple[_GradReplay, int] | Callable[..., Any] | None:
 
 def _mode(x: Tensor) -> int:
     """How a call on scores ``x`` may be looked up (the module doc's conditions): ``_OFF``, ``_NO_GRAD``, ``_GRAD``."""
-    if type(x) is not Tensor or not fast_launch._ENABLED or x.device.type not in DEVICE_TYPES:
+    # x.is_cpu first: x.device builds a device object (~0.2 us of a CPU call, where nothing is replayed).
+    if type(x) is not Tensor or not fast_launch._ENABLED or x.is_cpu and "cpu" not in DEVICE_TYPES:
+        return _OFF
+    if x.device.type not in DEVICE_TYPES:
         return _OFF
     if not backends.triton_installed():  # nothing is replayed, and the knobs below would import triton
         return _OFF

@@ -222,6 +222,13 @@ enum { ROW_FINITE = 0, ROW_NAN = 1, ROW_EMPTY = 2, ROW_POSINF = 3 };
 #define SMALL_SELECT 32      /* top-k's k-th largest of at most this many values: by insertion */
 #define MAX_SUPPORT_STEPS 64 /* moves of entmax_anchored's support boundary (1 or 2 in practice) */
 
+/* Position groups whose maxima bound top-k's k-th largest score: at least 2k (64 to MAX_TOPK_GROUPS). */
+static int64_t topk_groups(int64_t k) {
+    int64_t groups = 64;
+    while (groups < 2 * k && groups < MAX_TOPK_GROUPS) groups *= 2;
+    return groups;
+}
+
 /*
  * alpha-entmax (alpha > 2) weights of the candidate scores v[0..count) (doubles, any
  * order), overwriting v; they sum to 1.  At large alpha the weights of the smallest

@@ -755,7 +755,7 @@ static int64_t FN(topk_count)(const REAL* x, int64_t length, double k, int is_fr
  * position groups bounds the row's k-th largest from below; a radix select on the
  * scores above that bound finds it.  Scores tied with it are kept in index order
  * until k are kept (the lowest index wins).  `work` and `keys` hold
- * length + MAX_TOPK_GROUPS values, `index` length.  A sink is the row's last
+ * length + topk_groups(k) values, `index` length.  A sink is the row's last
  * position here (the entry point extends the row; `uncounted` as in topk_count).
  * Passes over the row: one scan (+ one count for a fraction), one gather, one write
  * of the exponentials, one scaling; the select runs on the candidates.
@@ -765,8 +765,7 @@ static void FN(topk_row)(const REAL* x, REAL* y, int64_t length, double k_value,
     REAL* group_max = work + length;
     REAL top, no_sink;
     int64_t k = FN(topk_count)(x, length, k_value, is_fraction, uncounted);
-    int64_t groups = 64;
-    while (groups < 2 * k && groups < MAX_TOPK_GROUPS) groups *= 2;
+    const int64_t groups = topk_groups(k);
     int nan = FN(scan_groups)(x, length, groups, group_max, &top);
     const REAL m = (REAL)(1 / temperature);
     int kind = FN(special_row)(x, y, length, nan, top, k, -INFINITY, &no_sink);
@@ -1088,9 +1087,12 @@ static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t 
                                   const REAL* sink_rows, REAL* sink_weight, double cap, int* failed) {
     const int64_t width = length + (sink_weight != NULL); /* the row topk_row sees */
     const int copied = sink_weight != NULL || cap > 0;    /* ... through a per-thread buffer */
-    REAL* work = malloc((width + MAX_TOPK_GROUPS) * sizeof(REAL));
+    /* the most groups a row uses: a fraction keeps at most the row (sized for the whole 4096 groups, a
+     * short row's buffers were 2 x 16 KiB, touched and returned to the heap on every call) */
+    const int64_t groups = topk_groups(is_fraction || k >= (double)width ? width : (int64_t)k);
+    REAL* work = malloc((width + groups) * sizeof(REAL));
     int32_t* index = malloc(width * sizeof(int32_t));
-    KEY* keys = malloc((width + MAX_TOPK_GROUPS) * sizeof(KEY));
+    KEY* keys = malloc((width + groups) * sizeof(KEY));
     REAL* extended = copied ? malloc(2 * width * sizeof(REAL)) : NULL; /* [c(x), sink], then its weights */
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
