@@ -23,6 +23,7 @@ runs the op's device kernel itself.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,12 +64,13 @@ def _split_sink(dx: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor | None]
 
 
 def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | None, grad: Tensor,
-                   multiplier: Tensor, m: Tensor, param_grad: int, x: Tensor | None = None):
+                   multiplier: Tensor, m: Callable[[], Tensor], param_grad: int, x: Tensor | None = None):
     """``dx``, the per-row parameter gradient and ``dsink`` of ``y = softmax(m x)``, from the saved output.
 
-    ``m`` is the multiplier as a differentiable function of the parameters, ``(..., 1)``:
-    only used when autograd records the backward.  ``x`` holds the raw scores when the
-    forward was soft-capped (``ctx.softcap``), or when ``param_grad`` needs them.
+    ``m()`` gives the multiplier as a differentiable function of the parameters, ``(..., 1)``:
+    called only when autograd records the backward (a first-order backward runs no torch op for
+    it: on CUDA that was up to four launches a call).  ``x`` holds the raw scores when the forward
+    was soft-capped (``ctx.softcap``), or when ``param_grad`` needs them.
     """
     softcap = ctx.softcap
     if not torch.is_grad_enabled():
@@ -82,6 +84,7 @@ def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | No
     if sink is not None:
         y, grad = sinks.append(y, _sink_weight_of(y, sink_weight)), sinks.append(grad)
         x = None if x is None else sinks.append(x, sink)
+    m = m()
     dx, dsink = _split_sink(jacobians.softmax_vjp(y, grad, m), sink)
     if softcap is not None:
         dx = dx * cap_slope(raw, softcap)
@@ -188,9 +191,9 @@ class _Softmax(_RowFunction):
 def _temperature_backward(ctx, grad: Tensor, wants_temperature: bool, wants_sink: bool) -> tuple[Tensor | None, ...]:
     """Gradients of ``softmax(x / T)`` over fixed positions: ``(dx, dT, dsink)``."""
     y, multiplier, temperature_rows, raw, sink, sink_weight = ctx.saved_tensors
-    m = _temperature_multiplier(multiplier, temperature_rows)
     param_grad = _TEMPERATURE_GRAD if wants_temperature else _NO_PARAM_GRAD
-    dx, per_row, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, multiplier, m, param_grad, raw)
+    dx, per_row, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, multiplier,
+                                        lambda: _temperature_multiplier(multiplier, temperature_rows), param_grad, raw)
     d_temperature = _param_grad(per_row, temperature_rows) if wants_temperature else None
     return dx, d_temperature, _sink_grad(dsink, sink, wants_sink)
 
@@ -217,9 +220,10 @@ class _ScalableSoftmax(_RowFunction):
         wants_s, wants_bias = ctx.needs_input_grad[5], ctx.needs_input_grad[7]
         s = ctx.s if s_rows is None else s_rows
         bias = ctx.bias if bias_rows is None else bias_rows
-        m = _live(multiplier, s * log_count.unsqueeze(-1) + bias)
         param_grad = _MULTIPLIER_GRAD if wants_s or wants_bias else _NO_PARAM_GRAD
-        dx, d_multiplier, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, multiplier, m, param_grad, x)
+        dx, d_multiplier, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, multiplier,
+                                                 lambda: _live(multiplier, s * log_count.unsqueeze(-1) + bias),
+                                                 param_grad, x)
         d_s = _param_grad(d_multiplier * log_count, s_rows) if wants_s else None
         d_bias = _param_grad(d_multiplier, bias_rows) if wants_bias else None
         dsink = _sink_grad(dsink, sink, ctx.needs_input_grad[8])
