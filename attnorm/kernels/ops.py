@@ -232,8 +232,10 @@ def plain(*args: Any) -> bool:
 
 
 def plain_tensor(tensor: Tensor) -> bool:
-    """A ``Tensor`` or ``Parameter`` (no other subclass) not batched by the legacy vmap (see :func:`call`)."""
-    return type(tensor) in _PLAIN and not _is_legacy_batched(tensor)
+    """A ``Tensor`` or ``Parameter`` (no other subclass) not batched by the legacy vmap (see :func:`call`), and
+    without the negative bit (``torch._neg_view``, the imaginary part of a conjugate view): its memory holds the
+    values negated, which the dispatcher's fallback resolves and a data pointer handed to C or Triton does not."""
+    return type(tensor) in _PLAIN and not _is_legacy_batched(tensor) and not tensor.is_neg()
 
 
 def records_grad(*tensors: Tensor | None) -> bool:

@@ -503,6 +503,31 @@ def test_a_plain_call_that_needs_no_gradient_keeps_the_weights_alone(kernel_call
     torch.testing.assert_close(y_no_grad, expected)
 
 
+@pytest.mark.parametrize("backend", [b for b in OP_BACKENDS if b != "reference"])
+@pytest.mark.parametrize("name", MODULES)
+def test_negative_views_are_read_as_their_values(name, backend):
+    """A tensor with the negative bit (``torch._neg_view``: its memory holds the values negated) as the
+    scores, the incoming gradient or the sink: the same weights and gradients as the resolved tensor, with
+    a gradient and without (a data pointer handed straight to C or Triton read the memory as it is)."""
+    module = MODULES[name](backend=backend).to(DEVICE)
+    memory = scores(2, 2, 3, 6, seed=5)
+    sink_memory = scores(2, 2, 3, 1, seed=6)
+    upstream = scores(2, 2, 3, 6, seed=7)
+
+    def run(x, sink, grad_out):
+        x = x.detach().requires_grad_()
+        y = module(x, sink=sink)
+        (dx,) = torch.autograd.grad(y, x, grad_out)
+        with torch.no_grad():
+            return y, dx, module(x, sink=sink)
+
+    viewed = run(torch._neg_view(memory), torch._neg_view(sink_memory), torch._neg_view(upstream))
+    resolved = run(-memory, -sink_memory, -upstream)
+    assert torch._neg_view(memory).is_neg()
+    for got, expected in zip(viewed, resolved, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def _by_the_op(run):
     """``run()`` with the ops dispatched (a dispatch mode that only passes them on): the route with every output."""
     with _Names():
