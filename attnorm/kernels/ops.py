@@ -233,9 +233,11 @@ def plain(*args: Any) -> bool:
 
 def plain_tensor(tensor: Tensor) -> bool:
     """A ``Tensor`` or ``Parameter`` (no other subclass) not batched by the legacy vmap (see :func:`call`), and
-    without the negative bit (``torch._neg_view``, the imaginary part of a conjugate view): its memory holds the
-    values negated, which the dispatcher's fallback resolves and a data pointer handed to C or Triton does not."""
-    return type(tensor) in _PLAIN and not _is_legacy_batched(tensor) and not tensor.is_neg()
+    whose memory holds its values: not a negative view (``torch._neg_view``, the imaginary part of a conjugate
+    view: the values negated) nor an efficient zero tensor (no memory: a null data pointer, which C read and
+    crashed on).  The dispatcher's fallbacks resolve both before a kernel sees them."""
+    return (type(tensor) in _PLAIN and not _is_legacy_batched(tensor) and not tensor.is_neg()
+            and not tensor._is_zerotensor())
 
 
 def records_grad(*tensors: Tensor | None) -> bool:

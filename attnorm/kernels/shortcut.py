@@ -212,7 +212,7 @@ def _mode(x: Tensor) -> int:
     # x.is_cpu first: x.device builds a device object (~0.2 us of a CPU call, where nothing is replayed).
     if type(x) is not Tensor or not fast_launch._ENABLED or x.is_cpu and "cpu" not in DEVICE_TYPES:
         return _OFF
-    if x.device.type not in DEVICE_TYPES or x.is_neg():  # a negative view: the op's dispatcher resolves it
+    if x.device.type not in DEVICE_TYPES or not ops.plain_tensor(x):  # e.g. a negative view: the dispatcher resolves it
         return _OFF
     if not backends.triton_installed():  # nothing is replayed, and the knobs below would import triton
         return _OFF

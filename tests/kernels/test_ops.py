@@ -528,6 +528,21 @@ def test_negative_views_are_read_as_their_values(name, backend):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", [b for b in OP_BACKENDS if b != "reference"])
+@pytest.mark.parametrize("name", MODULES)
+def test_efficient_zero_tensors_are_zeros(name, backend):
+    """An efficient zero tensor (no memory: a null data pointer) as the scores or the incoming gradient:
+    the results of a real zero tensor, not a crash (C was handed the null pointer and segfaulted)."""
+    module = MODULES[name](backend=backend).to(DEVICE)
+    lazy = torch._efficientzerotensor((2, 2, 3, 6), device=DEVICE)
+    assert lazy._is_zerotensor()
+    with torch.no_grad():
+        torch.testing.assert_close(module(lazy), module(torch.zeros(2, 2, 3, 6, device=DEVICE)), rtol=0, atol=0)
+    x = scores(2, 2, 3, 6, seed=5, requires_grad=True)
+    (dx,) = torch.autograd.grad(module(x), x, lazy)
+    assert torch.equal(dx, torch.zeros_like(dx))
+
+
 def _by_the_op(run):
     """``run()`` with the ops dispatched (a dispatch mode that only passes them on): the route with every output."""
     with _Names():
