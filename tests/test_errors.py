@@ -106,6 +106,11 @@ BAD_INPUTS = [
     ("integer scores", torch.ones(3, 4, dtype=torch.int64), None, TypeError, r"scores.*torch\.int64"),
     ("bool scores", torch.ones(3, 4, dtype=torch.bool), None, TypeError, r"scores.*torch\.bool"),
     ("list scores", [[1.0, 2.0]], None, TypeError, r"scores.*list"),
+    ("sparse scores", SCORES.to_sparse(), None, TypeError, r"scores must be a dense.*sparse_coo"),
+    ("sparse scores, masked", SCORES.to_sparse(), torch.ones(4, dtype=torch.bool), TypeError,
+     r"scores must be a dense"),
+    ("nested scores", torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(2, 4)]), None, TypeError,
+     r"scores must be a dense.*nested"),
 ]
 
 

@@ -39,6 +39,12 @@ def _check_scores(scores: Any) -> None:
         raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
     if not scores.dtype.is_floating_point:
         raise TypeError(f"scores must be a floating-point tensor, got dtype {scores.dtype}")
+    if scores.is_nested or scores.layout != torch.strided:
+        if scores.is_nested:
+            raise TypeError("scores must be a dense (strided) tensor, got a nested tensor; pad it "
+                            "(.to_padded_tensor(), with a mask that forbids the padding)")
+        raise TypeError(f"scores must be a dense (strided) tensor, got layout {scores.layout}; convert it "
+                        f"(.to_dense())")
 
 
 def _normalize_dim(dim: int, ndim: int) -> int:
@@ -161,7 +167,8 @@ def normalize(
             a ``softcap`` that is not a finite number > 0.
     """
     if (mask is None and sink is None and softcap is None and type(scores) is Tensor and scores.dtype.is_floating_point
-            and scores.ndim and type(dim) is int and (dim == -1 or dim == scores.ndim - 1) and scores.numel()):
+            and scores.layout is torch.strided and not scores.is_nested and scores.ndim and type(dim) is int
+            and (dim == -1 or dim == scores.ndim - 1) and scores.numel()):
         # The common call (no mask, sink or cap; rows along the last axis): what the general path below would
         # do, without its bookkeeping (~2 us of a 4x16 call's ~27).
         for value in params.values():
