@@ -63,6 +63,15 @@ def _split_sink(dx: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor | None]
     return (dx, None) if sink is None else (dx[..., :-1], dx[..., -1])
 
 
+def _like_weights(x: Tensor | None, y: Tensor) -> Tensor | None:
+    """The raw scores a backward op reads, in the saved weights' dtype (the op's precision follows them).
+
+    They differ under autocast: the forward op ran in float32 (its autocast rule) on half-precision
+    scores, and the Function saved the scores as they came; the native kernels take no half precision.
+    """
+    return x if x is None or x.dtype == y.dtype else x.to(y.dtype)
+
+
 def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | None, grad: Tensor,
                    multiplier: Tensor, m: Callable[[], Tensor], param_grad: int, x: Tensor | None = None):
     """``dx``, the per-row parameter gradient and ``dsink`` of ``y = softmax(m x)``, from the saved output.
@@ -74,8 +83,8 @@ def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | No
     """
     softcap = ctx.softcap
     if not torch.is_grad_enabled():
-        dx, per_row, dsink = ops.call(ops.softmax_bwd, y, grad, multiplier, x, param_grad, sink_weight, sink,
-                                      softcap, ctx.backend)
+        dx, per_row, dsink = ops.call(ops.softmax_bwd, y, grad, multiplier, _like_weights(x, y), param_grad,
+                                      sink_weight, sink, softcap, ctx.backend)
         return dx, per_row if param_grad else None, dsink if sink is not None else None
     # Recorded by autograd (double backward, torch.func): the same closed forms, differentiable.
     raw = x
@@ -267,7 +276,7 @@ class _Entmax(_RowFunction):
         wants = ctx.needs_input_grad[5]
         if not torch.is_grad_enabled():
             dx, per_row, dsink = ops.call(ops.entmax_bwd, y, grad, gate, ctx.alpha, alpha_rows, wants, sink_weight,
-                                          raw, ctx.softcap, ctx.backend)
+                                          _like_weights(raw, y), ctx.softcap, ctx.backend)
         else:
             alpha = ctx.alpha if alpha_rows is None else alpha_rows
             if sink is not None:
@@ -429,10 +438,13 @@ def _reference(kernel: str, x: Tensor, mask: RowMask, sink: Tensor | None, softc
     """The pure-torch reference (differentiable), with the sink and the cap when given.
 
     Half-precision scores are computed in float32 and the weights rounded once, as every kernel
-    does (computed in bfloat16 a Scalable-Softmax row of two scores came out 0.031 off).
+    does (computed in bfloat16 a Scalable-Softmax row of two scores came out 0.031 off); under
+    autocast they stay float32, as the ops' autocast rule (and ``torch.softmax``'s) gives them.
     """
     dtype = x.dtype
     if dtype in (torch.float16, torch.bfloat16):
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.float32
         x = x.float()
     if softcap is not None:
         x = capped(x, softcap)

@@ -543,6 +543,32 @@ def test_efficient_zero_tensors_are_zeros(name, backend):
     assert torch.equal(dx, torch.zeros_like(dx))
 
 
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("name", MODULES)
+def test_autocast_computes_in_float32_forward_and_backward(name, backend):
+    """Under autocast, half-precision scores give float32 weights on every backend (the ops' autocast
+    rule, as ``torch.softmax``'s), and the backward runs, with the raw scores it reads for a cap or a
+    learnable multiplier (the saved half-precision scores once reached the native kernel as they were):
+    weights and gradients are those of the same module on the float32 scores."""
+    module = MODULES[name](backend=backend).to(DEVICE)
+    half = scores(2, 2, 3, 6, seed=8, dtype=torch.bfloat16) * 3
+    upstream = scores(2, 2, 3, 6, seed=9)
+
+    def run(x, autocast):
+        x = x.detach().requires_grad_()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            y = module(x, softcap=4.0)
+        grads = torch.autograd.grad(y, [x, *module.parameters()], upstream)
+        return y, grads
+
+    y, grads = run(half, True)
+    expected, expected_grads = run(half.float(), False)
+    assert y.dtype == torch.float32 and grads[0].dtype == torch.bfloat16
+    torch.testing.assert_close(y, expected)
+    for got, want in zip(grads, expected_grads, strict=True):  # the scores' gradient rounded to bfloat16
+        torch.testing.assert_close(got, want.to(got.dtype))
+
+
 def _by_the_op(run):
     """``run()`` with the ops dispatched (a dispatch mode that only passes them on): the route with every output."""
     with _Names():
