@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import _C, Tensor
 
 from attnorm.kernels.rules import check_key_lengths
 
@@ -148,13 +148,17 @@ def causal_mask(diagonal: int = 0) -> StructuredMask:
 
 def key_padding_mask(lengths: Tensor) -> StructuredMask:
     """Key-padding mask: batch row ``b`` attends only its first ``lengths[b]`` keys."""
-    lengths = torch.as_tensor(lengths)
+    if not isinstance(lengths, Tensor):  # as_tensor of a tensor is a no-op that jit.trace warns about
+        lengths = torch.as_tensor(lengths)
     if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or lengths.ndim != 1:
         raise TypeError(
             f"lengths must be a 1-D integer tensor, got dtype {lengths.dtype} and shape {tuple(lengths.shape)}"
         )
-    # Reading a GPU tensor's values would synchronise the device: only CPU lengths are checked.
-    if lengths.device.type == "cpu" and not torch.compiler.is_compiling() and bool((lengths < 0).any()):
+    # The values are checked only where reading them is free and allowed: CPU lengths (a GPU tensor's would
+    # synchronise the device), in eager code (not while compiling, tracing or under a torch.func transform,
+    # where lengths may be batched per example and a Python bool of them is data-dependent control flow).
+    if (lengths.device.type == "cpu" and not torch.compiler.is_compiling() and not _C._get_tracing_state()
+            and not _C._are_functorch_transforms_active() and bool((lengths < 0).any())):
         raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
     return StructuredMask(key_lengths=lengths)
 

@@ -25,6 +25,38 @@ def test_key_padding_mask_keeps_the_first_lengths_keys_of_each_batch_row():
         assert torch.equal(allowed[batch].expand(2, 4, 5), expected.expand(2, 4, 5))
 
 
+def test_key_padding_mask_built_inside_vmap_takes_per_example_lengths():
+    """Lengths batched by ``torch.func.vmap``: the eager value check (a Python bool of the lengths)
+    was data-dependent control flow there; each example equals its own eager call."""
+    x = torch.randn(2, 3, 4, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([[1, 2], [3, 7], [0, 5]])
+
+    def weights(length):
+        return attnorm.Softmax()(x, mask=attnorm.key_padding_mask(length))
+
+    batched = torch.func.vmap(weights)(lengths)
+    for got, length in zip(batched, lengths, strict=True):
+        assert torch.equal(got, weights(length))
+    with pytest.raises(ValueError, match="lengths must be >= 0"):  # eager calls still check the values
+        attnorm.key_padding_mask(torch.tensor([-1, 2]))
+
+
+def test_key_padding_mask_traces_without_warnings():
+    """``jit.trace`` of a function building the mask from a lengths input: no TracerWarning (the value
+    check and ``as_tensor`` of a tensor both warned), and the trace follows new lengths."""
+    import warnings
+
+    x = torch.randn(2, 3, 4, 7, generator=torch.Generator().manual_seed(1))
+
+    def weights(scores, length):
+        return attnorm.Softmax()(scores, mask=attnorm.key_padding_mask(length))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        traced = torch.jit.trace(weights, (x, torch.tensor([1, 2])), check_trace=False)
+    assert torch.equal(traced(x, torch.tensor([3, 7])), weights(x, torch.tensor([3, 7])))
+
+
 def test_combined_masks_intersect():
     lengths_a, lengths_b = torch.tensor([3, 5]), torch.tensor([4, 2])
     shape = torch.Size([2, 3, 5, 5])
