@@ -222,9 +222,12 @@ def _hook(model_class: type) -> None:
 def sync_from_config(model: nn.Module) -> None:
     """Give every self-attention layer the normalizer that ``model.config.attnorm`` names.
 
-    Runs when the model is built and when its attention implementation is set; does
-    nothing unless the implementation is ``"attnorm"``.  Layers patched by :func:`patch`
-    are left to the patch; layers built from an older spec are rebuilt.
+    Runs when the model is built and when its attention implementation is set.  Under
+    another implementation the normalizers built from the config are kept while
+    ``config.attnorm`` still names them (switching back finds their values), and
+    detached once it does not (a model switched back to eager for good holds no attnorm
+    parameters and can be patched).  Layers patched by :func:`patch` are left to the
+    patch; layers built from an older spec are rebuilt.
 
     Raises:
         ValueError: the implementation is ``"attnorm"`` and ``config.attnorm`` is missing or malformed.
@@ -233,7 +236,9 @@ def sync_from_config(model: nn.Module) -> None:
     entry = getattr(config, CONFIG_ATTR, None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation != ATTN_IMPLEMENTATION:
-        if entry is not None and implementation is not None:
+        if entry is None:
+            _detach_config_normalizers(model)
+        elif implementation is not None:
             warnings.warn(
                 f"{type(model).__name__}: config.attnorm is set but attn_implementation is {implementation!r}, "
                 "so attention runs without the attnorm normalizer; pass attn_implementation='attnorm'",
@@ -261,6 +266,21 @@ def sync_from_config(model: nn.Module) -> None:
             setattr(module, _STATE_ATTR, _LayerState(-1, from_config=True))  # exact softmax, on purpose
     ignored = getattr(model, "_keys_to_ignore_on_load_missing", None)
     model._keys_to_ignore_on_load_missing = {*(ignored or ()), _MISSING_OK}
+
+
+def _detach_config_normalizers(model: nn.Module) -> None:
+    """Remove from every attention layer the normalizer (and state) built from ``config.attnorm``; a
+    :func:`patch`'s stay."""
+    layers = [module for _, module in attention_layers(model)] + _cross_attention_layers(model)
+    for module in layers:
+        state = getattr(module, _STATE_ATTR, None)
+        if state is None or not state.from_config:
+            continue
+        if NORMALIZER_ATTR in module._modules:
+            del module._modules[NORMALIZER_ATTR]
+        else:
+            module.__dict__.pop(NORMALIZER_ATTR, None)  # a shared instance held as a plain attribute
+        delattr(module, _STATE_ATTR)
 
 
 def _attach(module: nn.Module, normalizer: Normalizer, attached: set[int]) -> None:

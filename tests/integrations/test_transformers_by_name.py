@@ -168,6 +168,29 @@ def test_switch_a_loaded_model_by_config():
         assert (model(ids, attention_mask=mask, position_ids=positions).logits - expected)[keep].abs().max() > 1e-3
 
 
+def test_switching_back_to_eager_keeps_the_normalizers_until_the_config_drops_them():
+    """Eager with ``config.attnorm`` still set keeps the built normalizers (and their values, found again when
+    switched back); once the config no longer names them, switching detaches them: no attnorm parameters
+    left in the state dict, and the model can be patched."""
+    model = tiny_gpt2()
+    model.config.attnorm = {"normalizer": "ssmax:learnable=true,num_heads=2"}
+    model.set_attn_implementation("attnorm")
+    with torch.no_grad():
+        getattr(model.transformer.h[0].attn, NORM).s.fill_(0.9)
+    with pytest.warns(UserWarning, match="config.attnorm is set but attn_implementation is 'eager'"):
+        model.set_attn_implementation("eager")
+    assert any(NORM in key for key in model.state_dict())
+    model.set_attn_implementation("attnorm")
+    assert torch.all(getattr(model.transformer.h[0].attn, NORM).s == 0.9)
+    del model.config.attnorm
+    model.set_attn_implementation("eager")
+    assert not any(NORM in key for key in model.state_dict())
+    assert all(not hasattr(block.attn, NORM) for block in model.transformer.h)
+    handle = attnorm.integrations.transformers.patch(model, "sparsemax")
+    assert [type(getattr(block.attn, NORM)).__name__ for block in model.transformer.h] == ["Sparsemax"] * 2
+    handle.remove()
+
+
 def test_bad_specs_and_a_layer_without_normalizer_are_errors():
     config = tiny_gpt2().config
     config.attnorm = {"normalizer": ["softmax"] * 3}
