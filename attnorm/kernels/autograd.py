@@ -381,8 +381,9 @@ def _lane(implementation: str, x: Tensor, mask: RowMask, *inputs: object) -> Sim
     and the statistics only a backward reads cost about a third of a call on a tiny tensor.
     ``_PLAIN_GRAD`` when :func:`ops.plain` holds but a gradient is needed, ``_PLAIN`` when
     none is but the dtype is upcast: the op's device kernel then runs without :func:`ops.call`'s
-    second look (~1.5 us of a ~19 us call with a gradient on a 4x16 tensor).  :func:`ops.watched` first, so that Dynamo
-    reads nothing else; then one pass over the inputs: this runs on every call.
+    second look (~1.5 us of a ~19 us call with a gradient on a 4x16 tensor).
+    :func:`ops.watched` first, so that Dynamo reads nothing else; then one pass over the
+    inputs: this runs on every call.
     """
     if ops.watched() or not ops.plain_tensor(x):
         return _WATCHED
