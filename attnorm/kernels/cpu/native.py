@@ -211,21 +211,20 @@ def softmax_forward(
     """
     if variant not in (0, 1):
         raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
-    cap = 0.0 if softcap is None else _cap(softcap)
+    cap = _cap(softcap)
     scores = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
-    # Numbers inline: a tiny call is mostly such steps (each helper call ~0.15 us).
-    first, first_rows = _per_row(first, row_shape, dtype, "first") if isinstance(first, Tensor) else (first, None)
-    second, second_rows = _per_row(second, row_shape, dtype, "second") if isinstance(second, Tensor) else (second, None)
-    sink_score, sink_rows = (-math.inf, None) if sink is None else _per_row(sink, row_shape, dtype, "sink")
+    first, first_rows = _per_row(first, row_shape, dtype, "first")
+    second, second_rows = _per_row(second, row_shape, dtype, "second")
+    sink_score, sink_rows = _sink(sink, row_shape, dtype)
     y = torch.empty_like(scores)  # contiguous like scores; cheaper than _new
     multiplier = None if weights_only else _new(row_shape, dtype)
     log_count = _new(row_shape, dtype) if variant == 1 and not weights_only else None
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_softmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, variant,
-            float(first), _address(first_rows), float(second), _address(second_rows), _address(multiplier),
-            _address(log_count), sink_score, _address(sink_rows), _address(sink_weight), cap)
+            first, _address(first_rows), second, _address(second_rows), _address(multiplier), _address(log_count),
+            sink_score, _address(sink_rows), _address(sink_weight), cap)
     return (y, multiplier, log_count) if sink is None else (y, multiplier, log_count, sink_weight)
 
 
@@ -335,13 +334,12 @@ def topk_forward(
     Raises:
         ValueError: a bad ``softcap``.
     """
-    cap = 0.0 if softcap is None else _cap(softcap)
+    cap = _cap(softcap)
     scores = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
-    temperature, temperature_rows = (_per_row(temperature, row_shape, dtype, "temperature")
-                                     if isinstance(temperature, Tensor) else (float(temperature), None))
-    sink_score, sink_rows = (-math.inf, None) if sink is None else _per_row(sink, row_shape, dtype, "sink")
+    temperature, temperature_rows = _per_row(temperature, row_shape, dtype, "temperature")
+    sink_score, sink_rows = _sink(sink, row_shape, dtype)
     y = torch.empty_like(scores)  # contiguous like scores; cheaper than _new
     multiplier = None if weights_only else _new(row_shape, dtype)
     sink_weight = None if sink is None else _new(row_shape, dtype)
