@@ -39,12 +39,12 @@ def _check_scores(scores: Any) -> None:
         raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
     if not scores.dtype.is_floating_point:
         raise TypeError(f"scores must be a floating-point tensor, got dtype {scores.dtype}")
-    if scores.is_nested or scores.layout != torch.strided:
-        if scores.is_nested:
-            raise TypeError("scores must be a dense (strided) tensor, got a nested tensor; pad it "
-                            "(.to_padded_tensor(), with a mask that forbids the padding)")
-        raise TypeError(f"scores must be a dense (strided) tensor, got layout {scores.layout}; convert it "
-                        f"(.to_dense())")
+    if scores.is_nested:
+        raise TypeError("scores must be a dense (strided) tensor, got a nested tensor; pad it "
+                        "(.to_padded_tensor(), with a mask that forbids the padding)")
+    if scores.layout != torch.strided:
+        raise TypeError(f"scores must be a dense (strided) tensor, got layout {scores.layout}; "
+                        "convert it (.to_dense())")
 
 
 def _normalize_dim(dim: int, ndim: int) -> int:
