@@ -14,6 +14,7 @@ import torch
 from torch import _C, Tensor
 
 from attnorm.kernels.rules import check_key_lengths
+from attnorm.validation import values_readable
 
 __all__ = ["StructuredMask", "causal_mask", "document_mask", "key_padding_mask", "sliding_window_mask"]
 
@@ -154,11 +155,9 @@ def key_padding_mask(lengths: Tensor) -> StructuredMask:
         raise TypeError(
             f"lengths must be a 1-D integer tensor, got dtype {lengths.dtype} and shape {tuple(lengths.shape)}"
         )
-    # The values are checked only where reading them is free and allowed: CPU lengths (a GPU tensor's would
-    # synchronise the device), in eager code (not while compiling, tracing or under a torch.func transform,
-    # where lengths may be batched per example and a Python bool of them is data-dependent control flow).
-    if (lengths.device.type == "cpu" and not torch.compiler.is_compiling() and not _C._get_tracing_state()
-            and not _C._are_functorch_transforms_active() and bool((lengths < 0).any())):
+    # The values are checked where reading them is free and allowed (validation.values_readable), and not
+    # while jit.trace records (it would warn that the trace may not generalise).
+    if values_readable(lengths) and not _C._get_tracing_state() and bool((lengths < 0).any()):
         raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
     return StructuredMask(key_lengths=lengths)
 

@@ -25,6 +25,7 @@ __all__ = [
     "check_softcap",
     "check_temperature",
     "quiet_shape_checks_while_tracing",
+    "values_readable",
 ]
 
 Scalar = float | Tensor
@@ -37,14 +38,20 @@ def _check_number(name: str, value) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
 
 
+def values_readable(value: Tensor) -> bool:
+    """Whether an eager check may read ``value``'s values: on the CPU (elsewhere a device sync), not while
+    compiling (a graph break) nor under a ``torch.func`` transform (values batched per example: a Python bool
+    of them is data-dependent control flow)."""
+    return (value.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active())
+
+
 def _values_checkable(value) -> bool:
-    # Learnable parameters are kept valid by their parametrisation; reading other
-    # tensors' values costs a device sync (or a graph break), accepted on CPU in eager only.
+    # Learnable parameters are kept valid by their parametrisation; other tensors' values are read where
+    # values_readable allows.
     if isinstance(value, Real):
         return True
-    # Nor under a functorch transform (vmap over a batched parameter: reading values is data-dependent control flow).
-    return (not value.requires_grad and value.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active())
+    return not value.requires_grad and values_readable(value)
 
 
 def _holds(value: Scalar, condition) -> bool:
