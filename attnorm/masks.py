@@ -91,7 +91,7 @@ class StructuredMask:
             bounds = bounds if bounds.ndim == 2 else bounds[None]  # (B | 1, D + 1)
             if bounds.shape[0] not in (1, batch):
                 raise ValueError(f"cu_seqlens of shape (B, D + 1) needs B = {batch}, got {tuple(bounds.shape)}")
-            rows = rows.expand(bounds.shape[0], lq).contiguous()
+            rows = rows.repeat(bounds.shape[0], 1)  # fresh strides: searchsorted warns on an expanded (1, Lq)
             document = torch.searchsorted(bounds, rows, right=True)  # 1 + index of the last bound <= row
             edges = torch.cat([bounds, bounds.new_full((bounds.shape[0], 1), max(lk, 0))], dim=-1)
             start = torch.maximum(start, edges.gather(-1, document - 1))
@@ -186,15 +186,20 @@ def document_mask(cu_seqlens: Tensor) -> StructuredMask:
             Combine with :func:`causal_mask` by ``&`` for causal packed training;
             Scalable-Softmax's ``n`` then counts each document's keys.
     """
-    cu_seqlens = torch.as_tensor(cu_seqlens)
+    if not isinstance(cu_seqlens, Tensor):  # as_tensor of a tensor is a no-op that jit.trace warns about
+        cu_seqlens = torch.as_tensor(cu_seqlens)
     if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool or cu_seqlens.ndim not in (1, 2):
         raise TypeError(
             "cu_seqlens must be an integer tensor (D + 1,) or (B, D + 1), "
             f"got dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}"
         )
+    # Checked where key_padding_mask checks its lengths (values_readable), and not while jit.trace records
+    # (a traced size is a tensor there, and the trace would warn it may not generalise).
+    if _C._get_tracing_state():
+        return StructuredMask(cu_seqlens=cu_seqlens)
     if cu_seqlens.shape[-1] < 1:
         raise ValueError("cu_seqlens must hold at least one boundary (0)")
-    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+    if values_readable(cu_seqlens):
         for values in cu_seqlens.reshape(-1, cu_seqlens.shape[-1]).tolist():
             if values[0] != 0 or any(b < a for a, b in zip(values, values[1:], strict=False)):
                 raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {values}")

@@ -184,3 +184,38 @@ def test_document_mask_with_one_packing_per_batch_row():
         assert torch.equal(allowed[row, 0], single)
     with pytest.raises(ValueError, match="cu_seqlens"):
         attnorm.document_mask(torch.tensor([[0, 2], [1, 3]]))
+
+
+def test_document_mask_built_inside_vmap_takes_per_example_boundaries():
+    """Boundaries batched by ``torch.func.vmap`` (the eager check read their values with ``tolist``:
+    a RuntimeError there); each example equals its own eager call, and eager calls still check."""
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    bounds = torch.tensor([[0, 2, 6], [0, 3, 6], [0, 6, 6]])
+
+    def weights(cu_seqlens):
+        return attnorm.Softmax()(x, mask=attnorm.document_mask(cu_seqlens))
+
+    batched = torch.func.vmap(weights)(bounds)
+    for got, cu_seqlens in zip(batched, bounds, strict=True):
+        assert torch.equal(got, weights(cu_seqlens))
+    assert not torch.equal(batched[0], batched[1])  # the examples really differ
+    with pytest.raises(ValueError, match="never decrease"):
+        attnorm.document_mask(torch.tensor([0, 4, 2]))
+
+
+def test_document_mask_traces_without_warnings():
+    """``jit.trace`` of a function building the mask from a boundaries input (it raised a SystemError):
+    no TracerWarning, and the trace follows new boundaries."""
+    import warnings
+
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(3))
+
+    def weights(scores, cu_seqlens):
+        return attnorm.Softmax()(scores, mask=attnorm.document_mask(cu_seqlens))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        traced = torch.jit.trace(weights, (x, torch.tensor([0, 2, 6])), check_trace=False)
+    other = torch.tensor([0, 3, 6])
+    assert torch.equal(traced(x, other), weights(x, other))
+    assert not torch.equal(traced(x, other), weights(x, torch.tensor([0, 2, 6])))
