@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lent-GPU session's checks, in one call that fits the device tool's lease (README, "GPU checklist").
+# One lent-GPU session's checks, in one call that fits the device tool's lease (docs/performance.md, "The next GPU session").
 # Every step has its own time limit; a step that fails or runs out of time leaves its log and the next one runs.
 # Writes everything under $OUT (default /tmp/gpu_check): log.txt and results.tar.gz (the benchmarks' CSV/MD/PNG).
 #
