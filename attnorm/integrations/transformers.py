@@ -48,6 +48,7 @@ models name theirs), which keeps exact softmax attention.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import warnings
@@ -440,6 +441,7 @@ def patch(model: nn.Module, normalizer: NormalizerSpec, *, recorder: Recorder | 
             "or change model.config.attnorm and call model.set_attn_implementation('attnorm')"
         )
     normalizers = [_layer_normalizer(normalizer, layer_idx) for layer_idx, _ in layers]
+    _own_config(model)
     original, original_entry = model.config._attn_implementation, getattr(model.config, CONFIG_ATTR, None)
     attached: set[int] = set()
     for (layer_idx, module), layer_normalizer in zip(layers, normalizers, strict=True):
@@ -457,6 +459,27 @@ def patch(model: nn.Module, normalizer: NormalizerSpec, *, recorder: Recorder | 
         handle.remove()
         raise ValueError(f"{type(model).__name__} does not allow switching its attention implementation")
     return handle
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` a config object of its own before :func:`patch` writes to it.
+
+    Models built from one config object share it (``Model(config)`` keeps the object, and so
+    does each submodule that reads it), and the attention implementation and
+    ``config.attnorm`` live on it: patching one model switched every other model built from
+    that config to attnorm attention, whose layers had no normalizer (their forward raised),
+    and a model built from it afterwards counted as patched.  Every module's reference to
+    the config, or to one of its sub-configs (``text_config``, ...), moves to one deep copy.
+    """
+    from transformers import PretrainedConfig
+
+    memo: dict[int, object] = {}
+    copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        found = {name: value for name, value in vars(module).items() if isinstance(value, PretrainedConfig)}
+        for name, value in found.items():
+            if id(value) in memo:
+                setattr(module, name, memo[id(value)])
 
 
 def _layer_normalizer(normalizer: NormalizerSpec, layer_idx: int) -> Normalizer:

@@ -189,6 +189,37 @@ def test_remove_restores_the_model():
         assert model.config._attn_implementation == original
 
 
+def test_patching_one_model_leaves_models_sharing_its_config_alone():
+    """Two models built from one config object share it (and so do their layers). ``patch()`` switched
+    the shared config to attnorm attention: the other model's forward raised (its layers have no
+    normalizer), and a model built from the config later counted as patched."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    patched, other = (transformers.LlamaForCausalLM(config).eval() for _ in range(2))
+    assert other.config is config and other.model.layers[0].self_attn.config is config
+    ids, mask, positions = padded_batch("left")
+    with torch.no_grad():
+        before = other(ids, attention_mask=mask, position_ids=positions).logits
+        softmax_patched = patched(ids, attention_mask=mask, position_ids=positions).logits
+        handle = patch(patched, "sparsemax")
+        assert config._attn_implementation != integration.ATTN_IMPLEMENTATION and not hasattr(config, "attnorm")
+        # every module of the patched model reads its own copy, which says attnorm
+        configs = {id(value) for module in patched.modules() for value in vars(module).values()
+                   if isinstance(value, transformers.PretrainedConfig)}
+        assert configs == {id(patched.config)} and patched.config.attnorm == {"normalizer": "sparsemax"}
+        sparse = patched(ids, attention_mask=mask, position_ids=positions).logits
+        assert not torch.allclose(sparse, softmax_patched)
+        torch.testing.assert_close(other(ids, attention_mask=mask, position_ids=positions).logits, before)
+        later = transformers.LlamaForCausalLM(config).eval()
+        with patch(later, "entmax"):
+            pass
+        handle.remove()
+        torch.testing.assert_close(patched(ids, attention_mask=mask, position_ids=positions).logits, softmax_patched)
+
+
 def test_learnable_normalizers_are_trained_with_the_model():
     model = tiny_gpt2()
     handle = patch(model, lambda idx: attnorm.ScalableSoftmax(s=0.3 + 0.1 * idx, learnable=True, num_heads=4))
