@@ -125,6 +125,24 @@ def test_sdpa_route_matches_float64_reference_under_every_mask(case, lq, lk, blo
         torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10, msg=f"mask {name}")
 
 
+@pytest.mark.parametrize("case", FAST_CASES, ids=repr)
+@pytest.mark.parametrize("lq,lk", SHAPES)
+def test_negative_scale_matches_float64_reference_under_every_mask(case, lq, lk, blocks):
+    """A negative ``scale``: SDPA's CPU kernel with ``is_causal`` gave NaN rows (its -inf mask times the scale).
+
+    float32 and head dim 16: SDPA took its math kernel, which was right, in float64 or at head dim 8."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, length, 16, generator=generator) for length in (lq, lk, lk))
+    q.requires_grad_()
+    for name, kwargs, allowed, additive in mask_kinds(lq, lk):
+        expected, _ = reference_attention(case, q.detach(), k, v, allowed, additive, scale=-0.5)
+        out = attnorm.attention(q, k, v, case.build(), scale=-0.5, **kwargs)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5, msg=f"mask {name}")
+        grad, expected_grad = (torch.autograd.grad(result.square().sum(), q)[0].double() for result in (
+            out, reference_attention(case, q, k, v, allowed, additive, scale=-0.5)[0]))
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-4, msg=f"mask {name}")
+
+
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_scale_zero_gives_uniform_weights_over_allowed_keys_under_every_mask(case, blocks):
     """``scale=0``: SDPA's own kernels return NaN rows under a mask (0 x -inf); attention must not."""

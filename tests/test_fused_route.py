@@ -303,3 +303,29 @@ def test_the_entmax_forward_keeps_w_only_for_a_backward_without_alpha_gradient()
     assert attention_ops._keeps_weighted(wanted, k, v, alpha.detach(), None, None)  # fixed per-head alphas
     with torch.no_grad():
         assert not attention_ops._keeps_weighted(wanted, k, v, None, None, None)
+
+
+@pytest.mark.parametrize("dtype, sink_dtype, tolerance", [
+    (torch.bfloat16, torch.bfloat16, 0.01), (torch.float64, torch.float32, 1e-12)])
+@pytest.mark.parametrize("spec", ["softmax:temperature=0.1", "ssmax:s=2.0"])
+def test_a_sink_logit_is_the_sink_times_the_multiplier_at_the_computing_precision(
+        device, fused_calls, monkeypatch, dtype, sink_dtype, tolerance, spec):
+    """The fused softmax's sink logit ``c sinks[h]`` was computed in the sinks' dtype: a bfloat16 sink of
+    8.625 over T = 0.1 came out 86.0 instead of 86.25 (outputs 0.126 off where the reference backend's
+    were 0.003), and float32 sinks with float64 q lost float64's digits (1e-8)."""
+    gen = torch.Generator().manual_seed(0)
+    q = (4 * torch.randn(1, 1, 1, D, generator=gen, dtype=torch.float64)).expand(B, H, LQ, D)  # scores ~ 30
+    k, v = (torch.randn(B, HKV, LK, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    scores = q.double() @ k.double().repeat_interleave(H // HKV, 1).transpose(-2, -1) / math.sqrt(D)
+    sinks = torch.full((H,), scores.amax().item() + 0.1, dtype=torch.float64).to(device=device, dtype=sink_dtype)
+    multiplier = 10.0 if spec.startswith("softmax") else 2.0 * math.log(LK)
+    logits = multiplier * torch.cat([scores, sinks.double().reshape(1, H, 1, 1).expand(B, H, LQ, 1)], -1)
+    expected = torch.softmax(logits, -1)[..., :LK] @ v.double().repeat_interleave(H // HKV, 1)
+    normalizer = attnorm.make(spec)
+    normalizer.backend = "triton"
+    scaled_calls, original = [], fused.scaled_softmax
+    monkeypatch.setattr(fused, "scaled_softmax", lambda *args: scaled_calls.append(1) or original(*args))
+    out = attnorm.attention(q, k, v, normalizer, sinks=sinks)
+    assert scaled_calls == [1] and out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=tolerance)

@@ -145,7 +145,9 @@ def scaled_softmax(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask
         rows = multiplier.squeeze(-1) if multiplier.ndim else multiplier
     sink_logits = None
     if sinks is not None:
-        sink_logits = sinks.reshape(-1, 1) * (multiplier if rows is None else rows)
+        # In the precision the kernel computes in: c sinks[h] in bfloat16 put a logit of 86.25 at 86.0.
+        wide = sinks.reshape(-1, 1).to(torch.promote_types(rules.accumulation_dtype(q.dtype), sinks.dtype))
+        sink_logits = wide * (multiplier if rows is None else rows)
     kernel_masks = kernel_mask(mask, additive, q, k.shape[-2])
     if softcap is None and additive is None:
         if rows is not None:

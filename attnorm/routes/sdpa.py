@@ -125,6 +125,10 @@ def scaled_sdpa(q: Tensor, k: Tensor, v: Tensor, multiplier: Multiplier, mask, a
     if scale == 0:
         # SDPA's kernels give NaN rows at scale 0 under a mask (0 x -inf): the zero goes into q instead.
         q, scale = q * 0.0, 1.0
+    elif scale < 0:
+        # With is_causal, SDPA's CPU kernel gives NaN rows at a negative scale (its -inf mask times the scale):
+        # the sign goes into q instead, exactly.
+        q, scale = -q, -scale
     sdpa_mask, is_causal = _sdpa_mask(mask, q, lq, lk)
     if additive is not None:
         # c (scale q k^T + additive): the additive mask is scaled too, its -inf entries kept.
