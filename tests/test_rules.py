@@ -381,3 +381,27 @@ def test_a_row_holding_nan_gets_nan_gradients_and_the_others_none(name, backend,
     for leaf in (param, sink):
         if leaf is not None:
             assert leaf.grad[1].isnan().all() and not leaf.grad[[0, 2]].isnan().any(), leaf.shape
+
+
+@pytest.mark.parametrize("backend", _NAN_ROW_BACKENDS)
+@pytest.mark.parametrize("name", list(_LEARNABLE))
+def test_a_masked_nan_or_inf_takes_no_part_under_a_cap(name, backend):
+    """With ``softcap``, a NaN or +inf score at a masked position changes nothing and gets gradient 0: the
+    reference capped it before masking, and the cap's slope at NaN carried NaN back to it."""
+    function, value = _LEARNABLE[name]
+    x = random_scores(3, 8, seed=6).to(DEVICE)
+    mask = torch.ones(3, 8, dtype=torch.bool, device=DEVICE)
+    mask[0, 2] = mask[1, 5] = mask[2, 0] = False
+    poisoned = x.clone()
+    poisoned[0, 2], poisoned[1, 5], poisoned[2, 0] = math.nan, math.inf, -math.inf
+    weights = torch.arange(8.0, dtype=x.dtype, device=DEVICE).expand(3, 8)
+    results = []
+    for scores in (x, poisoned):
+        scores = scores.clone().requires_grad_()
+        param = None if value is None else torch.full((3, 1), value, dtype=x.dtype, device=DEVICE, requires_grad=True)
+        y = function(scores, param, mask=mask, backend=backend, softcap=4.0)
+        grads = torch.autograd.grad((y * weights).sum(), [scores] + ([] if param is None else [param]))
+        results.append((y, *grads))
+    for clean, dirty in zip(*results, strict=True):
+        torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
+    assert (results[1][1][~mask] == 0).all()
