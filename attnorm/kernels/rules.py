@@ -27,6 +27,7 @@ __all__ = [
     "allowed",
     "attention_allowed",
     "allowed_count",
+    "allowed_prefix",
     "check_key_lengths",
     "keeps_float_output",
     "mask_allows",
@@ -93,6 +94,25 @@ def mask_allows(x: Tensor, mask: RowMask) -> Tensor | None:
             padding = keys < mask.key_lengths.to(x.device).reshape(-1, *([1] * (x.ndim - 1)))
             keep = padding if keep is None else keep & padding
     return keep
+
+
+def allowed_prefix(x: Tensor, mask: RowMask) -> Tensor:
+    """Each row's allowed positions under a mask of ``diagonal`` and ``key_lengths`` alone: a prefix.
+
+    Row ``(b, ..., q)`` may use its first ``min(q + diagonal + 1, key_lengths[b])`` positions
+    (clamped to ``[0, L]``); int64, contiguous, shape ``x.shape[:-1]``.
+    """
+    if mask.tensor is not None:
+        raise ValueError("allowed_prefix takes a mask of diagonal and key_lengths only (a bool tensor is no prefix)")
+    lk = x.shape[-1]
+    stop = torch.full((1,), lk, dtype=torch.int64, device=x.device)
+    if mask.diagonal is not None:
+        stop = torch.arange(mask.diagonal + 1, mask.diagonal + 1 + x.shape[-2], device=x.device)  # (Lq,)
+    if mask.key_lengths is not None:
+        check_key_lengths(mask.key_lengths, tuple(x.shape))
+        lengths = mask.key_lengths.to(device=x.device, dtype=torch.int64)
+        stop = torch.minimum(stop, lengths.reshape(-1, *([1] * (x.ndim - 2))))
+    return stop.clamp(0, lk).expand(x.shape[:-1]).contiguous()
 
 
 def allowed(x: Tensor, mask: RowMask) -> Tensor:

@@ -628,3 +628,56 @@ def test_empty_batches():
     assert y.shape == (0, 4) and multiplier.shape == (0,)
     y, gate = native.entmax_forward(x, NO_MASK, 1.5)
     assert y.shape == (0, 4) and gate.shape == (0,)
+
+
+STRUCTURED_CALLS = {
+    "softmax": lambda x, mask, sink, cap: native.softmax_forward(x, mask, 0, 0.7, 0.0, sink, cap),
+    "ssmax": lambda x, mask, sink, cap: native.softmax_forward(x, mask, 1, 0.6, 0.1, sink, cap),
+    "topk": lambda x, mask, sink, cap: native.topk_forward(x, mask, 3, False, 0.8, sink, cap),
+    "topk_fraction": lambda x, mask, sink, cap: native.topk_forward(x, mask, 0.4, True, 1.0, sink, cap),
+    "sparsemax": lambda x, mask, sink, cap: native.entmax_forward(x, mask, 2.0, sink, cap),
+    "entmax_1.5": lambda x, mask, sink, cap: native.entmax_forward(x, mask, 1.5, sink, cap),
+    "entmax_1.3": lambda x, mask, sink, cap: native.entmax_forward(x, mask, 1.3, sink, cap),
+    "self_adjusted": lambda x, mask, sink, cap: native.self_adjusted_forward(x, mask, True, sink, cap),
+}
+
+
+@pytest.mark.parametrize("modifiers", ["plain", "sink", "cap"])
+@pytest.mark.parametrize("name", list(STRUCTURED_CALLS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_and_key_lengths_bound_rows_in_c_bit_for_bit(name, modifiers, dtype, monkeypatch):
+    """A causal mask and key lengths allow each row a prefix, which C bounds (``stops``) instead of a masked
+    copy of the scores: every output, per-row statistics and Self-Adjusted's backward equal the masked
+    copy's bit for bit, with -inf/+inf/NaN scores inside and past the prefix, empty rows (query 0 under
+    diagonal -1, a key length of 0), NaN rows (NaN past the prefix too) and sinks."""
+    generator = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(3, 2, 6, 9, generator=generator, dtype=torch.float64)).to(dtype)
+    special = torch.rand(x.shape, generator=generator)
+    x[special < 0.06] = -math.inf
+    x[(special > 0.97)] = math.inf
+    x[0, 1, 4, 2] = math.nan  # inside query 4's prefix: a NaN row
+    x[1, 0, 2, 8] = math.nan  # past every prefix of batch row 1: takes no part
+    structured = rules.RowMask(diagonal=-1, key_lengths=torch.tensor([9, 5, 0]))
+    allowed = rules.allowed(torch.zeros(x.shape, dtype=dtype), structured)
+    sink = None
+    if modifiers == "sink":
+        sink = torch.randn(3, 2, 6, 1, generator=generator, dtype=torch.float64).to(dtype)
+        sink[2, 1, 3] = math.nan
+    cap = 2.5 if modifiers == "cap" else None
+    call = STRUCTURED_CALLS[name]
+    expected = call(x, rules.RowMask(tensor=allowed), sink, cap)
+    monkeypatch.setattr(rules, "masked_scores", lambda *args: pytest.fail("a structured mask made a masked copy"))
+    got = call(x, structured, sink, cap)
+    for got_part, expected_part in zip(got, expected, strict=True):
+        if expected_part is not None:
+            torch.testing.assert_close(got_part, expected_part, rtol=0, atol=0, equal_nan=True)
+    assert (got[0][~allowed & ~got[0].isnan()] == 0).all()
+    if name == "self_adjusted":
+        grad = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(dtype)
+        monkeypatch.undo()
+        backward = native.self_adjusted_backward(x, rules.RowMask(tensor=allowed), grad, expected[1], True, sink, cap)
+        monkeypatch.setattr(rules, "masked_scores", lambda *args: pytest.fail("a structured mask made a masked copy"))
+        got_backward = native.self_adjusted_backward(x, structured, grad, got[1], True, sink, cap)
+        for got_part, expected_part in zip(*(
+                (result,) if sink is None else result for result in (got_backward, backward)), strict=True):
+            torch.testing.assert_close(got_part, expected_part, rtol=0, atol=0, equal_nan=True)

@@ -157,15 +157,22 @@ def _launch(name: str, dtype: torch.dtype, *arguments: object) -> None:
         raise MemoryError(f"attnorm native kernel {name} could not allocate its row buffers")
 
 
-def _scores(x: Tensor, mask: rules.RowMask) -> Tensor:
-    """Checked, masked (-inf where forbidden) contiguous scores."""
+def _scores(x: Tensor, mask: rules.RowMask) -> tuple[Tensor, Tensor | None]:
+    """Checked contiguous scores and each row's allowed prefix (``stops``, None: every position).
+
+    A causal mask and key lengths alone allow each row a prefix, which C bounds itself
+    (:func:`attnorm.kernels.rules.allowed_prefix`: no copy of the scores); a bool mask is applied
+    here, -inf where it forbids (:func:`attnorm.kernels.rules.masked_scores`, one pass).
+    """
     _check_rows(x, "x")
     if mask.unmasked:
-        return x.contiguous()
+        return x.contiguous(), None
+    if mask.tensor is None:
+        return x.contiguous(), rules.allowed_prefix(x, mask)
     scores = rules.masked_scores(x, mask)
     if scores.shape != x.shape:
         raise ValueError(f"the mask must broadcast to x's shape {tuple(x.shape)}, got scores of {tuple(scores.shape)}")
-    return scores
+    return scores, None
 
 
 def softmax_forward(
@@ -212,7 +219,7 @@ def softmax_forward(
     if variant not in (0, 1):
         raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
     cap = _cap(softcap)
-    scores = _scores(x, mask)
+    scores, stops = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
     first, first_rows = _per_row(first, row_shape, dtype, "first")
@@ -224,7 +231,7 @@ def softmax_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_softmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, variant,
             first, _address(first_rows), second, _address(second_rows), _address(multiplier), _address(log_count),
-            sink_score, _address(sink_rows), _address(sink_weight), cap)
+            sink_score, _address(sink_rows), _address(sink_weight), cap, _address(stops))
     return (y, multiplier, log_count) if sink is None else (y, multiplier, log_count, sink_weight)
 
 
@@ -335,7 +342,7 @@ def topk_forward(
         ValueError: a bad ``softcap``.
     """
     cap = _cap(softcap)
-    scores = _scores(x, mask)
+    scores, stops = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
     temperature, temperature_rows = _per_row(temperature, row_shape, dtype, "temperature")
@@ -345,7 +352,7 @@ def topk_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_topk_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, float(k),
             int(bool(is_fraction)), temperature, _address(temperature_rows), _address(multiplier), sink_score,
-            _address(sink_rows), _address(sink_weight), cap)
+            _address(sink_rows), _address(sink_weight), cap, _address(stops))
     return (y, multiplier) if sink is None else (y, multiplier, sink_weight)
 
 
@@ -387,7 +394,7 @@ def entmax_forward(
     if not isinstance(alpha, Tensor) and not alpha >= 1:
         raise ValueError(f"alpha must be >= 1, got {alpha}")
     cap = _cap(softcap)
-    scores = _scores(x, mask)
+    scores, stops = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
     alpha, alpha_rows = _per_row(alpha, row_shape, dtype, "alpha")
@@ -396,7 +403,8 @@ def entmax_forward(
     gate = None if weights_only else _new(row_shape, dtype)
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_entmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, alpha,
-            _address(alpha_rows), _address(gate), sink_score, _address(sink_rows), _address(sink_weight), cap)
+            _address(alpha_rows), _address(gate), sink_score, _address(sink_rows), _address(sink_weight), cap,
+            _address(stops))
     return (y, gate) if sink is None else (y, gate, sink_weight)
 
 
@@ -495,7 +503,7 @@ def self_adjusted_forward(
         ValueError: a bad ``softcap``.
     """
     cap = _cap(softcap)
-    scores = _scores(x, mask)
+    scores, stops = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
     sink_score, sink_rows = _sink(sink, row_shape, dtype)
@@ -503,7 +511,8 @@ def self_adjusted_forward(
     stats = None if weights_only else _new((*row_shape, _SA_STATS), dtype)
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_self_adjusted_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length,
-            int(bool(normalized)), _address(stats), sink_score, _address(sink_rows), _address(sink_weight), cap)
+            int(bool(normalized)), _address(stats), sink_score, _address(sink_rows), _address(sink_weight), cap,
+            _address(stops))
     return (y, stats) if sink is None else (y, stats, sink_weight)
 
 
@@ -544,7 +553,7 @@ def self_adjusted_backward(
         ValueError: a bad ``softcap``, or ``stats`` of the wrong shape.
     """
     cap = _cap(softcap)
-    scores = _scores(x, mask)
+    scores, stops = _scores(x, mask)
     grad = _like(grad, x, "grad")
     expected = (*x.shape[:-1], _SA_STATS)
     if not isinstance(stats, Tensor) or tuple(stats.shape) != expected or stats.device.type != "cpu":
@@ -559,5 +568,5 @@ def self_adjusted_backward(
     dsink = None if sink is None else _new(row_shape, x.dtype)
     _launch("attnorm_self_adjusted_backward", x.dtype, scores.data_ptr(), grad.data_ptr(), dx.data_ptr(),
             x.numel() // length, length, int(bool(normalized)), stats.data_ptr(), sink_score, _address(sink_rows),
-            _address(dsink), cap)
+            _address(dsink), cap, _address(stops))
     return dx if sink is None else (dx, dsink)

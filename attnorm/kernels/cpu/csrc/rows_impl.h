@@ -861,6 +861,32 @@ static void FN(through_cap)(const REAL* x, int64_t length, double cap, REAL* gx)
     for (int64_t i = 0; i < length; i++) gx[i] *= FN(cap_slope)(x[i], twice_inverse);
 }
 
+/* A causal mask and key lengths allow each row a prefix: stops[r] of its `length` positions
+ * (NULL: all), which the kernels bound themselves, with no masked copy of the scores (one more
+ * pass over them in torch).  Returns the length a row kernel works on and points `row` at it; a
+ * row with no position reads as one masked score, so it takes the fully masked path (zeros) any
+ * kernel takes.  `kept` gets the real prefix (0 then), which gradient and cap passes use. */
+static int64_t FN(row_prefix)(const REAL* x, int64_t r, int64_t length, const int64_t* stops, const REAL** row,
+                              int64_t* kept) {
+    static const REAL masked = -INFINITY;
+    *row = x + r * length;
+    *kept = stops ? (stops[r] < 0 ? 0 : stops[r] > length ? length : stops[r]) : length;
+    if (*kept > 0 || length == 0) return *kept;
+    *row = &masked;
+    return 1;
+}
+
+/* The positions past a row's prefix: weight (or gradient) 0, or NaN in a row a NaN made NaN (whose
+ * every position is NaN, masked ones included, as without `stops`).  No pass without `stops`. */
+static void FN(zero_tail)(REAL* out, int64_t used, int64_t length) {
+    if (used >= length) return;
+    if (used > 0 && out[0] != out[0]) {
+        for (int64_t i = used; i < length; i++) out[i] = out[0];
+    } else {
+        memset(out + used, 0, (size_t)(length - used) * sizeof(REAL));
+    }
+}
+
 /* ---- entry points: rows split across threads ---------------------------------- */
 
 /*
@@ -906,25 +932,28 @@ static REAL FN(split_row)(const REAL* extended, int64_t length, REAL* y) {
 static void FN(softmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
                                      const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
                                      REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight,
-                                     double cap) {
+                                     double cap, const int64_t* stops) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         REAL unused, unused_multiplier, no_sink;
-        const REAL* row = x + r * length;
-        if (cap > 0) row = FN(cap_row)(row, length, cap, y + r * length); /* softmax_row runs in place */
-        FN(softmax_row)(row, y + r * length, length, variant, ROW_PARAM(first, r), ROW_PARAM(second, r),
+        const REAL* row;
+        int64_t kept;
+        const int64_t n = FN(row_prefix)(x, r, length, stops, &row, &kept);
+        if (cap > 0) row = FN(cap_row)(row, n, cap, y + r * length); /* softmax_row runs in place */
+        FN(softmax_row)(row, y + r * length, n, variant, ROW_PARAM(first, r), ROW_PARAM(second, r),
                         (REAL)ROW_PARAM(sink, r), multiplier ? multiplier + r : &unused_multiplier,
                         log_count ? log_count + r : &unused,
                         sink_weight ? sink_weight + r : &no_sink);
+        FN(zero_tail)(y + r * length, n, length);
     }
 }
 
 int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
                                 const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
                                 REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight, double cap,
-                                int threads) {
+                                const int64_t* stops, int threads) {
     ON_TEAM(rows, length, FN(softmax_forward_rows)(x, y, rows, length, variant, first, first_rows, second, second_rows,
-                                                   multiplier, log_count, sink, sink_rows, sink_weight, cap));
+                                                   multiplier, log_count, sink, sink_rows, sink_weight, cap, stops));
     return 0;
 }
 
@@ -958,16 +987,19 @@ int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, const REAL* x, RE
 
 static void FN(self_adjusted_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized,
                                            REAL* stats, double sink, const REAL* sink_rows, REAL* sink_weight,
-                                           double cap, int* failed) {
-    REAL* capped = cap > 0 ? malloc(length * sizeof(REAL)) : NULL; /* c(x): the row is read again */
+                                           double cap, const int64_t* stops, int* failed) {
+    REAL* capped = cap > 0 ? malloc((length + 1) * sizeof(REAL)) : NULL; /* c(x): the row is read again */
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         if (capped || !(cap > 0)) {
             REAL no_sink, own[SA_STATS]; /* the row's statistics when the caller keeps none */
-            const REAL* row = x + r * length;
-            if (capped) row = FN(cap_row)(row, length, cap, capped);
-            FN(self_adjusted_row)(row, y + r * length, length, normalized, stats ? stats + SA_STATS * r : own,
+            const REAL* row;
+            int64_t kept;
+            const int64_t n = FN(row_prefix)(x, r, length, stops, &row, &kept);
+            if (capped) row = FN(cap_row)(row, n, cap, capped);
+            FN(self_adjusted_row)(row, y + r * length, n, normalized, stats ? stats + SA_STATS * r : own,
                                   (REAL)ROW_PARAM(sink, r), sink_weight ? sink_weight + r : &no_sink);
+            FN(zero_tail)(y + r * length, n, length);
         } else {
 #pragma omp atomic write
             *failed = 1;
@@ -977,39 +1009,43 @@ static void FN(self_adjusted_forward_rows)(const REAL* x, REAL* y, int64_t rows,
 }
 
 int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized, REAL* stats,
-                                      double sink, const REAL* sink_rows, REAL* sink_weight, double cap, int threads) {
+                                      double sink, const REAL* sink_rows, REAL* sink_weight, double cap,
+                                      const int64_t* stops, int threads) {
     int failed = 0;
     ON_TEAM(rows, length, FN(self_adjusted_forward_rows)(x, y, rows, length, normalized, stats, sink, sink_rows,
-                                                         sink_weight, cap, &failed));
+                                                         sink_weight, cap, stops, &failed));
     return failed;
 }
 
 static void FN(self_adjusted_backward_rows)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
                                             int normalized, const REAL* stats, double sink, const REAL* sink_rows,
-                                            REAL* dsink, double cap) {
+                                            REAL* dsink, double cap, const int64_t* stops) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         REAL no_sink;
-        const REAL* row = x + r * length;
-        if (cap > 0) row = FN(cap_row)(row, length, cap, gx + r * length); /* the gradient row runs in place */
-        FN(self_adjusted_grad_row)(row, g + r * length, gx + r * length, length, normalized, stats + SA_STATS * r,
+        const REAL* row;
+        int64_t kept;
+        const int64_t n = FN(row_prefix)(x, r, length, stops, &row, &kept);
+        if (cap > 0) row = FN(cap_row)(row, n, cap, gx + r * length); /* the gradient row runs in place */
+        FN(self_adjusted_grad_row)(row, g + r * length, gx + r * length, n, normalized, stats + SA_STATS * r,
                                    (REAL)ROW_PARAM(sink, r), dsink ? dsink + r : &no_sink);
-        if (cap > 0) FN(through_cap)(x + r * length, length, cap, gx + r * length);
+        if (cap > 0) FN(through_cap)(x + r * length, kept, cap, gx + r * length);
+        FN(zero_tail)(gx + r * length, n, length);
     }
 }
 
 int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
                                        int normalized, const REAL* stats, double sink, const REAL* sink_rows,
-                                       REAL* dsink, double cap, int threads) {
+                                       REAL* dsink, double cap, const int64_t* stops, int threads) {
     ON_TEAM(rows, length, FN(self_adjusted_backward_rows)(x, g, gx, rows, length, normalized, stats, sink, sink_rows,
-                                                          dsink, cap));
+                                                          dsink, cap, stops));
     return 0;
 }
 
 static void FN(entmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, double alpha,
                                     const REAL* alpha_rows, REAL* gate, double sink, const REAL* sink_rows,
-                                    REAL* sink_weight, double cap, int* failed) {
-    const int64_t width = length + (sink_weight != NULL); /* the row entmax_row sees */
+                                    REAL* sink_weight, double cap, const int64_t* stops, int* failed) {
+    const int64_t width = length + (sink_weight != NULL); /* the longest row entmax_row sees */
     const int copied = sink_weight != NULL || cap > 0;    /* ... through a per-thread buffer */
     REAL* t = malloc((width + PAD) * sizeof(REAL));
     int32_t* index = malloc(width * sizeof(int32_t));
@@ -1019,13 +1055,16 @@ static void FN(entmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_
     for (int64_t r = 0; r < rows; r++) {
         if (t && index && wide && (extended || !copied)) {
             REAL no_gate;
-            const REAL* row = x + r * length;
+            const REAL* row;
+            int64_t kept;
+            const int64_t n = FN(row_prefix)(x, r, length, stops, &row, &kept);
             REAL* out = y + r * length;
-            if (copied) row = FN(extend_row)(row, length, cap, sink_weight != NULL, (REAL)ROW_PARAM(sink, r),
-                                             extended);
+            if (copied) row = FN(extend_row)(row, n, cap, sink_weight != NULL, (REAL)ROW_PARAM(sink, r), extended);
             if (sink_weight) out = extended + width;
-            FN(entmax_row)(row, out, width, ROW_PARAM(alpha, r), gate ? gate + r : &no_gate, t, index, wide);
-            if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
+            FN(entmax_row)(row, out, n + (sink_weight != NULL), ROW_PARAM(alpha, r), gate ? gate + r : &no_gate, t,
+                           index, wide);
+            if (sink_weight) sink_weight[r] = FN(split_row)(out, n, y + r * length);
+            FN(zero_tail)(y + r * length, n, length);
         } else {
 #pragma omp atomic write
             *failed = 1;
@@ -1039,10 +1078,10 @@ static void FN(entmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_
 
 int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double alpha,
                                const REAL* alpha_rows, REAL* gate, double sink, const REAL* sink_rows,
-                               REAL* sink_weight, double cap, int threads) {
+                               REAL* sink_weight, double cap, const int64_t* stops, int threads) {
     int failed = 0;
     ON_TEAM(rows, length, FN(entmax_forward_rows)(x, y, rows, length, alpha, alpha_rows, gate, sink, sink_rows,
-                                                  sink_weight, cap, &failed));
+                                                  sink_weight, cap, stops, &failed));
     return failed;
 }
 
@@ -1084,8 +1123,9 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
 
 static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
                                   double temperature, const REAL* temperature_rows, REAL* multiplier, double sink,
-                                  const REAL* sink_rows, REAL* sink_weight, double cap, int* failed) {
-    const int64_t width = length + (sink_weight != NULL); /* the row topk_row sees */
+                                  const REAL* sink_rows, REAL* sink_weight, double cap, const int64_t* stops,
+                                  int* failed) {
+    const int64_t width = length + (sink_weight != NULL); /* the longest row topk_row sees */
     const int copied = sink_weight != NULL || cap > 0;    /* ... through a per-thread buffer */
     /* the most groups a row uses: a fraction keeps at most the row (sized for the whole 4096 groups, a
      * short row's buffers were 2 x 16 KiB, touched and returned to the heap on every call) */
@@ -1098,16 +1138,19 @@ static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t 
     for (int64_t r = 0; r < rows; r++) {
         if (work && index && keys && (extended || !copied)) {
             REAL no_multiplier;
-            const REAL* row = x + r * length;
+            const REAL* row;
+            int64_t kept;
+            const int64_t n = FN(row_prefix)(x, r, length, stops, &row, &kept);
             REAL* out = y + r * length;
             const REAL score = (REAL)ROW_PARAM(sink, r);
-            if (copied) row = FN(extend_row)(row, length, cap, sink_weight != NULL, score, extended);
+            if (copied) row = FN(extend_row)(row, n, cap, sink_weight != NULL, score, extended);
             if (sink_weight) out = extended + width;
             /* the sink is not one of the n a fraction counts */
             const int64_t uncounted = sink_weight != NULL && score != -INFINITY;
-            FN(topk_row)(row, out, width, k, is_fraction, ROW_PARAM(temperature, r),
+            FN(topk_row)(row, out, n + (sink_weight != NULL), k, is_fraction, ROW_PARAM(temperature, r),
                          multiplier ? multiplier + r : &no_multiplier, work, index, keys, uncounted);
-            if (sink_weight) sink_weight[r] = FN(split_row)(out, length, y + r * length);
+            if (sink_weight) sink_weight[r] = FN(split_row)(out, n, y + r * length);
+            FN(zero_tail)(y + r * length, n, length);
         } else {
 #pragma omp atomic write
             *failed = 1;
@@ -1121,19 +1164,20 @@ static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t 
 
 int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
                              double temperature, const REAL* temperature_rows, REAL* multiplier, double sink,
-                             const REAL* sink_rows, REAL* sink_weight, double cap, int threads) {
+                             const REAL* sink_rows, REAL* sink_weight, double cap, const int64_t* stops,
+                             int threads) {
     int failed = 0;
     ON_TEAM(rows, length, FN(topk_forward_rows)(x, y, rows, length, k, is_fraction, temperature, temperature_rows,
-                                                multiplier, sink, sink_rows, sink_weight, cap, &failed));
+                                                multiplier, sink, sink_rows, sink_weight, cap, stops, &failed));
     return failed;
 }
 
 /* Packed entry points: the kernels above with their arguments unpacked from slots, in order. */
 int FN(attnorm_softmax_forward_packed)(const char* packed) {
-    attnorm_slot a[16];
-    if (!unpack(packed, a, 16)) return PACKED_MISMATCH;
+    attnorm_slot a[17];
+    if (!unpack(packed, a, 17)) return PACKED_MISMATCH;
     return FN(attnorm_softmax_forward)(a[0].p, a[1].p, a[2].i, a[3].i, (int)a[4].i, a[5].d, a[6].p, a[7].d, a[8].p,
-                                       a[9].p, a[10].p, a[11].d, a[12].p, a[13].p, a[14].d, (int)a[15].i);
+                                       a[9].p, a[10].p, a[11].d, a[12].p, a[13].p, a[14].d, a[15].p, (int)a[16].i);
 }
 
 int FN(attnorm_softmax_backward_packed)(const char* packed) {
@@ -1144,24 +1188,24 @@ int FN(attnorm_softmax_backward_packed)(const char* packed) {
 }
 
 int FN(attnorm_self_adjusted_forward_packed)(const char* packed) {
-    attnorm_slot a[11];
-    if (!unpack(packed, a, 11)) return PACKED_MISMATCH;
+    attnorm_slot a[12];
+    if (!unpack(packed, a, 12)) return PACKED_MISMATCH;
     return FN(attnorm_self_adjusted_forward)(a[0].p, a[1].p, a[2].i, a[3].i, (int)a[4].i, a[5].p, a[6].d, a[7].p,
-                                             a[8].p, a[9].d, (int)a[10].i);
+                                             a[8].p, a[9].d, a[10].p, (int)a[11].i);
 }
 
 int FN(attnorm_self_adjusted_backward_packed)(const char* packed) {
-    attnorm_slot a[12];
-    if (!unpack(packed, a, 12)) return PACKED_MISMATCH;
+    attnorm_slot a[13];
+    if (!unpack(packed, a, 13)) return PACKED_MISMATCH;
     return FN(attnorm_self_adjusted_backward)(a[0].p, a[1].p, a[2].p, a[3].i, a[4].i, (int)a[5].i, a[6].p, a[7].d,
-                                              a[8].p, a[9].p, a[10].d, (int)a[11].i);
+                                              a[8].p, a[9].p, a[10].d, a[11].p, (int)a[12].i);
 }
 
 int FN(attnorm_entmax_forward_packed)(const char* packed) {
-    attnorm_slot a[12];
-    if (!unpack(packed, a, 12)) return PACKED_MISMATCH;
+    attnorm_slot a[13];
+    if (!unpack(packed, a, 13)) return PACKED_MISMATCH;
     return FN(attnorm_entmax_forward)(a[0].p, a[1].p, a[2].i, a[3].i, a[4].d, a[5].p, a[6].p, a[7].d, a[8].p, a[9].p,
-                                      a[10].d, (int)a[11].i);
+                                      a[10].d, a[11].p, (int)a[12].i);
 }
 
 int FN(attnorm_entmax_backward_packed)(const char* packed) {
@@ -1172,10 +1216,10 @@ int FN(attnorm_entmax_backward_packed)(const char* packed) {
 }
 
 int FN(attnorm_topk_forward_packed)(const char* packed) {
-    attnorm_slot a[14];
-    if (!unpack(packed, a, 14)) return PACKED_MISMATCH;
+    attnorm_slot a[15];
+    if (!unpack(packed, a, 15)) return PACKED_MISMATCH;
     return FN(attnorm_topk_forward)(a[0].p, a[1].p, a[2].i, a[3].i, a[4].d, (int)a[5].i, a[6].d, a[7].p, a[8].p,
-                                    a[9].d, a[10].p, a[11].p, a[12].d, (int)a[13].i);
+                                    a[9].d, a[10].p, a[11].p, a[12].d, a[13].p, (int)a[14].i);
 }
 
 #undef FN
