@@ -232,6 +232,10 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, normalizer: Normalizer) -> tu
                              f"{tuple(ks)}, {tuple(vs)}") from None
         q, k, v = (t.expand(*batch, *t.shape[-3:]) for t in (q, k, v))
     heads, kv_heads = qs[-3], ks[-3]
+    per_head = getattr(normalizer, "num_heads", None)
+    if isinstance(per_head, int) and per_head not in (1, heads):
+        raise ValueError(f"the normalizer has num_heads={per_head} (a parameter per head), but q has {heads} heads "
+                         f"(dim -3 of {tuple(qs)})")
     if vs[-3] != kv_heads:
         if vs[-3] != 1:
             raise ValueError(f"v must have as many heads as k ({kv_heads}) or one, got v {tuple(vs)}")

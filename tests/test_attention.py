@@ -482,6 +482,9 @@ def test_errors_name_the_argument():
         attnorm.attention(q, k, v, torch.softmax)
     with pytest.raises(ValueError, match="key_lengths"):
         attnorm.attention(q, k, v, "ssmax", attn_mask=key_padding_mask(torch.tensor([4, 4, 4])))
+    for per_head in (attnorm.ScalableSoftmax(learnable=True, num_heads=H + 1), attnorm.Entmax(1.5, num_heads=H + 1)):
+        with pytest.raises(ValueError, match=f"num_heads={H + 1}"):  # was a bare broadcast error from torch
+            attnorm.attention(q, k, v, per_head)
 
 
 @pytest.mark.parametrize("spec", ["sparsemax", "topk:k=3", "sa_softmax"])

@@ -198,8 +198,16 @@ def _hook(model_class: type) -> None:
 
     @functools.wraps(set_impl)
     def attnorm_set_attn_implementation(self, *args, **kwargs):
+        before = getattr(getattr(self, "config", None), "_attn_implementation", None)
         set_impl(self, *args, **kwargs)
-        sync_from_config(self)
+        try:
+            sync_from_config(self)
+        except Exception:
+            # A refused switch (no or a malformed config.attnorm) leaves the model as it was: it stayed on
+            # "attnorm", with no normalizer, and every later forward raised.
+            if isinstance(before, str) and self.config._attn_implementation != before:
+                set_impl(self, before)
+            raise
 
     model_class.post_init = attnorm_post_init
     model_class.set_attn_implementation = attnorm_set_attn_implementation

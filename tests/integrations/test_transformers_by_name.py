@@ -207,6 +207,20 @@ def test_bad_specs_and_a_layer_without_normalizer_are_errors():
         model(ids, attention_mask=mask, position_ids=positions)
 
 
+def test_a_refused_switch_leaves_the_model_on_its_implementation():
+    """``set_attn_implementation("attnorm")`` without ``config.attnorm`` raises, and the model keeps its
+    implementation: it stayed on "attnorm" with no normalizer, and every later forward raised."""
+    model = tiny_gpt2()
+    model.set_attn_implementation("eager")
+    ids, mask, positions = padded_batch("right")
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask, position_ids=positions).logits
+        with pytest.raises(ValueError, match="needs the normalizer in the config"):
+            model.set_attn_implementation("attnorm")
+        assert model.config._attn_implementation == "eager"
+        torch.testing.assert_close(model(ids, attention_mask=mask, position_ids=positions).logits, before)
+
+
 def test_one_shared_instance_saves_once_and_loads_shared(tmp_path):
     """One learnable instance for every layer: saved once (not as tensors shared under two names), loaded shared."""
     model = tiny_llama()
