@@ -139,6 +139,13 @@ def _key_span(mask, start: int, stop: int, lk: int) -> tuple[int, int]:
     return (lo, hi) if hi > lo else (0, min(lk, 1))
 
 
+def _prefix_mask(mask: StructuredMask, start: int, lo: int) -> StructuredMask:
+    """A causal / key-length ``mask`` as the rows from query ``start`` see it, their keys from ``lo`` on."""
+    diagonal = None if mask.causal_diagonal is None else mask.causal_diagonal + start - lo
+    lengths = None if mask.key_lengths is None or lo == 0 else (mask.key_lengths - lo).clamp_min(0)
+    return StructuredMask(causal_diagonal=diagonal, key_lengths=mask.key_lengths if lo == 0 else lengths)
+
+
 def _keys(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
     """Keys ``lo:hi`` (the last axis) of a mask that may broadcast over keys."""
     return x if x is None or x.shape[-1] == 1 else x[..., lo:hi]
@@ -189,12 +196,12 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
     if additive_rows is not None:
         # Added at the wider precision, then back to the scores' dtype (a float32 mask on bfloat16 scores).
         scores = (scores + additive_rows).to(scores.dtype)
-    if bounds is not None:
-        mask = interval_rows(bounds, start, stop, lk)
+    if kernel and isinstance(mask, StructuredMask) and mask.row_fields_only:
+        mask = _prefix_mask(mask, start, lo)  # the row kernels bound each row's prefix themselves: no bool mask
     else:
-        mask = _rows(mask, start, stop)
-    if (lo, hi) != (0, lk):
-        mask = _keys(mask, lo, hi)
+        mask = interval_rows(bounds, start, stop, lk) if bounds is not None else _rows(mask, start, stop)
+        if (lo, hi) != (0, lk):
+            mask = _keys(mask, lo, hi)
     if kernel:  # the row kernels take the sink and the cap themselves
         sink = None if sinks is None else sinks.reshape(-1, 1, 1).to(scores.device)  # (Hq, 1, 1): per head
         weights = normalizer(scores, mask, sink=sink, softcap=softcap)
