@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from reporting import error_text, markdown_table, versions, write_csv
+from reporting import interleaved, markdown_table, versions, write_csv
 
 import attnorm
 
@@ -48,16 +47,6 @@ def masks(shape, device) -> dict[str, object]:
         "bool": (tril, tril),
         "causal+padding": (attnorm.causal_mask() & attnorm.key_padding_mask(lengths), padded),
     }
-
-
-def timed(run, device: str) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    run()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def call(function, scores: torch.Tensor, backward: bool):
@@ -81,17 +70,7 @@ def measure(spec: str, shape, dtype, device: str, rounds: int, backward: bool) -
             lambda x, tensor=tensor: torch.softmax(x if tensor is None else x.masked_fill(~tensor, -torch.inf), -1),
             scores, backward,
         )
-    errors = {}
-    for key, run in list(providers.items()):
-        try:
-            run()  # warm-up
-        except Exception as error:  # noqa: BLE001 - a failing provider becomes an error row
-            errors[key] = error_text(error)
-            del providers[key]
-    times = {key: [] for key in providers}
-    for _ in range(rounds):
-        for key, run in providers.items():
-            times[key].append(timed(run, device))
+    times, errors = interleaved(providers, device, rounds)
     rows = []
     for kind in MASKS:
         key = (kind, "attnorm")

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from reporting import error_text, markdown_table, versions, write_csv
+from reporting import interleaved, markdown_table, versions, write_csv
 
 import attnorm
 
@@ -42,16 +41,6 @@ def step(spec: str, q, k, v, sinks=None, softcap=None) -> None:
     out.backward(torch.ones_like(out))
 
 
-def timed(run, device: str) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    run()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def measure(spec: str, shape, dtype, device: str, rounds: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
@@ -60,19 +49,10 @@ def measure(spec: str, shape, dtype, device: str, rounds: int) -> list[dict]:
     for name, modifier in MODIFIERS.items():
         providers[name] = (lambda m=modifier: step(spec, q, k, v, sinks if m.get("sinks") else None,
                                                    m.get("softcap")))
-    rows, errors = [], {}
-    for name, run in list(providers.items()):
-        try:
-            run()  # warm-up (and compilation on CUDA)
-        except Exception as error:  # noqa: BLE001 - a failing provider becomes an error row
-            errors[name] = error_text(error)
-            del providers[name]
-    times = {name: [] for name in providers}
-    for _ in range(rounds):
-        for name, run in providers.items():
-            times[name].append(timed(run, device))
+    rows = []
+    times, errors = interleaved(providers, device, rounds)
     plain = times.get("plain")
-    for name in (*providers, *errors):
+    for name in (*times, *errors):
         row = {"spec": spec, "modifier": name, "error": errors.get(name, "")}
         if name in times:
             row["ms"] = 1e3 * statistics.median(times[name])

@@ -1,4 +1,5 @@
-"""What every benchmark script reports beside its timings: versions, percentiles, CSV and markdown.
+"""What every benchmark script reports beside its timings (versions, percentiles, CSV and markdown), and the
+interleaved-rounds timing two of them share.
 
 Imported by the scripts in this folder as ``from reporting import ...``; run nothing here.
 """
@@ -11,7 +12,8 @@ import importlib.util
 import platform
 import statistics
 import subprocess
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -79,3 +81,31 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def timed(run: Callable[[], object], device: str) -> float:
+    """Seconds one call of ``run`` takes (CUDA: synchronised before and after)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def interleaved(providers: dict, device: str, rounds: int) -> tuple[dict, dict]:
+    """``(times, errors)``: each provider called once (warm-up; one that raises becomes an error, its
+    text by key, and is left out), then ``rounds`` rounds that call every provider once in turn."""
+    providers, errors = dict(providers), {}
+    for key, run in list(providers.items()):
+        try:
+            run()  # warm-up (and compilation on CUDA)
+        except Exception as error:  # noqa: BLE001 - a failing provider becomes an error row
+            errors[key] = error_text(error)
+            del providers[key]
+    times = {key: [] for key in providers}
+    for _ in range(rounds):
+        for key, run in providers.items():
+            times[key].append(timed(run, device))
+    return times, errors
