@@ -87,7 +87,7 @@ def measure(spec: str, shape, dtype, device: str, rounds: int, backward: bool) -
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     parser.add_argument("--shape", type=int, nargs=4, metavar=("B", "H", "L", "L_"), help="scores (B, H, L, L)")
@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="(1, 2, 256, 256), 3 rounds")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = args.shape or ((1, 2, 256, 256) if args.quick else (1, 4, 1024, 1024) if args.device == "cpu"
@@ -129,7 +129,8 @@ def main() -> None:
         f"median of {rounds} interleaved rounds\n\n{versions(args.device)}\n\n{table}\n"
     )
     print(f"wrote {stem}.csv and .md")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
