@@ -139,11 +139,11 @@ def _key_span(mask, start: int, stop: int, lk: int) -> tuple[int, int]:
     return (lo, hi) if hi > lo else (0, min(lk, 1))
 
 
-def _prefix_mask(mask: StructuredMask, start: int, lo: int) -> StructuredMask:
-    """A causal / key-length ``mask`` as the rows from query ``start`` see it, their keys from ``lo`` on."""
-    diagonal = None if mask.causal_diagonal is None else mask.causal_diagonal + start - lo
-    lengths = None if mask.key_lengths is None or lo == 0 else (mask.key_lengths - lo).clamp_min(0)
-    return StructuredMask(causal_diagonal=diagonal, key_lengths=mask.key_lengths if lo == 0 else lengths)
+def _prefix_mask(mask: StructuredMask, start: int) -> StructuredMask:
+    """A causal / key-length ``mask`` as the query rows from ``start`` see it (their keys start at 0: only a
+    sliding window trims a block's first keys, and a mask with one takes the bool path)."""
+    diagonal = None if mask.causal_diagonal is None else mask.causal_diagonal + start
+    return StructuredMask(causal_diagonal=diagonal, key_lengths=mask.key_lengths)
 
 
 def _keys(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
@@ -197,7 +197,7 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
         # Added at the wider precision, then back to the scores' dtype (a float32 mask on bfloat16 scores).
         scores = (scores + additive_rows).to(scores.dtype)
     if kernel and isinstance(mask, StructuredMask) and mask.row_fields_only:
-        mask = _prefix_mask(mask, start, lo)  # the row kernels bound each row's prefix themselves: no bool mask
+        mask = _prefix_mask(mask, start)  # the row kernels bound each row's prefix themselves: no bool mask
     else:
         mask = interval_rows(bounds, start, stop, lk) if bounds is not None else _rows(mask, start, stop)
         if (lo, hi) != (0, lk):
