@@ -127,7 +127,7 @@ def masked_scores(x: Tensor, mask: RowMask) -> Tensor:
 
     One pass over the scores (``where`` against the mask in its own broadcast shape); -inf scores
     stay -inf, so the scores' own -inf need no look.  Building the full-size ``allowed`` first
-    took four more passes, 5-20x the native row kernel's own time under a causal mask.
+    took four more passes, 3-5x the native row kernel's own time under a causal mask (1024 x 1024 rows).
     """
     allows = mask_allows(x, mask)
     if allows is None:
