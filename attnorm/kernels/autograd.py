@@ -23,7 +23,6 @@ runs the op's device kernel itself.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -449,10 +448,8 @@ def _reference(kernel: str, x: Tensor, mask: RowMask, sink: Tensor | None, softc
             dtype = torch.float32
         x = x.float()
     if softcap is not None:
-        allows = rules.mask_allows(x, mask)
-        if allows is not None:  # a masked score takes no part, NaN included: the cap's slope there carried NaN back
-            x = torch.where(allows, x, -math.inf)
-        x = capped(x, softcap)
+        # Masked scores -inf first: a masked score takes no part, NaN included (the cap's slope carried NaN back).
+        x = capped(rules.masked_scores(x, mask), softcap)
     if sink is not None:
         y = sinks.extended_weights(kernel, x, mask, sink, **params)[..., :-1]
     elif kernel == "sparsemax":

@@ -85,15 +85,22 @@ def mask_allows(x: Tensor, mask: RowMask) -> Tensor | None:
     """
     keep = mask.tensor
     if mask.structured:
-        lq, lk = x.shape[-2], x.shape[-1]
-        keys = torch.arange(lk, device=x.device)
-        if mask.diagonal is not None:
-            causal = keys <= torch.arange(lq, device=x.device)[:, None] + mask.diagonal
-            keep = causal if keep is None else keep & causal
-        if mask.key_lengths is not None:
-            padding = keys < mask.key_lengths.to(x.device).reshape(-1, *([1] * (x.ndim - 1)))
-            keep = padding if keep is None else keep & padding
+        prefix = torch.arange(x.shape[-1], device=x.device) < _prefix_stops(x, mask)[..., None]
+        keep = prefix if keep is None else keep & prefix
     return keep
+
+
+def _prefix_stops(x: Tensor, mask: RowMask) -> Tensor:
+    """How many leading positions each row may use under ``mask``'s ``diagonal`` and ``key_lengths``: row
+    ``(b, ..., q)`` its first ``min(q + diagonal + 1, key_lengths[b])``, clamped to ``[0, L]``.  int64, in
+    its own broadcast shape against ``x.shape[:-1]``: ``(Lq,)``, ``(B, 1, ..., 1)`` or both."""
+    stop = torch.full((1,), x.shape[-1], dtype=torch.int64, device=x.device)
+    if mask.diagonal is not None:
+        stop = torch.arange(mask.diagonal + 1, mask.diagonal + 1 + x.shape[-2], device=x.device)  # (Lq,)
+    if mask.key_lengths is not None:
+        lengths = mask.key_lengths.to(device=x.device, dtype=torch.int64)
+        stop = torch.minimum(stop, lengths.reshape(-1, *([1] * (x.ndim - 2))))
+    return stop.clamp(0, x.shape[-1])
 
 
 def allowed_prefix(x: Tensor, mask: RowMask) -> Tensor:
@@ -104,15 +111,9 @@ def allowed_prefix(x: Tensor, mask: RowMask) -> Tensor:
     """
     if mask.tensor is not None:
         raise ValueError("allowed_prefix takes a mask of diagonal and key_lengths only (a bool tensor is no prefix)")
-    lk = x.shape[-1]
-    stop = torch.full((1,), lk, dtype=torch.int64, device=x.device)
-    if mask.diagonal is not None:
-        stop = torch.arange(mask.diagonal + 1, mask.diagonal + 1 + x.shape[-2], device=x.device)  # (Lq,)
     if mask.key_lengths is not None:
         check_key_lengths(mask.key_lengths, tuple(x.shape))
-        lengths = mask.key_lengths.to(device=x.device, dtype=torch.int64)
-        stop = torch.minimum(stop, lengths.reshape(-1, *([1] * (x.ndim - 2))))
-    return stop.clamp(0, lk).expand(x.shape[:-1]).contiguous()
+    return _prefix_stops(x, mask).expand(x.shape[:-1]).contiguous()
 
 
 def allowed(x: Tensor, mask: RowMask) -> Tensor:

@@ -96,7 +96,7 @@ def blocked_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additiv
 def _outputs(setup: tuple, q: Tensor, k: Tensor, v: Tensor, additive: Tensor | None, sinks: Tensor | None):
     """``(start, stop, out)`` for each block of query rows ``start:stop``."""
     normalizer, mask, scale, softcap, dropout_p, groups, rows = setup
-    lq, bounds = q.shape[-2], _bounds(mask, q, k)
+    lq, bounds = q.shape[-2], _bounds(normalizer, mask, q, k)
     for start in range(0, lq, rows):
         stop = min(start + rows, lq)
         q_rows, additive_rows = q[..., start:stop, :], _rows(additive, start, stop)
@@ -108,14 +108,23 @@ def materialised_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, ad
                            dropout_p: float, groups: int, softcap: float | None = None,
                            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(out, weights)`` with the whole ``(..., Hq, Lq, Lk)`` weights (plain autograd)."""
-    bounds = _bounds(mask, q, k)
+    bounds = _bounds(normalizer, mask, q, k)
     return _block(normalizer, q, q, k, v, mask, bounds, additive, sinks, scale, softcap, dropout_p, groups, 0,
                   q.shape[-2])
 
 
-def _bounds(mask, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor] | None:
-    """A structured mask's key interval per query row (:func:`interval`), computed once per call."""
-    return interval(mask, q, k.shape[-2]) if isinstance(mask, StructuredMask) else None
+def _bounds(normalizer, mask, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor] | None:
+    """A structured mask's key interval per query row (:func:`interval`), computed once per call; None for other
+    masks and for those the row kernels bound themselves (:func:`_row_prefixes`)."""
+    if not isinstance(mask, StructuredMask) or _row_prefixes(normalizer, mask):
+        return None
+    return interval(mask, q, k.shape[-2])
+
+
+def _row_prefixes(normalizer, mask) -> bool:
+    """True when ``mask`` (causal and key lengths only) reaches ``normalizer``'s row kernels as each row's
+    allowed prefix, which they bound themselves: no key intervals, no bool mask."""
+    return bool(getattr(normalizer, "kernel", "")) and isinstance(mask, StructuredMask) and mask.row_fields_only
 
 
 def _rows(x: Tensor | None, start: int, stop: int) -> Tensor | None:
@@ -196,8 +205,8 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
     if additive_rows is not None:
         # Added at the wider precision, then back to the scores' dtype (a float32 mask on bfloat16 scores).
         scores = (scores + additive_rows).to(scores.dtype)
-    if kernel and isinstance(mask, StructuredMask) and mask.row_fields_only:
-        mask = _prefix_mask(mask, start)  # the row kernels bound each row's prefix themselves: no bool mask
+    if _row_prefixes(normalizer, mask):
+        mask = _prefix_mask(mask, start)
     else:
         mask = interval_rows(bounds, start, stop, lk) if bounds is not None else _rows(mask, start, stop)
         if (lo, hi) != (0, lk):
@@ -277,7 +286,7 @@ class _BlockedAttention(torch.autograd.Function):
         inputs = [t for t in (k, v, sinks) if t is not None and t.requires_grad] + list(params)
         if not (inputs or wants_q or wants_additive):
             return (None,) * (6 + len(params))
-        lq, bounds = q.shape[-2], _bounds(mask, q, k)
+        lq, bounds = q.shape[-2], _bounds(normalizer, mask, q, k)
         with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0):
             if ctx.rng is not None:
                 _set_rng_state(ctx.rng, q.device)
