@@ -34,10 +34,9 @@ import torch
 from torch import Tensor
 
 from attnorm.kernels.ops import forward_mode
-from attnorm.kernels.rules import accumulation_dtype
+from attnorm.kernels.rules import accumulation_dtype, broadcasts_to
 from attnorm.masks import StructuredMask, causal_mask
 from attnorm.normalizers import Normalizer, Softmax
-from attnorm.normalizers.base import _broadcasts
 from attnorm.normalizers.registry import make
 from attnorm.routes import decoding as decoding_route
 from attnorm.routes import fused
@@ -254,7 +253,7 @@ def _check_mask_shape(mask: Tensor, q: Tensor, lk: int) -> Tensor:
         ValueError: a mask with more dims than the scores, or one that does not broadcast to them.
     """
     scores = (*q.shape[:-1], lk)
-    if not _broadcasts(mask.shape, scores):
+    if not broadcasts_to(mask.shape, scores):
         raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to the scores {scores} "
                          f"(..., Hq, Lq, Lk)")
     extra = len(scores) - mask.ndim

@@ -67,6 +67,19 @@ class RowMask(NamedTuple):
 NO_MASK = RowMask()
 
 
+def broadcasts_to(shape: torch.Size | tuple[int, ...], target: torch.Size | tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` without growing it."""
+    # Plain shape arithmetic in a loop: torch.broadcast_shapes costs tens of microseconds
+    # per call, all(generator) or a zip over a slice of the target more than this.
+    offset = len(target) - len(shape)
+    if offset < 0:
+        return False
+    for axis, size in enumerate(shape):
+        if size != 1 and size != target[offset + axis]:
+            return False
+    return True
+
+
 def check_key_lengths(key_lengths: Tensor, shape: tuple[int, ...]) -> None:
     """Raise unless ``key_lengths`` fits scores of ``shape`` ``(B, ..., Lq, Lk)``."""
     if len(shape) < 3:

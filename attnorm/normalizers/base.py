@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from attnorm.kernels import autograd, backends, shortcut
-from attnorm.kernels.rules import NO_MASK, RowMask, accumulation_dtype, check_key_lengths
+from attnorm.kernels.rules import NO_MASK, RowMask, accumulation_dtype, broadcasts_to, check_key_lengths
 from attnorm.masks import StructuredMask
 from attnorm.validation import check_softcap, quiet_shape_checks_while_tracing
 
@@ -62,7 +62,7 @@ def fits_bool_mask(mask: Any, shape: torch.Size | tuple[int, ...], device: torch
     """Whether ``mask`` is a bool tensor on ``device`` that broadcasts to scores of ``shape``: the tensor masks
     :func:`_check_mask` accepts (it says what is wrong with any other)."""
     return (isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.device == device
-            and _broadcasts(mask.shape, shape))
+            and broadcasts_to(mask.shape, shape))
 
 
 def _check_mask(mask: Any, scores: Tensor) -> Tensor | StructuredMask | None:
@@ -74,27 +74,15 @@ def _check_mask(mask: Any, scores: Tensor) -> Tensor | StructuredMask | None:
         raise TypeError(f"mask must have dtype torch.bool (True = may attend), got {mask.dtype}")
     if mask.device != scores.device:
         raise ValueError(f"mask is on {mask.device} but scores are on {scores.device}: put them on one device")
-    _check_broadcasts("mask", mask, scores)
+    _checkbroadcasts_to("mask", mask, scores)
     return mask
 
 
-def _check_broadcasts(name: str, value: Tensor, scores: Tensor) -> None:
-    if not _broadcasts(value.shape, scores.shape):
+def _checkbroadcasts_to(name: str, value: Tensor, scores: Tensor) -> None:
+    if not broadcasts_to(value.shape, scores.shape):
         raise ValueError(
             f"{name} of shape {tuple(value.shape)} does not broadcast to scores of shape {tuple(scores.shape)}"
         )
-
-
-def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
-    # Plain shape arithmetic in a loop: torch.broadcast_shapes costs tens of microseconds
-    # per call, all(generator) or a zip over a slice of the target more than this.
-    offset = len(target) - len(shape)
-    if offset < 0:
-        return False
-    for axis, size in enumerate(shape):
-        if size != 1 and size != target[offset + axis]:
-            return False
-    return True
 
 
 def broadcast_param(name: str, value: Tensor, scores: Tensor, dim: int) -> Tensor:
@@ -103,7 +91,7 @@ def broadcast_param(name: str, value: Tensor, scores: Tensor, dim: int) -> Tenso
     Raises:
         ValueError: if ``value`` does not broadcast to ``scores`` or varies along ``dim``.
     """
-    _check_broadcasts(name, value, scores)
+    _checkbroadcasts_to(name, value, scores)
     if value.ndim != scores.ndim:
         value = value.reshape((1,) * (scores.ndim - value.ndim) + tuple(value.shape))
     if scores.ndim == 0:

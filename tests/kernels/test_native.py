@@ -642,42 +642,82 @@ STRUCTURED_CALLS = {
 }
 
 
+def _masks_read_in_c(kind: str, generator: torch.Generator) -> rules.RowMask:
+    """Masks of scores ``(3, 2, 6, 9)`` that C reads itself: prefixes, bool masks in their own broadcast shape."""
+    structured = rules.RowMask(diagonal=-1, key_lengths=torch.tensor([9, 5, 0]))
+    bools = {
+        "bool": (3, 2, 6, 9),  # one mask row per scores row
+        "bool_broadcast": (2, 1, 9),  # shared across batch and queries: rows share mask rows
+        "bool_rows": (3, 1, 6, 1),  # all or nothing per row: read as prefixes
+    }
+    if kind == "structured":
+        return structured
+    tensor = torch.rand(bools[kind.removesuffix("_structured")], generator=generator) > 0.3
+    return structured._replace(tensor=tensor) if kind.endswith("_structured") else rules.RowMask(tensor=tensor)
+
+
+@pytest.mark.parametrize("kind", ["structured", "bool", "bool_broadcast", "bool_rows", "bool_structured",
+                                  "bool_broadcast_structured"])
 @pytest.mark.parametrize("modifiers", ["plain", "sink", "cap"])
 @pytest.mark.parametrize("name", list(STRUCTURED_CALLS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_causal_and_key_lengths_bound_rows_in_c_bit_for_bit(name, modifiers, dtype, monkeypatch):
-    """A causal mask and key lengths allow each row a prefix, which C bounds (``stops``) instead of a masked
-    copy of the scores: every output, per-row statistics and Self-Adjusted's backward equal the masked
-    copy's bit for bit, with -inf/+inf/NaN scores inside and past the prefix, empty rows (query 0 under
-    diagonal -1, a key length of 0), NaN rows (NaN past the prefix too) and sinks."""
+def test_masks_are_read_in_c_bit_for_bit(name, modifiers, dtype, kind, monkeypatch):
+    """C reads every mask itself: a causal mask and key lengths as each row's prefix (``stops``), a bool mask
+    in its own broadcast shape (``allow``, copied into the row's buffer in cache), never a masked copy of the
+    scores.  Every output, per-row statistics and Self-Adjusted's backward equal the unmasked kernels run on
+    a masked copy made here (``where``) bit for bit, with -inf/+inf/NaN scores at allowed and masked
+    positions, empty rows (query 0 under diagonal -1, a key length of 0, a row the bool mask forbids), NaN
+    rows (NaN at masked positions too) and sinks."""
     generator = torch.Generator().manual_seed(3)
     x = (3 * torch.randn(3, 2, 6, 9, generator=generator, dtype=torch.float64)).to(dtype)
     special = torch.rand(x.shape, generator=generator)
     x[special < 0.06] = -math.inf
     x[(special > 0.97)] = math.inf
-    x[0, 1, 4, 2] = math.nan  # inside query 4's prefix: a NaN row
+    x[0, 1, 4, 2] = math.nan  # inside query 4's prefix: a NaN row unless a bool mask forbids it
     x[1, 0, 2, 8] = math.nan  # past every prefix of batch row 1: takes no part
-    structured = rules.RowMask(diagonal=-1, key_lengths=torch.tensor([9, 5, 0]))
-    allowed = rules.allowed(torch.zeros(x.shape, dtype=dtype), structured)
+    mask = _masks_read_in_c(kind, generator)
+    allowed = rules.mask_allows(x, mask).expand(x.shape)
+    masked_copy = torch.where(allowed, x, -math.inf)
     sink = None
     if modifiers == "sink":
         sink = torch.randn(3, 2, 6, 1, generator=generator, dtype=torch.float64).to(dtype)
         sink[2, 1, 3] = math.nan
     cap = 2.5 if modifiers == "cap" else None
     call = STRUCTURED_CALLS[name]
-    expected = call(x, rules.RowMask(tensor=allowed), sink, cap)
-    monkeypatch.setattr(rules, "masked_scores", lambda *args: pytest.fail("a structured mask made a masked copy"))
-    got = call(x, structured, sink, cap)
+    expected = call(masked_copy, NO_MASK, sink, cap)
+    monkeypatch.setattr(rules, "masked_scores", lambda *args: pytest.fail("C's mask made a masked copy"))
+    got = call(x, mask, sink, cap)
     for got_part, expected_part in zip(got, expected, strict=True):
         if expected_part is not None:
             torch.testing.assert_close(got_part, expected_part, rtol=0, atol=0, equal_nan=True)
     assert (got[0][~allowed & ~got[0].isnan()] == 0).all()
     if name == "self_adjusted":
         grad = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(dtype)
-        monkeypatch.undo()
-        backward = native.self_adjusted_backward(x, rules.RowMask(tensor=allowed), grad, expected[1], True, sink, cap)
-        monkeypatch.setattr(rules, "masked_scores", lambda *args: pytest.fail("a structured mask made a masked copy"))
-        got_backward = native.self_adjusted_backward(x, structured, grad, got[1], True, sink, cap)
+        backward = native.self_adjusted_backward(masked_copy, NO_MASK, grad, expected[1], True, sink, cap)
+        got_backward = native.self_adjusted_backward(x, mask, grad, got[1], True, sink, cap)
         for got_part, expected_part in zip(*(
                 (result,) if sink is None else result for result in (got_backward, backward)), strict=True):
+            torch.testing.assert_close(got_part, expected_part, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(9,), (2, 1, 6, 9, 1), (4, 6, 9)])
+def test_a_mask_that_does_not_broadcast_to_the_scores_is_refused(shape):
+    with pytest.raises(ValueError, match="mask must broadcast to x's shape"):
+        native.softmax_forward(torch.zeros(3, 2, 6, 8), rules.RowMask(tensor=torch.ones(shape, dtype=torch.bool)),
+                               0, 1.0, 0.0)
+
+
+@pytest.mark.parametrize("name", list(STRUCTURED_CALLS))
+@pytest.mark.parametrize("shape, mask_shape", [((7,), (7,)), ((7,), (1,)), ((4, 1), (4, 1)), ((4, 1), (1,)),
+                                               ((0, 5), (5,)), ((2, 3, 5), (3, 5))])
+def test_a_bool_mask_read_in_c_at_edge_shapes(name, shape, mask_shape):
+    """One row, rows of one position, no rows and a non-contiguous x: C's bool mask equals the masked copy."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(shape[::-1], generator=generator, dtype=torch.float64).mT if len(shape) == 2 else \
+        torch.randn(shape, generator=generator, dtype=torch.float64)
+    tensor = torch.rand(mask_shape, generator=generator) > 0.4
+    expected = STRUCTURED_CALLS[name](torch.where(tensor, x, -math.inf), NO_MASK, None, None)
+    got = STRUCTURED_CALLS[name](x, rules.RowMask(tensor=tensor), None, None)
+    for got_part, expected_part in zip(got, expected, strict=True):
+        if expected_part is not None:
             torch.testing.assert_close(got_part, expected_part, rtol=0, atol=0, equal_nan=True)

@@ -74,35 +74,39 @@ _i64, _int, _ptr, _double = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctype
 # The sink is such a parameter (its score, -inf: none; its weight in a backward, 0: none), and
 # its per-row output (sink_weight, dsink) is NULL when there is no sink.  The soft cap comes
 # just before the thread count (a double, 0: off); backward passes take the raw scores with it.
-# The forwards (and Self-Adjusted's backward, which reads the scores) then take ``stops``: each
-# row's allowed prefix under a causal mask and key lengths (int64 per row; NULL: no bound).
+# The forwards (and Self-Adjusted's backward, which reads the scores) then take the mask: ``stops``,
+# each row's allowed prefix under a causal mask and key lengths (int64 per row; NULL: no bound),
+# and a bool mask, ``allow`` (NULL: none) with ``allow_rows``, the offset of each row's mask row
+# in it (int64 per row).
 SIGNATURES = {
     # x, y, rows, length, variant, first, first_rows, second, second_rows, multiplier | NULL, log_count | NULL,
-    # sink, sink_rows, sink_weight | NULL, cap, stops | NULL, threads
+    # sink, sink_rows, sink_weight | NULL, cap, stops | NULL, allow | NULL, allow_rows, threads
     "attnorm_softmax_forward": (_ptr, _ptr, _i64, _i64, _int, _double, _ptr, _double, _ptr, _ptr, _ptr,
-                                _double, _ptr, _ptr, _double, _ptr, _int),
+                                _double, _ptr, _ptr, _double, _ptr, _ptr, _ptr, _int),
     # y, grad, x | NULL, grad_x, rows, length, multiplier, multiplier_rows, param_grad, per_row | NULL,
     # sink_weight, sink_weight_rows, sink, sink_rows, dsink | NULL, cap, threads
     "attnorm_softmax_backward": (_ptr, _ptr, _ptr, _ptr, _i64, _i64, _double, _ptr, _int, _ptr,
                                  _double, _ptr, _double, _ptr, _ptr, _double, _int),
     # x, y, rows, length, k, is_fraction, temperature, temperature_rows, multiplier | NULL,
-    # sink, sink_rows, sink_weight | NULL, cap, stops | NULL, threads
+    # sink, sink_rows, sink_weight | NULL, cap, stops | NULL, allow | NULL, allow_rows, threads
     "attnorm_topk_forward": (_ptr, _ptr, _i64, _i64, _double, _int, _double, _ptr, _ptr, _double, _ptr, _ptr,
-                             _double, _ptr, _int),
+                             _double, _ptr, _ptr, _ptr, _int),
     # x, y, rows, length, alpha, alpha_rows, gate | NULL, sink, sink_rows, sink_weight | NULL, cap, stops | NULL,
-    # threads
+    # allow | NULL, allow_rows, threads
     "attnorm_entmax_forward": (_ptr, _ptr, _i64, _i64, _double, _ptr, _ptr, _double, _ptr, _ptr, _double, _ptr,
-                               _int),
+                               _ptr, _ptr, _int),
     # y, grad, grad_x, rows, length, gate, gate_rows, alpha, alpha_rows, alpha_grad | NULL,
     # sink_weight, sink_weight_rows, dsink | NULL, x | NULL, cap, threads
     "attnorm_entmax_backward": (_ptr, _ptr, _ptr, _i64, _i64, _double, _ptr, _double, _ptr, _ptr,
                                 _double, _ptr, _ptr, _ptr, _double, _int),
-    # x, y, rows, length, normalized, stats | NULL, sink, sink_rows, sink_weight | NULL, cap, stops | NULL, threads
+    # x, y, rows, length, normalized, stats | NULL, sink, sink_rows, sink_weight | NULL, cap, stops | NULL,
+    # allow | NULL, allow_rows, threads
     "attnorm_self_adjusted_forward": (_ptr, _ptr, _i64, _i64, _int, _ptr, _double, _ptr, _ptr, _double, _ptr,
-                                      _int),
-    # x, grad, grad_x, rows, length, normalized, stats, sink, sink_rows, dsink | NULL, cap, stops | NULL, threads
+                                      _ptr, _ptr, _int),
+    # x, grad, grad_x, rows, length, normalized, stats, sink, sink_rows, dsink | NULL, cap, stops | NULL,
+    # allow | NULL, allow_rows, threads
     "attnorm_self_adjusted_backward": (_ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _double, _ptr, _ptr, _double,
-                                       _ptr, _int),
+                                       _ptr, _ptr, _ptr, _int),
 }
 
 # A call goes through the kernel's packed entry point (``<name>_packed_<suffix>``, the end of
@@ -227,7 +231,7 @@ def _probe_call(callers: dict[tuple[str, torch.dtype], Callable[..., int]]) -> b
                                   for size in (2, 1, 1))
     status = callers["attnorm_softmax_forward", torch.float64](
         x.data_ptr(), y.data_ptr(), 1, 2, 0, 1.0, 0, 1.0, 0, multiplier.data_ptr(), 0, math.log(4.0), 0,
-        sink_weight.data_ptr(), 0.0, 0, 1)
+        sink_weight.data_ptr(), 0.0, 0, 0, 0, 1)
     expected = torch.tensor([0.125, 0.375, 0.5], dtype=torch.float64, device="cpu")
     return status == 0 and torch.allclose(torch.cat([y, sink_weight]), expected, rtol=0, atol=1e-12) \
         and multiplier.item() == 1.0

@@ -1,10 +1,10 @@
 """The native backend: the seven functions of the kernel contract (``kernels/README.md``) in C.
 
 Each function validates what it hands to C (CPU float32/float64 tensors, shapes,
-rows shorter than 2^31), applies the mask in torch (:func:`attnorm.kernels.rules.masked_scores`:
-forbidden positions become -inf) and runs one kernel of ``csrc/rows.c`` over all
-rows, which applies every other row rule itself (fully masked rows, +inf, NaN, no
-overflow).  Loading and building live in :mod:`attnorm.kernels.cpu.build`;
+rows shorter than 2^31), hands C the mask as per-row prefixes and a bool mask in its own
+broadcast shape (:func:`_bounds`: no masked copy of the scores) and runs one kernel of
+``csrc/rows.c`` over all rows, which applies the mask and every other row rule itself (fully
+masked rows, +inf, NaN, no overflow).  Loading and building live in :mod:`attnorm.kernels.cpu.build`;
 ``build.usable()`` says whether these functions can run.
 
 Per-row parameters are python numbers or tensors ``(..., 1)`` broadcastable to ``x``
@@ -157,22 +157,42 @@ def _launch(name: str, dtype: torch.dtype, *arguments: object) -> None:
         raise MemoryError(f"attnorm native kernel {name} could not allocate its row buffers")
 
 
-def _scores(x: Tensor, mask: rules.RowMask) -> tuple[Tensor, Tensor | None]:
-    """Checked contiguous scores and each row's allowed prefix (``stops``, None: every position).
+def _scores(x: Tensor, mask: rules.RowMask) -> tuple[Tensor, tuple[Tensor | None, Tensor | None, Tensor | None]]:
+    """Checked contiguous scores and the mask as C reads it (:func:`_bounds`; three Nones: no mask).
 
-    A causal mask and key lengths alone allow each row a prefix, which C bounds itself
-    (:func:`attnorm.kernels.rules.allowed_prefix`: no copy of the scores); a bool mask is applied
-    here, -inf where it forbids (:func:`attnorm.kernels.rules.masked_scores`, one pass).
+    C applies every mask itself, with no masked copy of the scores.
     """
     _check_rows(x, "x")
-    if mask.unmasked:
-        return x.contiguous(), None
-    if mask.tensor is None:
-        return x.contiguous(), rules.allowed_prefix(x, mask)
-    scores = rules.masked_scores(x, mask)
-    if scores.shape != x.shape:
-        raise ValueError(f"the mask must broadcast to x's shape {tuple(x.shape)}, got scores of {tuple(scores.shape)}")
-    return scores, None
+    return x.contiguous(), (None, None, None) if mask.unmasked else _bounds(x, mask)
+
+
+def _bounds(x: Tensor, mask: rules.RowMask) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``mask`` as the C kernels read it: ``(stops, allow, allow_rows)``, None where a part is absent.
+
+    ``stops``: each row's allowed prefix (int64, shape ``x.shape[:-1]``) under a causal mask and key
+    lengths (:func:`attnorm.kernels.rules.allowed_prefix`), and under a bool mask constant along the
+    row (whole rows, e.g. padded queries' ``(B, 1, Lq, 1)``: a prefix of all or nothing).  ``allow``: any other bool
+    mask, contiguous in its own broadcast shape (never expanded to the scores'), with ``allow_rows`` the
+    offset of each row's mask row in it (int64, shape ``x.shape[:-1]``: 8 bytes a row).
+
+    Raises:
+        ValueError: the mask does not broadcast to ``x``'s shape.
+    """
+    tensor = mask.tensor
+    stops = rules.allowed_prefix(x, mask._replace(tensor=None)) if mask.structured else None
+    if tensor is None:
+        return stops, None, None
+    if not rules.broadcasts_to(tensor.shape, x.shape):
+        raise ValueError(f"the mask must broadcast to x's shape {tuple(x.shape)}, got a mask of {tuple(tensor.shape)}")
+    tensor = tensor.to(device=x.device, dtype=torch.bool).reshape((1,) * (x.ndim - tensor.ndim) + tuple(tensor.shape))
+    if tensor.shape[-1] == 1:  # all or nothing per row
+        whole = torch.where(tensor[..., 0], x.shape[-1], 0)
+        stops = (whole if stops is None else torch.minimum(stops, whole)).expand(x.shape[:-1]).contiguous()
+        return stops, None, None
+    allow = tensor.contiguous()
+    allow_rows = torch.arange(0, allow.numel(), allow.shape[-1], device=x.device).reshape(allow.shape[:-1])
+    return stops, allow, allow_rows.expand(x.shape[:-1]).contiguous()
+
 
 
 def softmax_forward(
@@ -219,7 +239,7 @@ def softmax_forward(
     if variant not in (0, 1):
         raise ValueError(f"variant must be 0 (temperature) or 1 (Scalable-Softmax), got {variant}")
     cap = _cap(softcap)
-    scores, stops = _scores(x, mask)
+    scores, bounds = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
     first, first_rows = _per_row(first, row_shape, dtype, "first")
@@ -231,7 +251,7 @@ def softmax_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_softmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, variant,
             first, _address(first_rows), second, _address(second_rows), _address(multiplier), _address(log_count),
-            sink_score, _address(sink_rows), _address(sink_weight), cap, _address(stops))
+            sink_score, _address(sink_rows), _address(sink_weight), cap, *map(_address, bounds))
     return (y, multiplier, log_count) if sink is None else (y, multiplier, log_count, sink_weight)
 
 
@@ -342,7 +362,7 @@ def topk_forward(
         ValueError: a bad ``softcap``.
     """
     cap = _cap(softcap)
-    scores, stops = _scores(x, mask)
+    scores, bounds = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
     temperature, temperature_rows = _per_row(temperature, row_shape, dtype, "temperature")
@@ -352,7 +372,7 @@ def topk_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_topk_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, float(k),
             int(bool(is_fraction)), temperature, _address(temperature_rows), _address(multiplier), sink_score,
-            _address(sink_rows), _address(sink_weight), cap, _address(stops))
+            _address(sink_rows), _address(sink_weight), cap, *map(_address, bounds))
     return (y, multiplier) if sink is None else (y, multiplier, sink_weight)
 
 
@@ -394,7 +414,7 @@ def entmax_forward(
     if not isinstance(alpha, Tensor) and not alpha >= 1:
         raise ValueError(f"alpha must be >= 1, got {alpha}")
     cap = _cap(softcap)
-    scores, stops = _scores(x, mask)
+    scores, bounds = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
     alpha, alpha_rows = _per_row(alpha, row_shape, dtype, "alpha")
@@ -404,7 +424,7 @@ def entmax_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_entmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, alpha,
             _address(alpha_rows), _address(gate), sink_score, _address(sink_rows), _address(sink_weight), cap,
-            _address(stops))
+            *map(_address, bounds))
     return (y, gate) if sink is None else (y, gate, sink_weight)
 
 
@@ -503,7 +523,7 @@ def self_adjusted_forward(
         ValueError: a bad ``softcap``.
     """
     cap = _cap(softcap)
-    scores, stops = _scores(x, mask)
+    scores, bounds = _scores(x, mask)
     shape, dtype = x.shape, x.dtype
     row_shape, length = shape[:-1], shape[-1]
     sink_score, sink_rows = _sink(sink, row_shape, dtype)
@@ -512,7 +532,7 @@ def self_adjusted_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_self_adjusted_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length,
             int(bool(normalized)), _address(stats), sink_score, _address(sink_rows), _address(sink_weight), cap,
-            _address(stops))
+            *map(_address, bounds))
     return (y, stats) if sink is None else (y, stats, sink_weight)
 
 
@@ -553,7 +573,7 @@ def self_adjusted_backward(
         ValueError: a bad ``softcap``, or ``stats`` of the wrong shape.
     """
     cap = _cap(softcap)
-    scores, stops = _scores(x, mask)
+    scores, bounds = _scores(x, mask)
     grad = _like(grad, x, "grad")
     expected = (*x.shape[:-1], _SA_STATS)
     if not isinstance(stats, Tensor) or tuple(stats.shape) != expected or stats.device.type != "cpu":
@@ -568,5 +588,5 @@ def self_adjusted_backward(
     dsink = None if sink is None else _new(row_shape, x.dtype)
     _launch("attnorm_self_adjusted_backward", x.dtype, scores.data_ptr(), grad.data_ptr(), dx.data_ptr(),
             x.numel() // length, length, int(bool(normalized)), stats.data_ptr(), sink_score, _address(sink_rows),
-            _address(dsink), cap, _address(stops))
+            _address(dsink), cap, *map(_address, bounds))
     return dx if sink is None else (dx, dsink)

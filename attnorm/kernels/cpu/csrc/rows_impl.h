@@ -861,19 +861,53 @@ static void FN(through_cap)(const REAL* x, int64_t length, double cap, REAL* gx)
     for (int64_t i = 0; i < length; i++) gx[i] *= FN(cap_slope)(x[i], twice_inverse);
 }
 
-/* A causal mask and key lengths allow each row a prefix: stops[r] of its `length` positions
- * (NULL: all), which the kernels bound themselves, with no masked copy of the scores (one more
- * pass over them in torch).  Returns the length a row kernel works on and points `row` at it; a
- * row with no position reads as one masked score, so it takes the fully masked path (zeros) any
- * kernel takes.  `kept` gets the real prefix (0 then), which gradient and cap passes use. */
-static int64_t FN(row_prefix)(const REAL* x, int64_t r, int64_t length, const int64_t* stops, const REAL** row,
-                              int64_t* kept) {
+/* Which positions a row may use, read in C with no masked copy of the scores (that copy was one
+ * more pass over them in torch, as slow as the kernel for sparsemax):
+ *  - stops[r] (NULL: all): a causal mask and key lengths allow the row a prefix of its `length`
+ *    positions, which the kernels bound themselves;
+ *  - allow (NULL: all): a bool mask, row r's at allow + allow_rows[r] (1 = may use), applied as
+ *    the row is copied into a buffer the kernel works on in cache (copy_row).
+ * Returns the length a row kernel works on, points `row` at the row and `allowed` at its mask row
+ * (NULL: none).  A row with no position reads as one masked score, so it takes the fully masked
+ * path (zeros) any kernel takes.  `kept` gets the real prefix (0 then), which gradient and cap
+ * passes use. */
+static int64_t FN(row_bounds)(const REAL* x, int64_t r, int64_t length, const int64_t* stops, const uint8_t* allow,
+                              const int64_t* allow_rows, const REAL** row, const uint8_t** allowed, int64_t* kept) {
     static const REAL masked = -INFINITY;
     *row = x + r * length;
     *kept = stops ? (stops[r] < 0 ? 0 : stops[r] > length ? length : stops[r]) : length;
+    *allowed = allow ? allow + allow_rows[r] : NULL;
     if (*kept > 0 || length == 0) return *kept;
     *row = &masked;
+    *allowed = NULL;
     return 1;
+}
+
+/* -inf where `allowed` forbids, in `out` (which may be `x`).  On the bits: a select vectorises as
+ * masked loads, twice as slow here. */
+static void FN(mask_row)(const REAL* x, const uint8_t* allowed, int64_t length, REAL* out) {
+    const REAL masked = -INFINITY;
+    KEY masked_bits;
+    memcpy(&masked_bits, &masked, sizeof masked_bits);
+#pragma omp simd
+    for (int64_t i = 0; i < length; i++) {
+        const KEY keep = (KEY)0 - (KEY)(allowed[i] != 0);
+        KEY bits;
+        memcpy(&bits, x + i, sizeof bits);
+        bits = (bits & keep) | (masked_bits & ~keep);
+        memcpy(out + i, &bits, sizeof bits);
+    }
+}
+
+/* The row a kernel works on, written to `out`: capped when cap > 0, -inf where `allowed` forbids
+ * (NULL: nowhere).  One pass over the row from memory (two in cache with a cap and a mask).
+ * `out` may be the output row (the kernels that run in place read each position before writing
+ * it); not `x` itself. */
+static REAL* FN(copy_row)(const REAL* x, const uint8_t* allowed, int64_t length, double cap, REAL* out) {
+    if (cap > 0) FN(cap_row)(x, length, cap, out);
+    else if (!allowed) memcpy(out, x, length * sizeof(REAL));
+    if (allowed) FN(mask_row)(cap > 0 ? out : x, allowed, length, out);
+    return out;
 }
 
 /* The positions past a row's prefix: weight (or gradient) 0, or NaN in a row a NaN made NaN (whose
@@ -911,12 +945,11 @@ static void FN(zero_tail)(REAL* out, int64_t used, int64_t length) {
  * every kernel runs exactly the loops it ran before.
  */
 
-/* The row entmax and top-k see, in `extended`: x (capped when cap > 0), then the sink at
- * position `length` when there is one.  One pass. */
-static const REAL* FN(extend_row)(const REAL* x, int64_t length, double cap, int has_sink, REAL sink,
-                                  REAL* extended) {
-    if (cap > 0) FN(cap_row)(x, length, cap, extended);
-    else memcpy(extended, x, length * sizeof(REAL));
+/* The row entmax and top-k see, in `extended`: x (masked, and capped when cap > 0: copy_row), then
+ * the sink at position `length` when there is one.  One pass. */
+static const REAL* FN(extend_row)(const REAL* x, const uint8_t* allowed, int64_t length, double cap, int has_sink,
+                                  REAL sink, REAL* extended) {
+    FN(copy_row)(x, allowed, length, cap, extended);
     if (has_sink) extended[length] = sink;
     return extended;
 }
@@ -932,14 +965,15 @@ static REAL FN(split_row)(const REAL* extended, int64_t length, REAL* y) {
 static void FN(softmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
                                      const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
                                      REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight,
-                                     double cap, const int64_t* stops) {
+                                     double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         REAL unused, unused_multiplier, no_sink;
         const REAL* row;
+        const uint8_t* allowed;
         int64_t kept;
-        const int64_t n = FN(row_prefix)(x, r, length, stops, &row, &kept);
-        if (cap > 0) row = FN(cap_row)(row, n, cap, y + r * length); /* softmax_row runs in place */
+        const int64_t n = FN(row_bounds)(x, r, length, stops, allow, allow_rows, &row, &allowed, &kept);
+        if (cap > 0 || allowed) row = FN(copy_row)(row, allowed, n, cap, y + r * length); /* softmax_row runs in place */
         FN(softmax_row)(row, y + r * length, n, variant, ROW_PARAM(first, r), ROW_PARAM(second, r),
                         (REAL)ROW_PARAM(sink, r), multiplier ? multiplier + r : &unused_multiplier,
                         log_count ? log_count + r : &unused,
@@ -951,9 +985,9 @@ static void FN(softmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64
 int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
                                 const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
                                 REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight, double cap,
-                                const int64_t* stops, int threads) {
+                                const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int threads) {
     ON_TEAM(rows, length, FN(softmax_forward_rows)(x, y, rows, length, variant, first, first_rows, second, second_rows,
-                                                   multiplier, log_count, sink, sink_rows, sink_weight, cap, stops));
+                                                   multiplier, log_count, sink, sink_rows, sink_weight, cap, stops, allow, allow_rows));
     return 0;
 }
 
@@ -987,16 +1021,18 @@ int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, const REAL* x, RE
 
 static void FN(self_adjusted_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized,
                                            REAL* stats, double sink, const REAL* sink_rows, REAL* sink_weight,
-                                           double cap, const int64_t* stops, int* failed) {
-    REAL* capped = cap > 0 ? malloc((length + 1) * sizeof(REAL)) : NULL; /* c(x): the row is read again */
+                                           double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int* failed) {
+    const int copied = cap > 0 || allow != NULL; /* c(x) masked: the row is read again */
+    REAL* scratch = copied ? malloc((length + 1) * sizeof(REAL)) : NULL;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        if (capped || !(cap > 0)) {
+        if (scratch || !copied) {
             REAL no_sink, own[SA_STATS]; /* the row's statistics when the caller keeps none */
             const REAL* row;
+            const uint8_t* allowed;
             int64_t kept;
-            const int64_t n = FN(row_prefix)(x, r, length, stops, &row, &kept);
-            if (capped) row = FN(cap_row)(row, n, cap, capped);
+            const int64_t n = FN(row_bounds)(x, r, length, stops, allow, allow_rows, &row, &allowed, &kept);
+            if (cap > 0 || allowed) row = FN(copy_row)(row, allowed, n, cap, scratch);
             FN(self_adjusted_row)(row, y + r * length, n, normalized, stats ? stats + SA_STATS * r : own,
                                   (REAL)ROW_PARAM(sink, r), sink_weight ? sink_weight + r : &no_sink);
             FN(zero_tail)(y + r * length, n, length);
@@ -1005,28 +1041,29 @@ static void FN(self_adjusted_forward_rows)(const REAL* x, REAL* y, int64_t rows,
             *failed = 1;
         }
     }
-    free(capped);
+    free(scratch);
 }
 
 int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized, REAL* stats,
                                       double sink, const REAL* sink_rows, REAL* sink_weight, double cap,
-                                      const int64_t* stops, int threads) {
+                                      const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int threads) {
     int failed = 0;
     ON_TEAM(rows, length, FN(self_adjusted_forward_rows)(x, y, rows, length, normalized, stats, sink, sink_rows,
-                                                         sink_weight, cap, stops, &failed));
+                                                         sink_weight, cap, stops, allow, allow_rows, &failed));
     return failed;
 }
 
 static void FN(self_adjusted_backward_rows)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
                                             int normalized, const REAL* stats, double sink, const REAL* sink_rows,
-                                            REAL* dsink, double cap, const int64_t* stops) {
+                                            REAL* dsink, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         REAL no_sink;
         const REAL* row;
+        const uint8_t* allowed;
         int64_t kept;
-        const int64_t n = FN(row_prefix)(x, r, length, stops, &row, &kept);
-        if (cap > 0) row = FN(cap_row)(row, n, cap, gx + r * length); /* the gradient row runs in place */
+        const int64_t n = FN(row_bounds)(x, r, length, stops, allow, allow_rows, &row, &allowed, &kept);
+        if (cap > 0 || allowed) row = FN(copy_row)(row, allowed, n, cap, gx + r * length); /* in place */
         FN(self_adjusted_grad_row)(row, g + r * length, gx + r * length, n, normalized, stats + SA_STATS * r,
                                    (REAL)ROW_PARAM(sink, r), dsink ? dsink + r : &no_sink);
         if (cap > 0) FN(through_cap)(x + r * length, kept, cap, gx + r * length);
@@ -1036,17 +1073,17 @@ static void FN(self_adjusted_backward_rows)(const REAL* x, const REAL* g, REAL* 
 
 int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
                                        int normalized, const REAL* stats, double sink, const REAL* sink_rows,
-                                       REAL* dsink, double cap, const int64_t* stops, int threads) {
+                                       REAL* dsink, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int threads) {
     ON_TEAM(rows, length, FN(self_adjusted_backward_rows)(x, g, gx, rows, length, normalized, stats, sink, sink_rows,
-                                                          dsink, cap, stops));
+                                                          dsink, cap, stops, allow, allow_rows));
     return 0;
 }
 
 static void FN(entmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, double alpha,
                                     const REAL* alpha_rows, REAL* gate, double sink, const REAL* sink_rows,
-                                    REAL* sink_weight, double cap, const int64_t* stops, int* failed) {
+                                    REAL* sink_weight, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int* failed) {
     const int64_t width = length + (sink_weight != NULL); /* the longest row entmax_row sees */
-    const int copied = sink_weight != NULL || cap > 0;    /* ... through a per-thread buffer */
+    const int copied = sink_weight != NULL || cap > 0 || allow != NULL; /* ... through a per-thread buffer */
     REAL* t = malloc((width + PAD) * sizeof(REAL));
     int32_t* index = malloc(width * sizeof(int32_t));
     double* wide = malloc((width + PAD) * sizeof(double));
@@ -1056,10 +1093,11 @@ static void FN(entmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_
         if (t && index && wide && (extended || !copied)) {
             REAL no_gate;
             const REAL* row;
+            const uint8_t* allowed;
             int64_t kept;
-            const int64_t n = FN(row_prefix)(x, r, length, stops, &row, &kept);
+            const int64_t n = FN(row_bounds)(x, r, length, stops, allow, allow_rows, &row, &allowed, &kept);
             REAL* out = y + r * length;
-            if (copied) row = FN(extend_row)(row, n, cap, sink_weight != NULL, (REAL)ROW_PARAM(sink, r), extended);
+            if (copied) row = FN(extend_row)(row, allowed, n, cap, sink_weight != NULL, (REAL)ROW_PARAM(sink, r), extended);
             if (sink_weight) out = extended + width;
             FN(entmax_row)(row, out, n + (sink_weight != NULL), ROW_PARAM(alpha, r), gate ? gate + r : &no_gate, t,
                            index, wide);
@@ -1078,10 +1116,10 @@ static void FN(entmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_
 
 int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double alpha,
                                const REAL* alpha_rows, REAL* gate, double sink, const REAL* sink_rows,
-                               REAL* sink_weight, double cap, const int64_t* stops, int threads) {
+                               REAL* sink_weight, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int threads) {
     int failed = 0;
     ON_TEAM(rows, length, FN(entmax_forward_rows)(x, y, rows, length, alpha, alpha_rows, gate, sink, sink_rows,
-                                                  sink_weight, cap, stops, &failed));
+                                                  sink_weight, cap, stops, allow, allow_rows, &failed));
     return failed;
 }
 
@@ -1123,10 +1161,10 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
 
 static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
                                   double temperature, const REAL* temperature_rows, REAL* multiplier, double sink,
-                                  const REAL* sink_rows, REAL* sink_weight, double cap, const int64_t* stops,
+                                  const REAL* sink_rows, REAL* sink_weight, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows,
                                   int* failed) {
     const int64_t width = length + (sink_weight != NULL); /* the longest row topk_row sees */
-    const int copied = sink_weight != NULL || cap > 0;    /* ... through a per-thread buffer */
+    const int copied = sink_weight != NULL || cap > 0 || allow != NULL; /* ... through a per-thread buffer */
     /* the most groups a row uses: a fraction keeps at most the row (sized for the whole 4096 groups, a
      * short row's buffers were 2 x 16 KiB, touched and returned to the heap on every call) */
     const int64_t groups = topk_groups(is_fraction || k >= (double)width ? width : (int64_t)k);
@@ -1139,11 +1177,12 @@ static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t 
         if (work && index && keys && (extended || !copied)) {
             REAL no_multiplier;
             const REAL* row;
+            const uint8_t* allowed;
             int64_t kept;
-            const int64_t n = FN(row_prefix)(x, r, length, stops, &row, &kept);
+            const int64_t n = FN(row_bounds)(x, r, length, stops, allow, allow_rows, &row, &allowed, &kept);
             REAL* out = y + r * length;
             const REAL score = (REAL)ROW_PARAM(sink, r);
-            if (copied) row = FN(extend_row)(row, n, cap, sink_weight != NULL, score, extended);
+            if (copied) row = FN(extend_row)(row, allowed, n, cap, sink_weight != NULL, score, extended);
             if (sink_weight) out = extended + width;
             /* the sink is not one of the n a fraction counts */
             const int64_t uncounted = sink_weight != NULL && score != -INFINITY;
@@ -1164,20 +1203,21 @@ static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t 
 
 int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
                              double temperature, const REAL* temperature_rows, REAL* multiplier, double sink,
-                             const REAL* sink_rows, REAL* sink_weight, double cap, const int64_t* stops,
+                             const REAL* sink_rows, REAL* sink_weight, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows,
                              int threads) {
     int failed = 0;
     ON_TEAM(rows, length, FN(topk_forward_rows)(x, y, rows, length, k, is_fraction, temperature, temperature_rows,
-                                                multiplier, sink, sink_rows, sink_weight, cap, stops, &failed));
+                                                multiplier, sink, sink_rows, sink_weight, cap, stops, allow, allow_rows, &failed));
     return failed;
 }
 
 /* Packed entry points: the kernels above with their arguments unpacked from slots, in order. */
 int FN(attnorm_softmax_forward_packed)(const char* packed) {
-    attnorm_slot a[17];
-    if (!unpack(packed, a, 17)) return PACKED_MISMATCH;
+    attnorm_slot a[19];
+    if (!unpack(packed, a, 19)) return PACKED_MISMATCH;
     return FN(attnorm_softmax_forward)(a[0].p, a[1].p, a[2].i, a[3].i, (int)a[4].i, a[5].d, a[6].p, a[7].d, a[8].p,
-                                       a[9].p, a[10].p, a[11].d, a[12].p, a[13].p, a[14].d, a[15].p, (int)a[16].i);
+                                       a[9].p, a[10].p, a[11].d, a[12].p, a[13].p, a[14].d, a[15].p, a[16].p, a[17].p,
+                                       (int)a[18].i);
 }
 
 int FN(attnorm_softmax_backward_packed)(const char* packed) {
@@ -1188,24 +1228,24 @@ int FN(attnorm_softmax_backward_packed)(const char* packed) {
 }
 
 int FN(attnorm_self_adjusted_forward_packed)(const char* packed) {
-    attnorm_slot a[12];
-    if (!unpack(packed, a, 12)) return PACKED_MISMATCH;
+    attnorm_slot a[14];
+    if (!unpack(packed, a, 14)) return PACKED_MISMATCH;
     return FN(attnorm_self_adjusted_forward)(a[0].p, a[1].p, a[2].i, a[3].i, (int)a[4].i, a[5].p, a[6].d, a[7].p,
-                                             a[8].p, a[9].d, a[10].p, (int)a[11].i);
+                                             a[8].p, a[9].d, a[10].p, a[11].p, a[12].p, (int)a[13].i);
 }
 
 int FN(attnorm_self_adjusted_backward_packed)(const char* packed) {
-    attnorm_slot a[13];
-    if (!unpack(packed, a, 13)) return PACKED_MISMATCH;
+    attnorm_slot a[15];
+    if (!unpack(packed, a, 15)) return PACKED_MISMATCH;
     return FN(attnorm_self_adjusted_backward)(a[0].p, a[1].p, a[2].p, a[3].i, a[4].i, (int)a[5].i, a[6].p, a[7].d,
-                                              a[8].p, a[9].p, a[10].d, a[11].p, (int)a[12].i);
+                                              a[8].p, a[9].p, a[10].d, a[11].p, a[12].p, a[13].p, (int)a[14].i);
 }
 
 int FN(attnorm_entmax_forward_packed)(const char* packed) {
-    attnorm_slot a[13];
-    if (!unpack(packed, a, 13)) return PACKED_MISMATCH;
+    attnorm_slot a[15];
+    if (!unpack(packed, a, 15)) return PACKED_MISMATCH;
     return FN(attnorm_entmax_forward)(a[0].p, a[1].p, a[2].i, a[3].i, a[4].d, a[5].p, a[6].p, a[7].d, a[8].p, a[9].p,
-                                      a[10].d, a[11].p, (int)a[12].i);
+                                      a[10].d, a[11].p, a[12].p, a[13].p, (int)a[14].i);
 }
 
 int FN(attnorm_entmax_backward_packed)(const char* packed) {
@@ -1216,10 +1256,10 @@ int FN(attnorm_entmax_backward_packed)(const char* packed) {
 }
 
 int FN(attnorm_topk_forward_packed)(const char* packed) {
-    attnorm_slot a[15];
-    if (!unpack(packed, a, 15)) return PACKED_MISMATCH;
+    attnorm_slot a[17];
+    if (!unpack(packed, a, 17)) return PACKED_MISMATCH;
     return FN(attnorm_topk_forward)(a[0].p, a[1].p, a[2].i, a[3].i, a[4].d, (int)a[5].i, a[6].d, a[7].p, a[8].p,
-                                    a[9].d, a[10].p, a[11].p, a[12].d, a[13].p, (int)a[14].i);
+                                    a[9].d, a[10].p, a[11].p, a[12].d, a[13].p, a[14].p, a[15].p, (int)a[16].i);
 }
 
 #undef FN
