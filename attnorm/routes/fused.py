@@ -88,7 +88,13 @@ def _triton_handles_normalized_additive_self_adjusted() -> bool:
     (the kernel test ``test_every_mask_kind_matches_reference[additive-normalized]``: errors up to 0.42,
     while the same kernels with interval or dense masks, and the plain variant, pass).  bfloat16 and float16
     were not tested there with an additive mask, so they are routed around too.  Triton 3.9 compiles every
-    variant (its numbers on a GPU are not measured).  Those calls take the blocked route instead."""
+    variant (its numbers on a GPU are not measured).  Those calls take the blocked route instead.
+
+    The wrong float32 dk is likely not Triton's: the same symptom in candidate-buffer top-k (dk 2.5 off
+    under an additive mask on an H200, 2026-11-28) came from ``scale q k + additive`` contracted into an
+    fma in some kernels and not others, so the backward's recomputed scores were an ulp off the
+    forward's min and max; :func:`attnorm.kernels.triton.attention_blocks.score_tile_slope` now writes
+    that fma itself.  This route stays until a GPU run of the test above passes with it lifted."""
     import triton
 
     return tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9)

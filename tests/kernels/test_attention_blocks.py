@@ -111,6 +111,28 @@ def test_score_tiles_equal_masked_torch_scores(kind, device):
                     assert hi[b, h] <= lo[b, h] or kind in ("dense", "additive", "none")
 
 
+def test_the_additive_mask_joins_the_scaled_product_in_one_rounding(device):
+    """Scores under an additive mask are ``fma(q k, scale, additive)``, rounded once, in every kernel: a compiler
+    left to contract ``p * scale + a`` may do so in one kernel and not in another, and a backward whose recomputed
+    scores are an ulp off the forward's picks another top-k threshold (seen on an H200: dk 2.5 off).  With
+    ``a = -round(p * scale)`` two roundings give 0 and one gives the rounding error of ``p * scale``."""
+    batch, heads, lq, lk, scale = 1, 1, 16, 32, 0.1
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(-3, 4, (batch, heads, lq, D), generator=gen).float()
+    k = torch.randint(-3, 4, (batch, heads, lk, D), generator=gen).float()
+    product = (q @ k.transpose(-1, -2))[0, 0]  # small integers: exact
+    scale32 = torch.tensor(scale, dtype=torch.float32).double()
+    additive = -(product.double() * scale32).float()  # minus the product rounded to float32
+    expected = (product.double() * scale32 + additive.double()).float()  # exact in float64, then one rounding
+    assert (expected != 0).sum() > lq * lk // 2  # the case is sharp: two roundings would give 0 here
+    mask = AttentionMask(None, None, None, additive.to(device))
+    out = torch.full((batch, heads, lq, lk), math.nan, device=device)
+    bounds = torch.empty((1, 1, 2), dtype=torch.int32, device=device)
+    _tiles[(1, 1)](q.to(device), k.to(device), out, bounds, lq, lk, heads, scale,
+                   **mask_arguments(mask, (batch, heads, lq, lk), device), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=D)
+    torch.testing.assert_close(out[0, 0].cpu(), expected, rtol=0, atol=0)
+
+
 @triton.jit
 def _query_ranges(out, key_start, key_stop, range_stride, lq, lk, HAS_RANGE: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, SCAN: tl.constexpr):

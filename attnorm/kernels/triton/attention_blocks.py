@@ -268,10 +268,15 @@ def score_tile_slope(
     keys need no interval test (the dense and additive masks still apply).
     """
     k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0)
-    scores = mma(q_tile, k_tile, ACC) * scale
+    # The last product and the additive mask are one explicit fma: left to the compiler, ``p * c + a``
+    # may be contracted in one kernel and rounded twice in another, and the backward's recomputed scores
+    # must equal the forward's bit for bit (top-k's threshold, Self-Adjusted's min and max are compared
+    # with ==).  Seen on an H200: dk 2.5 off with candidate-buffer top-k under an additive mask.
+    product = mma(q_tile, k_tile, ACC)
+    factor = scale
     if SOFTCAP:
-        t = capping_tanh(scores / softcap)
-        scores = softcap * t
+        t = capping_tanh(product * scale / softcap)
+        product, factor = t, softcap
     if MASKED:
         keep = (offs_n[None, :] >= row_start[:, None]) & (offs_n[None, :] < row_stop[:, None])
         if HAS_DENSE:
@@ -280,12 +285,16 @@ def score_tile_slope(
             keep = keep & (tl.load(dense_ptrs, mask=keep, other=0) != 0)
         if HAS_ADDITIVE:
             add_ptrs = additive + batch * add_sb + head * add_sh + offs_m[:, None] * add_sm + offs_n[None, :] * add_sn
-            scores = scores + tl.load(add_ptrs, mask=keep, other=0.0).to(ACC)
+            scores = tl.fma(product, factor, tl.load(add_ptrs, mask=keep, other=0.0).to(ACC))
+        else:
+            scores = product * factor
         scores = tl.where(keep, scores, float("-inf"))
     else:
         if HAS_ADDITIVE:
             add_ptrs = additive + batch * add_sb + head * add_sh + offs_m[:, None] * add_sm + offs_n[None, :] * add_sn
-            scores = scores + tl.load(add_ptrs).to(ACC)
+            scores = tl.fma(product, factor, tl.load(add_ptrs).to(ACC))
+        else:
+            scores = product * factor
         if HAS_DENSE:
             dense_ptrs = dense + batch * dense_sb + head * dense_sh
             dense_ptrs += offs_m[:, None] * dense_sm + offs_n[None, :] * dense_sn

@@ -222,7 +222,7 @@ def _split_kernel(
     partial stats and sums ``A``, ``B`` (``B``: the +inf keys' mass in rows holding +inf).
     """
     scale = as_acc(scale, ACC)
-    split, bh = tl.program_id(0), tl.program_id(1)
+    split, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # offsets pass 2^31 on long contexts
     kv_heads = heads // group
     batch, kv_head = bh // kv_heads, bh % kv_heads
     r, head, query = _stacked_rows(kv_head, group, lq, tl.program_id(2), BLOCK_M)
@@ -292,7 +292,7 @@ def _combine_kernel(
     NORMALIZED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """One row block of a key/value head: merge its splits' partials into ``out`` (one read of each)."""
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     live = r < rows
@@ -338,7 +338,7 @@ def _scores_kernel(
     multiplied into ``ACC`` (no float32 copy of K); the scores go to ``OUT[b, head, query, key]``.
     """
     scale = as_acc(scale, ACC)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)
     kv_heads = heads // group
     batch, kv_head = bh // kv_heads, bh % kv_heads
     r, head, query = _stacked_rows(kv_head, group, lq, tl.program_id(2), BLOCK_M)

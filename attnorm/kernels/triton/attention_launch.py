@@ -225,7 +225,7 @@ def dot_operands(*tensors: Tensor) -> tuple[Tensor, ...]:
 @triton.jit
 def _row_dot_kernel(A, B, OUT, sa_b, sa_h, sa_m, sa_d, sb_b, sb_h, sb_m, sb_d, heads, lq, width,
                     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr):
-    block, bh = tl.program_id(0), tl.program_id(1)
+    block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     batch, head = bh // heads, bh % heads
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DV)

@@ -361,7 +361,7 @@ def _self_adjusted_forward_kernel(
     ``FLOAT_OUT``: the output is also stored unrounded, in the accumulation dtype, to ``OUT_FLOAT``.
     """
     scale = as_acc(scale, ACC)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets pass 2^31 on long contexts
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
@@ -495,7 +495,7 @@ def _self_adjusted_dq_kernel(
     (``g = 0``: its value is zero) gets its ``ds`` from the same formula, written to ``D_SINK``.
     """
     scale = as_acc(scale, ACC)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets pass 2^31 on long contexts
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
@@ -571,7 +571,7 @@ def _self_adjusted_dkdv_kernel(
 ):
     """One key block of one key/value head: ``dv = sum y^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
     scale = as_acc(scale, ACC)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets pass 2^31 on long contexts
     batch, kv_head, start, offs_n, offs_d, offs_dv = key_program(bh, heads, group, BLOCK_N, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     k_base = K + batch * sk_b + kv_head * sk_h

@@ -558,7 +558,8 @@ def _topk_forward_kernel(
     """
     scale = as_acc(scale, ACC)
     inv_temperature = as_acc(inv_temperature, ACC)
-    bh = tl.program_id(1) + first_bh  # a launch may take some of the (batch, head) pairs: see CANDIDATE_BYTES
+    # int64: offsets pass 2^31 on long contexts; a launch may take some of the (batch, head) pairs (CANDIDATE_BYTES)
+    bh = tl.program_id(1).to(tl.int64) + first_bh
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
@@ -577,7 +578,7 @@ def _topk_forward_kernel(
     if CANDIDATES:
         # One pass: candidate buffers holding each row's keep_bound largest scores, then the k-th among them.
         live = offs_m < lq
-        buffer_rows = BUFFER + (tl.program_id(1) * lq + offs_m).to(tl.int64) * CAP
+        buffer_rows = BUFFER + (tl.program_id(1).to(tl.int64) * lq + offs_m) * CAP
         count, bound, dropped, allowed_count, nan_count = _candidate_pass(
             q_tile, k_base, sk_n, sk_d, offs_m, offs_d, head_dim, row_start, row_stop, span, lk, scale, softcap,
             batch, head, masking, buffer_rows, live, keep_bound, HAS_DENSE, HAS_ADDITIVE, SOFTCAP, BLOCK_M, BLOCK_N,
@@ -798,7 +799,7 @@ def _topk_dq_kernel(
     """One query block: ``dq = scale sum_j ds_j k_j`` over its key blocks; the sinks' ``ds`` per row (``D_SINK``)."""
     scale = as_acc(scale, ACC)
     inv_temperature = as_acc(inv_temperature, ACC)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets pass 2^31 on long contexts
     batch, head, kv_head, offs_m, offs_d, offs_dv = query_program(bh, heads, group, BLOCK_M, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     q_tile = load_tile(Q + batch * sq_b + head * sq_h, offs_m, offs_d, lq, head_dim, sq_m, sq_d)
@@ -845,7 +846,7 @@ def _topk_dkdv_kernel(
     """One key block of one key/value head: ``dv = sum p^T dO``, ``dk = scale sum ds^T q`` over the group's queries."""
     scale = as_acc(scale, ACC)
     inv_temperature = as_acc(inv_temperature, ACC)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets pass 2^31 on long contexts
     batch, kv_head, start, offs_n, offs_d, offs_dv = key_program(bh, heads, group, BLOCK_N, BLOCK_D, BLOCK_DV)
     masking = (dense, dense_sb, dense_sh, dense_sm, dense_sn, additive, add_sb, add_sh, add_sm, add_sn)
     k_base = K + batch * sk_b + kv_head * sk_h
