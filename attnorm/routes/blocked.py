@@ -96,12 +96,13 @@ def blocked_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additiv
 def _outputs(setup: tuple, q: Tensor, k: Tensor, v: Tensor, additive: Tensor | None, sinks: Tensor | None):
     """``(start, stop, out)`` for each block of query rows ``start:stop``."""
     normalizer, mask, scale, softcap, dropout_p, groups, rows = setup
-    lq, bounds = q.shape[-2], _bounds(normalizer, mask, q, k)
+    lq, lk, bounds = q.shape[-2], k.shape[-2], _bounds(normalizer, mask, q, k)
     for start in range(0, lq, rows):
         stop = min(start + rows, lq)
         q_rows, additive_rows = q[..., start:stop, :], _rows(additive, start, stop)
-        yield start, stop, _block(normalizer, q, q_rows, k, v, mask, bounds, additive_rows, sinks, scale, softcap,
-                                  dropout_p, groups, start, stop, trim=True)[0]
+        lo, hi = _key_span(mask, start, stop, lk)
+        yield start, stop, _block(normalizer, q, q_rows, k[..., lo:hi, :], v[..., lo:hi, :], mask, bounds,
+                                  additive_rows, sinks, scale, softcap, dropout_p, groups, start, stop, lo, lk)[0]
 
 
 def materialised_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float,
@@ -162,18 +163,20 @@ def _keys(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
 
 def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bounds: tuple[Tensor, Tensor] | None,
            additive_rows: Tensor | None, sinks: Tensor | None, scale: float, softcap: float | None,
-           dropout_p: float, groups: int, start: int, stop: int, trim: bool = False) -> tuple[Tensor, Tensor]:
+           dropout_p: float, groups: int, start: int, stop: int, lo: int = 0,
+           lk: int | None = None) -> tuple[Tensor, Tensor]:
     """Output rows ``start:stop`` and their weights, from the query rows ``q_rows = q[..., start:stop, :]``.
 
     ``bounds`` are a structured ``mask``'s key intervals (:func:`_bounds`), None for other masks.
 
-    With ``trim``, only the keys a causal or sliding-window mask lets these rows reach take
-    part (the weights then cover those keys only).
+    ``k`` and ``v`` are keys ``lo:lo + k.shape[-2]`` of ``lk`` (default: all of them), e.g. only those
+    a causal or sliding-window mask lets these rows reach (:func:`_key_span`; the weights then cover
+    those keys only).
     """
-    lk = k.shape[-2]
-    lo, hi = _key_span(mask, start, stop, lk) if trim else (0, lk)
+    lk = k.shape[-2] if lk is None else lk
+    hi = lo + k.shape[-2]
     if (lo, hi) != (0, lk):
-        k, v, additive_rows = k[..., lo:hi, :], v[..., lo:hi, :], _keys(additive_rows, lo, hi)
+        additive_rows = _keys(additive_rows, lo, hi)
     # Half-precision scores are computed in float32, as the fused kernels compute them: rounded to
     # bfloat16 (a spacing of 2^-8 relative) they would tie where the fused route does not, and a
     # top-k selection or an entmax support would differ (decoding against the full sequence).
@@ -208,9 +211,8 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
     if _row_prefixes(normalizer, mask):
         mask = _prefix_mask(mask, start)
     else:
-        mask = interval_rows(bounds, start, stop, lk) if bounds is not None else _rows(mask, start, stop)
-        if (lo, hi) != (0, lk):
-            mask = _keys(mask, lo, hi)
+        mask = interval_rows(bounds, start, stop, lo, hi) if bounds is not None else _keys(_rows(mask, start, stop),
+                                                                                            lo, hi)
     if kernel:  # the row kernels take the sink and the cap themselves
         sink = None if sinks is None else sinks.reshape(-1, 1, 1).to(scores.device)  # (Hq, 1, 1): per head
         weights = normalizer(scores, mask, sink=sink, softcap=softcap)
@@ -286,20 +288,26 @@ class _BlockedAttention(torch.autograd.Function):
         inputs = [t for t in (k, v, sinks) if t is not None and t.requires_grad] + list(params)
         if not (inputs or wants_q or wants_additive):
             return (None,) * (6 + len(params))
-        lq, bounds = q.shape[-2], _bounds(normalizer, mask, q, k)
+        lq, lk, bounds = q.shape[-2], k.shape[-2], _bounds(normalizer, mask, q, k)
         with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0):
             if ctx.rng is not None:
                 _set_rng_state(ctx.rng, q.device)
             for start in range(0, lq, rows):
                 stop = min(start + rows, lq)
+                lo, hi = _key_span(mask, start, stop, lk)
                 with torch.enable_grad():
                     q_rows = q[..., start:stop, :].detach().requires_grad_(wants_q)
+                    # The block's keys as leaves of their own: their gradients are the block's keys only,
+                    # not a zero-filled (..., Lk, D) tensor per block.
+                    k_part = k[..., lo:hi, :].detach().requires_grad_(k.requires_grad)
+                    v_part = v[..., lo:hi, :].detach().requires_grad_(v.requires_grad)
                     additive_rows = _rows(additive, start, stop)
                     if wants_additive:
                         additive_rows = additive_rows.detach().requires_grad_()
-                    out = _block(normalizer, q, q_rows, k, v, mask, bounds, additive_rows, sinks, scale, softcap,
-                                 dropout_p, groups, start, stop, trim=True)[0]
-                    wanted = inputs + ([q_rows] if wants_q else []) + ([additive_rows] if wants_additive else [])
+                    out = _block(normalizer, q, q_rows, k_part, v_part, mask, bounds, additive_rows, sinks, scale,
+                                 softcap, dropout_p, groups, start, stop, lo, lk)[0]
+                    leaves = [t for t in (k_part, v_part, sinks) if t is not None and t.requires_grad] + list(params)
+                    wanted = leaves + ([q_rows] if wants_q else []) + ([additive_rows] if wants_additive else [])
                     grads = list(torch.autograd.grad(out, wanted, grad_out[..., start:stop, :], allow_unused=True))
                 if wants_additive:
                     grad = grads.pop()
@@ -311,9 +319,9 @@ class _BlockedAttention(torch.autograd.Function):
                     grad = grads.pop()
                     dq_blocks.append(torch.zeros_like(q_rows) if grad is None else grad)
                 if k.requires_grad:
-                    dk = _add(dk, grads.pop(0))
+                    dk = _add_keys(dk, grads.pop(0), lo, hi, lk)
                 if v.requires_grad:
-                    dv = _add(dv, grads.pop(0))
+                    dv = _add_keys(dv, grads.pop(0), lo, hi, lk)
                 if sinks is not None and sinks.requires_grad:
                     dsinks = _add(dsinks, grads.pop(0))
                 dparams = [_add(total, grad) for total, grad in zip(dparams, grads, strict=True)]
@@ -321,6 +329,20 @@ class _BlockedAttention(torch.autograd.Function):
         if dadditive_blocks:
             dadditive = torch.cat(dadditive_blocks, dim=-2)
         return (None, dq, dk, dv, dadditive, dsinks, *dparams)
+
+
+def _add_keys(total: Tensor | None, grad: Tensor | None, lo: int, hi: int, lk: int) -> Tensor | None:
+    """``total`` plus the gradient ``grad`` of keys ``lo:hi`` of ``lk``.
+
+    The first gradient is padded into a new tensor, so it is batched exactly when the incoming
+    gradient is (vmap), and the others are added into it in place, keys ``lo:hi`` only.
+    """
+    if grad is None:
+        return total
+    if total is None:
+        return F.pad(grad, (0, 0, lo, lk - hi))
+    total[..., lo:hi, :] += grad
+    return total
 
 
 def _add(total: Tensor | None, grad: Tensor | None) -> Tensor | None:

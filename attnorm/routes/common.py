@@ -68,10 +68,11 @@ def row_attends(mask: Mask, additive: Tensor | None, q: Tensor, lk: int) -> Tens
     return allowed_counts(mask, q, lk) > 0
 
 
-def interval_rows(bounds: tuple[Tensor, Tensor], start: int, stop: int, lk: int) -> Tensor:
-    """Bool mask (True = may attend) of query rows ``start:stop`` from the rows' key intervals (:func:`interval`)."""
+def interval_rows(bounds: tuple[Tensor, Tensor], start: int, stop: int, lo: int, hi: int) -> Tensor:
+    """Bool mask (True = may attend) of query rows ``start:stop`` and keys ``lo:hi`` from the rows' key intervals
+    (:func:`interval`)."""
     first, last = (bound[..., start:stop, :] for bound in bounds)
-    keys = torch.arange(lk, device=first.device)
+    keys = torch.arange(lo, hi, device=first.device)
     return (keys >= first) & (keys < last)
 
 
