@@ -232,7 +232,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, normalizer: Normalizer) -> tu
         q, k, v = (t.expand(*batch, *t.shape[-3:]) for t in (q, k, v))
     heads, kv_heads = qs[-3], ks[-3]
     per_head = getattr(normalizer, "num_heads", None)
-    if isinstance(per_head, int) and per_head not in (1, heads):
+    if isinstance(per_head, int) and per_head != 1 and per_head != heads:  # not `in`: heads may be a SymInt
         raise ValueError(f"the normalizer has num_heads={per_head} (a parameter per head), but q has {heads} heads "
                          f"(dim -3 of {tuple(qs)})")
     if vs[-3] != kv_heads:
@@ -261,6 +261,8 @@ def _check_mask_shape(mask: Tensor, q: Tensor, lk: int) -> Tensor:
 
 
 def _check_scale(scale: float) -> float:
+    if torch.compiler.is_compiling():  # it may be symbolic there (head_dim ** -0.5 under dynamic shapes)
+        return scale
     try:
         value = float(scale)
     except (TypeError, ValueError, RuntimeError):

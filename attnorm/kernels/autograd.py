@@ -353,9 +353,14 @@ def _call(function: type[_RowFunction], op, args: tuple, lane: int, *params: int
     if lane == _PLAIN:
         return ops.kernel(op)(*args)[0]
     if lane == _WATCHED:
+        if torch._C._are_functorch_transforms_active():
+            # A vmap wrapper does not show the requires_grad of the tensor it batches (False while that tensor
+            # needs a gradient): the op alone left the output without a path back to it, and
+            # vmap(module)(x).sum().backward() gave x no gradient.  The Function decides.
+            return function.apply(*args)[0]
         if not _needs_grad(args, params):
             return ops.call(op, *args)[0]
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        if torch.compiler.is_compiling():
             return function.apply(*args)[0]
     # Function.apply's first step outside transforms: unwrap tensors that escaped a
     # finished torch.func call (dead wrappers); only differentiable inputs matter.
@@ -417,7 +422,13 @@ def _implementation(backend: str | None, x: Tensor) -> str:
     """
     # x.is_cpu is cheaper than x.device.type (which builds a device object and a string).
     implementation = backends.resolve(backend, "cpu" if x.is_cpu else x.device)
-    if implementation == "reference" or not ops.forward_mode():
+    if implementation == "reference":
+        return implementation
+    if torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        # torch.compile of a torch.func transform (grad, jacrev, vmap): Dynamo traces the kernels' Function
+        # there without its gradient (compiled grad came out wrong) or not at all (vmap of a learnable module)
+        return "reference"
+    if not ops.forward_mode():
         return implementation
     requested = backends.get_backend() if backend is None else backend
     if requested in ("native", "triton"):

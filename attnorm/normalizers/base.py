@@ -329,5 +329,7 @@ def _format_field(value: Any) -> str:
     """A parameter for ``extra_repr``: tensors (learnable or per head) show their current values."""
     if not isinstance(value, Tensor):
         return str(value)
+    if torch.compiler.is_compiling():  # vmap names the module in a traced call: no values to read there
+        return f"tensor of shape {tuple(value.shape)}"
     values = [float(f"{item:.4g}") for item in value.detach().flatten().tolist()]
     return str(values[0]) if value.ndim == 0 else str(values)

@@ -172,7 +172,8 @@ def self_adjusted_softmax(x: Tensor, mask: rules.RowMask = rules.NO_MASK, normal
     Returns:
         Weights shaped like ``x`` (plain: possibly negative, not summing to 1).
     """
-    return _SelfAdjustedSoftmax.apply(x, *mask, normalized)
+    function = _SelfAdjustedSoftmaxTraced if torch.compiler.is_compiling() else _SelfAdjustedSoftmax
+    return function.apply(x, *mask, normalized)
 
 
 def _self_adjusted_values(x: Tensor, mask: rules.RowMask, normalized: bool) -> Tensor:
@@ -214,6 +215,13 @@ class _SelfAdjustedSoftmax(Function):
         x, mask, key_lengths = ctx.saved_tensors
         dx = self_adjusted_vjp(x, rules.RowMask(mask, ctx.diagonal, key_lengths), grad, ctx.normalized)
         return dx, None, None, None, None
+
+
+class _SelfAdjustedSoftmaxTraced(_SelfAdjustedSoftmax):
+    """:class:`_SelfAdjustedSoftmax` without its ``jvp``, for ``torch.compile``: Dynamo traces no Function that
+    defines one (it broke the graph of every compiled call needing a gradient; forward mode runs eagerly)."""
+
+    jvp = Function.jvp
 
 
 def self_adjusted_stats(rows: Rows, low: Tensor, high: Tensor) -> Tensor:

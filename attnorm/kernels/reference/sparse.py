@@ -175,6 +175,13 @@ class _Entmax(torch.autograd.Function):
         return grad_scores, None, grad_alpha, None, None
 
 
+class _EntmaxTraced(_Entmax):
+    """:class:`_Entmax` without its ``jvp``, for ``torch.compile``: Dynamo traces no Function that defines one
+    (it broke the graph of every compiled call needing a gradient; forward mode runs eagerly)."""
+
+    jvp = torch.autograd.Function.jvp
+
+
 def entmax(x: Tensor, mask: rules.RowMask = rules.NO_MASK, alpha: float | Tensor = 1.5) -> Tensor:
     """alpha-entmax (Peters, Niculae & Martins, 2019) over the allowed positions of each row.
 
@@ -209,7 +216,8 @@ def entmax(x: Tensor, mask: rules.RowMask = rules.NO_MASK, alpha: float | Tensor
     else:
         alpha = torch.full((1,) * x.ndim, alpha_value, dtype=x.dtype, device=x.device)
     gate = (~rows.posinf_row).to(x.dtype)
-    return finish(_Entmax.apply(rows.scores, rows.active, alpha, gate, alpha_value), rows)
+    function = _EntmaxTraced if torch.compiler.is_compiling() else _Entmax
+    return finish(function.apply(rows.scores, rows.active, alpha, gate, alpha_value), rows)
 
 
 def sparsemax(x: Tensor, mask: rules.RowMask = rules.NO_MASK) -> Tensor:
