@@ -216,8 +216,23 @@ def entmax(x: Tensor, mask: rules.RowMask = rules.NO_MASK, alpha: float | Tensor
     else:
         alpha = torch.full((1,) * x.ndim, alpha_value, dtype=x.dtype, device=x.device)
     gate = (~rows.posinf_row).to(x.dtype)
+    if torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        return finish(_linearised_entmax(rows.scores, rows.active, alpha, gate, alpha_value), rows)
     function = _EntmaxTraced if torch.compiler.is_compiling() else _Entmax
     return finish(function.apply(rows.scores, rows.active, alpha, gate, alpha_value), rows)
+
+
+def _linearised_entmax(scores: Tensor, active: Tensor, alpha: Tensor, gate: Tensor,
+                       alpha_value: float | None) -> Tensor:
+    """:func:`entmax_weights` plus their first-order change in ``scores`` and ``alpha``, which is zero-valued:
+    plain torch ops whose derivative is the closed form (:func:`entmax_jvp`; the Jacobian is symmetric).
+
+    For ``torch.compile`` of a torch.func transform, where Dynamo differentiates a Function's forward
+    instead of calling its backward (through the bisection: 0.22 off) or cannot vmap it (learnable alpha).
+    The second derivative is not the closed form's.
+    """
+    weights = entmax_weights(scores.detach(), active, alpha.detach(), alpha_value)
+    return weights + entmax_jvp(weights, scores - scores.detach(), alpha - alpha.detach(), gate, alpha.detach())
 
 
 def sparsemax(x: Tensor, mask: rules.RowMask = rules.NO_MASK) -> Tensor:
