@@ -341,6 +341,8 @@ def _add_keys(total: Tensor | None, grad: Tensor | None, lo: int, hi: int, lk: i
         return total
     if total is None:
         return F.pad(grad, (0, 0, lo, lk - hi))
+    if (lo, hi) == (0, lk):  # every key: out of place (a batched gradient has no in-place add into an alias)
+        return total + grad
     total[..., lo:hi, :] += grad
     return total
 
