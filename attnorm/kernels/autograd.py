@@ -23,6 +23,7 @@ runs the op's device kernel itself.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -53,9 +54,9 @@ def _param_grad(per_row: Tensor, param: Tensor) -> Tensor:
     return sum_to_shape(per_row.unsqueeze(-1), param.shape).to(param.dtype)
 
 
-def _live(multiplier: Tensor, value: Tensor) -> Tensor:
-    """``value`` per row, 0 where the kernel zeroed the multiplier (rows holding +inf)."""
-    return torch.where(multiplier.unsqueeze(-1) == 0, 0.0, value)
+def _live(posinf_row: Tensor, value: Tensor) -> Tensor:
+    """``value`` per row, 0 in rows holding +inf (bool ``(..., 1)``), where the kernel zeroed the multiplier."""
+    return torch.where(posinf_row, 0.0, value)
 
 
 def _split_sink(dx: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -76,8 +77,10 @@ def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | No
                    multiplier: Tensor, m: Callable[[], Tensor], param_grad: int, x: Tensor | None = None):
     """``dx``, the per-row parameter gradient and ``dsink`` of ``y = softmax(m x)``, from the saved output.
 
-    ``m()`` gives the multiplier as a differentiable function of the parameters, ``(..., 1)``:
-    called only when autograd records the backward (a first-order backward runs no torch op for
+    ``m(posinf_row)`` gives the multiplier as a differentiable function of the parameters, ``(..., 1)``,
+    0 in the rows holding +inf (bool ``(..., 1)``: read from the scores when given, else where the kernel's
+    multiplier is 0, which a multiplier may also be elsewhere, ``s log n + bias = 0``): called only when
+    autograd records the backward (a first-order backward runs no torch op for
     it: on CUDA that was up to four launches a call).  ``x`` holds the raw scores when the forward
     was soft-capped (``ctx.softcap``), or when ``param_grad`` needs them.
     """
@@ -93,7 +96,8 @@ def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | No
     if sink is not None:
         y, grad = sinks.append(y, _sink_weight_of(y, sink_weight)), sinks.append(grad)
         x = None if x is None else sinks.append(x, sink)
-    m = m()
+    posinf_row = multiplier.unsqueeze(-1) == 0 if x is None else ((x == math.inf) & (y > 0)).any(-1, keepdim=True)
+    m = m(posinf_row)
     dx, dsink = _split_sink(jacobians.softmax_vjp(y, grad, m), sink)
     if softcap is not None:
         dx = dx * cap_slope(raw, softcap)
@@ -101,14 +105,14 @@ def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | No
     if param_grad == _TEMPERATURE_GRAD:
         per_row = jacobians.temperature_grad(y, grad, m).squeeze(-1)
     elif param_grad == _MULTIPLIER_GRAD:
-        per_row = _live(multiplier, jacobians.multiplier_grad(y, grad, x)).squeeze(-1)
+        per_row = jacobians.multiplier_grad(y, grad, x).squeeze(-1)  # 0 in rows holding +inf
     return dx, per_row, dsink
 
 
-def _temperature_multiplier(multiplier: Tensor, temperature_rows: Tensor | None) -> Tensor:
+def _temperature_multiplier(multiplier: Tensor, temperature_rows: Tensor | None, posinf_row: Tensor) -> Tensor:
     if temperature_rows is None:
         return multiplier.unsqueeze(-1)
-    return _live(multiplier, 1 / temperature_rows)
+    return _live(posinf_row, 1 / temperature_rows)
 
 
 def _sink_grad(dsink: Tensor | None, sink: Tensor | None, wanted: bool) -> Tensor | None:
@@ -202,7 +206,8 @@ def _temperature_backward(ctx, grad: Tensor, wants_temperature: bool, wants_sink
     y, multiplier, temperature_rows, raw, sink, sink_weight = ctx.saved_tensors
     param_grad = _TEMPERATURE_GRAD if wants_temperature else _NO_PARAM_GRAD
     dx, per_row, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, multiplier,
-                                        lambda: _temperature_multiplier(multiplier, temperature_rows), param_grad, raw)
+                                        lambda posinf_row: _temperature_multiplier(multiplier, temperature_rows,
+                                                                                   posinf_row), param_grad, raw)
     d_temperature = _param_grad(per_row, temperature_rows) if wants_temperature else None
     return dx, d_temperature, _sink_grad(dsink, sink, wants_sink)
 
@@ -231,7 +236,8 @@ class _ScalableSoftmax(_RowFunction):
         bias = ctx.bias if bias_rows is None else bias_rows
         param_grad = _MULTIPLIER_GRAD if wants_s or wants_bias else _NO_PARAM_GRAD
         dx, d_multiplier, dsink = _softmax_grads(ctx, y, sink, sink_weight, grad, multiplier,
-                                                 lambda: _live(multiplier, s * log_count.unsqueeze(-1) + bias),
+                                                 lambda posinf_row: _live(posinf_row,
+                                                                          s * log_count.unsqueeze(-1) + bias),
                                                  param_grad, x)
         d_s = _param_grad(d_multiplier * log_count, s_rows) if wants_s else None
         d_bias = _param_grad(d_multiplier, bias_rows) if wants_bias else None

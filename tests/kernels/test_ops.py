@@ -339,6 +339,27 @@ def test_attention_compiles_whole_under_dynamic_shapes(name):
     torch.testing.assert_close(torch.autograd.grad(out.sum(), q)[0], torch.autograd.grad(run(q).sum(), q)[0])
 
 
+def test_a_multiplier_of_zero_keeps_its_parameter_gradients_under_torch_func():
+    """A learnable Scalable-Softmax whose multiplier ``s log n + bias`` is exactly 0 (here s = bias = 0) still
+    gets parameter gradients where autograd records the backward (``torch.func.grad``, ``create_graph``): a
+    multiplier of 0 also marked the rows holding +inf, and those rows' gradients were zeroed (d bias 0.0
+    instead of 0.57)."""
+    module = attnorm.ScalableSoftmax(s=0.0, bias=0.0, learnable=True).to(DEVICE).double()
+    x = scores(2, 5, dtype=torch.float64, seed=2)
+    weights = scores(2, 5, dtype=torch.float64, seed=3)
+    params = dict(module.named_parameters())
+
+    def loss(parameters):
+        return (torch.func.functional_call(module, parameters, (x,)) * weights).sum()
+
+    got = torch.func.grad(loss)(params)
+    s, bias = (torch.zeros((), dtype=torch.float64, requires_grad=True) for _ in range(2))
+    expected = torch.autograd.grad((torch.softmax((s * math.log(5) + bias) * x, -1) * weights).sum(), (s, bias))
+    torch.testing.assert_close(got["bias"].reshape(()), expected[1])
+    torch.testing.assert_close(got["s"].reshape(()), expected[0])
+    assert expected[1].abs() > 0.1
+
+
 @pytest.mark.parametrize("name", list(MODULES))
 def test_jacrev_and_grad_match_the_reference(name):
     module = MODULES[name]().to(DEVICE).double()
