@@ -174,7 +174,7 @@ def test_a_packed_call_with_the_wrong_slot_count_is_refused(monkeypatch):
     x, y, multiplier = torch.zeros(1, 2), torch.full((1, 2), float("nan")), torch.full((1,), float("nan"))
     with pytest.raises(RuntimeError, match="attnorm_softmax_forward was built for other arguments"):
         native._launch("attnorm_softmax_forward", torch.float32, x.data_ptr(), y.data_ptr(), 1, 2, 0, 1.0, 0, 0.0, 0,
-                       multiplier.data_ptr(), 0, float("-inf"), 0, 0, 0.0, 0)
+                       multiplier.data_ptr(), 0, float("-inf"), 0, 0, 0.0, 0, 0, 0)
     assert y.isnan().all() and multiplier.isnan().all()  # nothing was written
 
 
