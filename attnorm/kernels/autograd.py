@@ -74,7 +74,7 @@ def _like_weights(x: Tensor | None, y: Tensor) -> Tensor | None:
 
 
 def _softmax_grads(ctx, y: Tensor, sink: Tensor | None, sink_weight: Tensor | None, grad: Tensor,
-                   multiplier: Tensor, m: Callable[[], Tensor], param_grad: int, x: Tensor | None = None):
+                   multiplier: Tensor, m: Callable[[Tensor], Tensor], param_grad: int, x: Tensor | None = None):
     """``dx``, the per-row parameter gradient and ``dsink`` of ``y = softmax(m x)``, from the saved output.
 
     ``m(posinf_row)`` gives the multiplier as a differentiable function of the parameters, ``(..., 1)``,

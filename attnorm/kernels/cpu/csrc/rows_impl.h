@@ -965,7 +965,8 @@ static REAL FN(split_row)(const REAL* extended, int64_t length, REAL* y) {
 static void FN(softmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, int variant, double first,
                                      const REAL* first_rows, double second, const REAL* second_rows, REAL* multiplier,
                                      REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight,
-                                     double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows) {
+                                     double cap, const int64_t* stops, const uint8_t* allow,
+                                     const int64_t* allow_rows) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         REAL unused, unused_multiplier, no_sink;
@@ -973,7 +974,8 @@ static void FN(softmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64
         const uint8_t* allowed;
         int64_t kept;
         const int64_t n = FN(row_bounds)(x, r, length, stops, allow, allow_rows, &row, &allowed, &kept);
-        if (cap > 0 || allowed) row = FN(copy_row)(row, allowed, n, cap, y + r * length); /* softmax_row runs in place */
+        /* softmax_row runs in place */
+        if (cap > 0 || allowed) row = FN(copy_row)(row, allowed, n, cap, y + r * length);
         FN(softmax_row)(row, y + r * length, n, variant, ROW_PARAM(first, r), ROW_PARAM(second, r),
                         (REAL)ROW_PARAM(sink, r), multiplier ? multiplier + r : &unused_multiplier,
                         log_count ? log_count + r : &unused,
@@ -987,7 +989,8 @@ int FN(attnorm_softmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t le
                                 REAL* log_count, double sink, const REAL* sink_rows, REAL* sink_weight, double cap,
                                 const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int threads) {
     ON_TEAM(rows, length, FN(softmax_forward_rows)(x, y, rows, length, variant, first, first_rows, second, second_rows,
-                                                   multiplier, log_count, sink, sink_rows, sink_weight, cap, stops, allow, allow_rows));
+                                                   multiplier, log_count, sink, sink_rows, sink_weight, cap, stops,
+                                                   allow, allow_rows));
     return 0;
 }
 
@@ -1021,7 +1024,8 @@ int FN(attnorm_softmax_backward)(const REAL* y, const REAL* g, const REAL* x, RE
 
 static void FN(self_adjusted_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized,
                                            REAL* stats, double sink, const REAL* sink_rows, REAL* sink_weight,
-                                           double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int* failed) {
+                                           double cap, const int64_t* stops, const uint8_t* allow,
+                                           const int64_t* allow_rows, int* failed) {
     const int copied = cap > 0 || allow != NULL; /* c(x) masked: the row is read again */
     REAL* scratch = copied ? malloc((length + 1) * sizeof(REAL)) : NULL;
 #pragma omp for schedule(static)
@@ -1046,7 +1050,8 @@ static void FN(self_adjusted_forward_rows)(const REAL* x, REAL* y, int64_t rows,
 
 int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, int normalized, REAL* stats,
                                       double sink, const REAL* sink_rows, REAL* sink_weight, double cap,
-                                      const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int threads) {
+                                      const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows,
+                                      int threads) {
     int failed = 0;
     ON_TEAM(rows, length, FN(self_adjusted_forward_rows)(x, y, rows, length, normalized, stats, sink, sink_rows,
                                                          sink_weight, cap, stops, allow, allow_rows, &failed));
@@ -1055,7 +1060,8 @@ int FN(attnorm_self_adjusted_forward)(const REAL* x, REAL* y, int64_t rows, int6
 
 static void FN(self_adjusted_backward_rows)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
                                             int normalized, const REAL* stats, double sink, const REAL* sink_rows,
-                                            REAL* dsink, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows) {
+                                            REAL* dsink, double cap, const int64_t* stops, const uint8_t* allow,
+                                            const int64_t* allow_rows) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         REAL no_sink;
@@ -1073,7 +1079,8 @@ static void FN(self_adjusted_backward_rows)(const REAL* x, const REAL* g, REAL* 
 
 int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, int64_t rows, int64_t length,
                                        int normalized, const REAL* stats, double sink, const REAL* sink_rows,
-                                       REAL* dsink, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int threads) {
+                                       REAL* dsink, double cap, const int64_t* stops, const uint8_t* allow,
+                                       const int64_t* allow_rows, int threads) {
     ON_TEAM(rows, length, FN(self_adjusted_backward_rows)(x, g, gx, rows, length, normalized, stats, sink, sink_rows,
                                                           dsink, cap, stops, allow, allow_rows));
     return 0;
@@ -1081,7 +1088,8 @@ int FN(attnorm_self_adjusted_backward)(const REAL* x, const REAL* g, REAL* gx, i
 
 static void FN(entmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, double alpha,
                                     const REAL* alpha_rows, REAL* gate, double sink, const REAL* sink_rows,
-                                    REAL* sink_weight, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int* failed) {
+                                    REAL* sink_weight, double cap, const int64_t* stops, const uint8_t* allow,
+                                    const int64_t* allow_rows, int* failed) {
     const int64_t width = length + (sink_weight != NULL); /* the longest row entmax_row sees */
     const int copied = sink_weight != NULL || cap > 0 || allow != NULL; /* ... through a per-thread buffer */
     REAL* t = malloc((width + PAD) * sizeof(REAL));
@@ -1097,7 +1105,8 @@ static void FN(entmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_
             int64_t kept;
             const int64_t n = FN(row_bounds)(x, r, length, stops, allow, allow_rows, &row, &allowed, &kept);
             REAL* out = y + r * length;
-            if (copied) row = FN(extend_row)(row, allowed, n, cap, sink_weight != NULL, (REAL)ROW_PARAM(sink, r), extended);
+            if (copied) row = FN(extend_row)(row, allowed, n, cap, sink_weight != NULL, (REAL)ROW_PARAM(sink, r),
+                                             extended);
             if (sink_weight) out = extended + width;
             FN(entmax_row)(row, out, n + (sink_weight != NULL), ROW_PARAM(alpha, r), gate ? gate + r : &no_gate, t,
                            index, wide);
@@ -1116,7 +1125,8 @@ static void FN(entmax_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_
 
 int FN(attnorm_entmax_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double alpha,
                                const REAL* alpha_rows, REAL* gate, double sink, const REAL* sink_rows,
-                               REAL* sink_weight, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows, int threads) {
+                               REAL* sink_weight, double cap, const int64_t* stops, const uint8_t* allow,
+                               const int64_t* allow_rows, int threads) {
     int failed = 0;
     ON_TEAM(rows, length, FN(entmax_forward_rows)(x, y, rows, length, alpha, alpha_rows, gate, sink, sink_rows,
                                                   sink_weight, cap, stops, allow, allow_rows, &failed));
@@ -1161,7 +1171,8 @@ int FN(attnorm_entmax_backward)(const REAL* y, const REAL* g, REAL* gx, int64_t 
 
 static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
                                   double temperature, const REAL* temperature_rows, REAL* multiplier, double sink,
-                                  const REAL* sink_rows, REAL* sink_weight, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows,
+                                  const REAL* sink_rows, REAL* sink_weight, double cap, const int64_t* stops,
+                                  const uint8_t* allow, const int64_t* allow_rows,
                                   int* failed) {
     const int64_t width = length + (sink_weight != NULL); /* the longest row topk_row sees */
     const int copied = sink_weight != NULL || cap > 0 || allow != NULL; /* ... through a per-thread buffer */
@@ -1203,11 +1214,13 @@ static void FN(topk_forward_rows)(const REAL* x, REAL* y, int64_t rows, int64_t 
 
 int FN(attnorm_topk_forward)(const REAL* x, REAL* y, int64_t rows, int64_t length, double k, int is_fraction,
                              double temperature, const REAL* temperature_rows, REAL* multiplier, double sink,
-                             const REAL* sink_rows, REAL* sink_weight, double cap, const int64_t* stops, const uint8_t* allow, const int64_t* allow_rows,
+                             const REAL* sink_rows, REAL* sink_weight, double cap, const int64_t* stops,
+                             const uint8_t* allow, const int64_t* allow_rows,
                              int threads) {
     int failed = 0;
     ON_TEAM(rows, length, FN(topk_forward_rows)(x, y, rows, length, k, is_fraction, temperature, temperature_rows,
-                                                multiplier, sink, sink_rows, sink_weight, cap, stops, allow, allow_rows, &failed));
+                                                multiplier, sink, sink_rows, sink_weight, cap, stops, allow,
+                                                allow_rows, &failed));
     return failed;
 }
 
