@@ -163,7 +163,18 @@ def _scores(x: Tensor, mask: rules.RowMask) -> tuple[Tensor, tuple[Tensor | None
     C applies every mask itself, with no masked copy of the scores.
     """
     _check_rows(x, "x")
-    return x.contiguous(), (None, None, None) if mask.unmasked else _bounds(x, mask)
+    return x.contiguous(), _UNBOUNDED if mask.unmasked else _bounds(x, mask)
+
+
+_UNBOUNDED = (None, None, None)
+
+
+def _addresses(bounds: tuple[Tensor | None, Tensor | None, Tensor | None]) -> tuple[int, int, int]:
+    """:func:`_bounds`' tensors as C takes them (a tiny unmasked call pays one identity test)."""
+    if bounds is _UNBOUNDED:
+        return 0, 0, 0
+    stops, allow, allow_rows = bounds
+    return _address(stops), _address(allow), _address(allow_rows)
 
 
 def _bounds(x: Tensor, mask: rules.RowMask) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -251,7 +262,7 @@ def softmax_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_softmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, variant,
             first, _address(first_rows), second, _address(second_rows), _address(multiplier), _address(log_count),
-            sink_score, _address(sink_rows), _address(sink_weight), cap, *map(_address, bounds))
+            sink_score, _address(sink_rows), _address(sink_weight), cap, *_addresses(bounds))
     return (y, multiplier, log_count) if sink is None else (y, multiplier, log_count, sink_weight)
 
 
@@ -372,7 +383,7 @@ def topk_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_topk_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, float(k),
             int(bool(is_fraction)), temperature, _address(temperature_rows), _address(multiplier), sink_score,
-            _address(sink_rows), _address(sink_weight), cap, *map(_address, bounds))
+            _address(sink_rows), _address(sink_weight), cap, *_addresses(bounds))
     return (y, multiplier) if sink is None else (y, multiplier, sink_weight)
 
 
@@ -424,7 +435,7 @@ def entmax_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_entmax_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length, alpha,
             _address(alpha_rows), _address(gate), sink_score, _address(sink_rows), _address(sink_weight), cap,
-            *map(_address, bounds))
+            *_addresses(bounds))
     return (y, gate) if sink is None else (y, gate, sink_weight)
 
 
@@ -532,7 +543,7 @@ def self_adjusted_forward(
     sink_weight = None if sink is None else _new(row_shape, dtype)
     _launch("attnorm_self_adjusted_forward", dtype, scores.data_ptr(), y.data_ptr(), x.numel() // length, length,
             int(bool(normalized)), _address(stats), sink_score, _address(sink_rows), _address(sink_weight), cap,
-            *map(_address, bounds))
+            *_addresses(bounds))
     return (y, stats) if sink is None else (y, stats, sink_weight)
 
 
@@ -588,5 +599,5 @@ def self_adjusted_backward(
     dsink = None if sink is None else _new(row_shape, x.dtype)
     _launch("attnorm_self_adjusted_backward", x.dtype, scores.data_ptr(), grad.data_ptr(), dx.data_ptr(),
             x.numel() // length, length, int(bool(normalized)), stats.data_ptr(), sink_score, _address(sink_rows),
-            _address(dsink), cap, *map(_address, bounds))
+            _address(dsink), cap, *_addresses(bounds))
     return dx if sink is None else (dx, dsink)
