@@ -74,11 +74,11 @@ def _check_mask(mask: Any, scores: Tensor) -> Tensor | StructuredMask | None:
         raise TypeError(f"mask must have dtype torch.bool (True = may attend), got {mask.dtype}")
     if mask.device != scores.device:
         raise ValueError(f"mask is on {mask.device} but scores are on {scores.device}: put them on one device")
-    _checkbroadcasts_to("mask", mask, scores)
+    _check_broadcasts("mask", mask, scores)
     return mask
 
 
-def _checkbroadcasts_to(name: str, value: Tensor, scores: Tensor) -> None:
+def _check_broadcasts(name: str, value: Tensor, scores: Tensor) -> None:
     if not broadcasts_to(value.shape, scores.shape):
         raise ValueError(
             f"{name} of shape {tuple(value.shape)} does not broadcast to scores of shape {tuple(scores.shape)}"
@@ -91,7 +91,7 @@ def broadcast_param(name: str, value: Tensor, scores: Tensor, dim: int) -> Tenso
     Raises:
         ValueError: if ``value`` does not broadcast to ``scores`` or varies along ``dim``.
     """
-    _checkbroadcasts_to(name, value, scores)
+    _check_broadcasts(name, value, scores)
     if value.ndim != scores.ndim:
         value = value.reshape((1,) * (scores.ndim - value.ndim) + tuple(value.shape))
     if scores.ndim == 0:

@@ -205,7 +205,6 @@ def _bounds(x: Tensor, mask: rules.RowMask) -> tuple[Tensor | None, Tensor | Non
     return stops, allow, allow_rows.expand(x.shape[:-1]).contiguous()
 
 
-
 def softmax_forward(
     x: Tensor,
     mask: rules.RowMask,

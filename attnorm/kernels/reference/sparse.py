@@ -216,9 +216,10 @@ def entmax(x: Tensor, mask: rules.RowMask = rules.NO_MASK, alpha: float | Tensor
     else:
         alpha = torch.full((1,) * x.ndim, alpha_value, dtype=x.dtype, device=x.device)
     gate = (~rows.posinf_row).to(x.dtype)
-    if torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+    compiling = torch.compiler.is_compiling()
+    if compiling and torch._C._are_functorch_transforms_active():
         return finish(_linearised_entmax(rows.scores, rows.active, alpha, gate, alpha_value), rows)
-    function = _EntmaxTraced if torch.compiler.is_compiling() else _Entmax
+    function = _EntmaxTraced if compiling else _Entmax
     return finish(function.apply(rows.scores, rows.active, alpha, gate, alpha_value), rows)
 
 
