@@ -77,3 +77,24 @@ def test_gradient_at_a_row_min_or_max_of_exactly_zero(backend):
     got_x = x.to(DEVICE).requires_grad_()
     (F.self_adjusted_softmax(got_x, backend=backend) * grad.to(DEVICE)).sum().backward()
     torch.testing.assert_close(got_x.grad.cpu(), expected_x.grad)
+
+
+@pytest.mark.parametrize("backend", _ROW_BACKENDS)
+@pytest.mark.parametrize("score", [1e200, -1e300, 3.0])
+def test_plain_gradient_of_a_single_huge_score_is_one(backend, score):
+    """``y = x`` in a row of one key, so ``dy/dx = 1`` whatever ``x``: the reference wrote the gradient as
+    ``g (1 + x) - sum(g x w)``, which lost ``g`` to rounding at ``x = 1e200`` (0 instead of 1); its JVP too."""
+    from tests.conftest import DEVICE
+
+    if backend == "native" and DEVICE != "cpu":
+        pytest.skip("the native kernels take CPU tensors")
+    x = torch.tensor([[score], [2.0]], dtype=torch.float64, device=DEVICE, requires_grad=True)
+    grad = torch.tensor([[0.75], [-1.5]], dtype=torch.float64, device=DEVICE)
+    y = F.self_adjusted_softmax(x, normalized=False, backend=backend)
+    (y * grad).sum().backward()
+    torch.testing.assert_close(y.detach(), x.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, grad, rtol=0, atol=0)
+    if backend == "reference":
+        tangent = torch.func.jvp(lambda s: F.self_adjusted_softmax(s, normalized=False, backend="reference"),
+                                 (x.detach(),), (grad,))[1]
+        torch.testing.assert_close(tangent, grad, rtol=0, atol=0)

@@ -181,7 +181,7 @@ def self_adjusted_vjp_from(
 ) -> Tensor:
     """SA-Softmax's ``dx`` from its parts: softmax weights ``w`` and ``low``, ``high``, ``gate`` as ``(..., 1)``.
 
-    Plain, ``y = x w``: ``dx = w (g (1 + x) - sum(g y))``.  Normalized, ``y = phi w`` with
+    Plain, ``y = x w``: ``dx = w (g + (g x - sum(g y)))``.  Normalized, ``y = phi w`` with
     ``phi = (x - low) / span``: ``dx = w (g phi - sum(g y)) + (g w - e_low sum(g w (1 - phi))
     - e_high sum(g w phi)) / span``, where ``e_low`` (``e_high``) splits 1 over the
     positions holding the row minimum (maximum) when that is at most (at least) 0 (at exactly 0, the kink of
@@ -189,8 +189,9 @@ def self_adjusted_vjp_from(
     ``span = 0``.
     """
     if not normalized:
+        # g + (g x - sum(g y)), not g (1 + x) - sum(g y): with one key of 1e200 the latter lost g to rounding.
         # Where the weight underflows to 0 the bracket may overflow: 0, not 0 * inf.
-        bracket = grad * (1 + scores) - (grad * scores * weights).sum(-1, keepdim=True)
+        bracket = grad + (grad * scores - (grad * scores * weights).sum(-1, keepdim=True))
         out = torch.where(weights > 0, weights * bracket, 0.0)
         return torch.where(active, gate * out, 0.0)
     phi, span, scale = normalized_factor(scores, low, high)
@@ -229,7 +230,7 @@ def _extreme_shares(scores: Tensor, active: Tensor, low: Tensor, high: Tensor) -
 def self_adjusted_jvp(x: Tensor, mask: rules.RowMask, tangent: Tensor, normalized: bool) -> Tensor:
     """SA-Softmax's Jacobian-vector product ``dy`` for a tangent ``t`` of ``x`` (:func:`self_adjusted_vjp` transposed).
 
-    Plain, ``y = x w``: ``dy = w (t (1 + x) - x sum(w t))``.  Normalized, ``y = phi w``:
+    Plain, ``y = x w``: ``dy = w (t + x (t - sum(w t)))``.  Normalized, ``y = phi w``:
     ``dy = phi w (t - sum(w t)) + w (t - (1 - phi) dlow - phi dhigh) / span`` with
     ``dlow = sum(e_low t)``, ``dhigh = sum(e_high t)`` (the second term 0 where ``span = 0``).
     0 in rows holding +inf or no allowed position, NaN in rows holding NaN.
@@ -245,8 +246,9 @@ def self_adjusted_jvp(x: Tensor, mask: rules.RowMask, tangent: Tensor, normalize
         dy = phi * weights * (tangent - wt) + _over_span(weights * (tangent - (1 - phi) * d_low - phi * d_high),
                                                          span, scale)
     else:
+        # t + x (t - sum(w t)): the form whose second term is 0 in a row of one key, whatever x.
         # Where the weight underflows to 0 the bracket may overflow: 0, not 0 * inf.
-        dy = torch.where(weights > 0, weights * (tangent * (1 + scores) - scores * wt), 0.0)
+        dy = torch.where(weights > 0, weights * (tangent + scores * (tangent - wt)), 0.0)
     return torch.where(rows.nan_row, math.nan, torch.where(active, gate * dy, 0.0))
 
 
