@@ -11,6 +11,7 @@
 #   STEPS="decoding growing" bash scripts/gpu_check.sh            # decoding: a fixed KV length, then a growing one
 #   STEPS="padded" bash scripts/gpu_check.sh                      # decoding a left-padded batch (a bool mask)
 #   STEPS="topk" bash scripts/gpu_check.sh                        # top-k: candidate buffers against the radix select
+#   STEPS="lifted" bash scripts/gpu_check.sh                      # normalized Self-Adjusted + additive, route lifted
 #   STEPS="normalizers graphs" bash scripts/gpu_check.sh          # row kernels vs torch.softmax: eager, then CUDA graphs
 #   STEPS=tests TEST_K="one_call or sinks" TEST_M="slow or not slow" bash scripts/gpu_check.sh  # -k / -m selections
 #
@@ -55,6 +56,13 @@ torch.cuda.get_device_name())"; gcc --version | head -1' ;;
             --dist worksteal --timeout 120 -rfE \
             tests/kernels tests/test_fused_route.py tests/test_softcap_sinks.py tests/test_packed.py \
             ${TEST_K:+-k "$TEST_K"} ${TEST_M:+-m "$TEST_M"} ;;
+    lifted)  # the normalized Self-Adjusted + additive-mask route lifted (routes/fused.py, "Triton 3.6"), in a copy of the
+             # tree: its kernel tests and the fused-route tests; if they pass, the route can go
+        step lifted "${LIFTED_SECONDS:-150}" bash -c "rm -rf /tmp/lifted && cp -r . /tmp/lifted && cd /tmp/lifted && \
+sed -i 's/>= (3, 9)\$/>= (3, 0)/' attnorm/routes/fused.py && grep -q '>= (3, 0)' attnorm/routes/fused.py && \
+PYTHONPATH=/tmp/lifted:\$PYTHONPATH python3 -m pytest -q -p no:cacheprovider -n ${PYTEST_WORKERS:-15} --timeout 120 -rfE \
+tests/kernels/test_attention_self_adjusted.py tests/kernels/test_attention_modifiers.py tests/test_fused_route.py \
+-k 'additive or dense or Self'" ;;
     replay)  # the direct launch and its replays (on by default since 346fb76): their CUDA test, then decoding
              # timed with Triton's own launch (ATTNORM_FAST_LAUNCH=0), to set beside the decoding step's default
         step replay "${REPLAY_SECONDS:-150}" bash -c "python3 -m pytest -q -p no:cacheprovider -rfE \
