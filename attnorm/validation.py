@@ -1,7 +1,7 @@
 """Checks of normalizer parameters, shared by the functions and the modules.
 
 Python numbers are always checked; tensors only where reading their values costs no
-device synchronisation and no graph break (CPU tensors without grad, in eager mode).
+device synchronisation and no graph break (CPU tensors, with or without grad, in eager mode).
 Each error names the argument and the value.
 """
 
@@ -47,11 +47,11 @@ def values_readable(value: Tensor) -> bool:
 
 
 def _values_checkable(value) -> bool:
-    # Learnable parameters are kept valid by their parametrisation; other tensors' values are read where
-    # values_readable allows.
+    # A tensor's values are read where values_readable allows, whether it requires grad or not: a user's tensor
+    # that requires grad (functional calls) was not read, and T = 0 gave NaN, T = -1 softmax(-x) with no error.
     if isinstance(value, Real):
         return True
-    return not value.requires_grad and values_readable(value)
+    return values_readable(value)
 
 
 def _holds(value: Scalar, condition) -> bool:

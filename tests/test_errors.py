@@ -72,6 +72,26 @@ BAD_PARAMETERS = [
         ValueError,
         r"temperature must be constant along dim",
     ),
+    # Tensors that require grad are read too (on the CPU): T = 0 gave NaN, T = -1 softmax(-x), with no error.
+    ("softmax T=0 with grad", lambda: F.softmax(SCORES, temperature=torch.tensor(0.0, requires_grad=True)),
+     ValueError, r"temperature.*\[0\.0\]"),
+    ("softmax T=-1 with grad", lambda: F.softmax(SCORES, temperature=torch.tensor(-1.0, requires_grad=True)),
+     ValueError, r"temperature.*\[-1\.0\]"),
+    ("topk T=-1 with grad", lambda: F.topk_softmax(SCORES, 2, temperature=-torch.ones(2, 1, 1, requires_grad=True)),
+     ValueError, r"temperature.*-1\.0"),
+    ("entmax alpha=0.5 with grad", lambda: F.entmax(SCORES, alpha=torch.tensor(0.5, requires_grad=True)),
+     ValueError, r"alpha.*\[0\.5\]"),
+    ("ssmax s=inf with grad", lambda: F.scalable_softmax(SCORES, s=torch.tensor(math.inf, requires_grad=True)),
+     ValueError, r"\bs\b.*\[inf\]"),
+    ("ssmax bias=nan with grad", lambda: F.scalable_softmax(SCORES, bias=torch.tensor(math.nan, requires_grad=True)),
+     ValueError, r"bias.*\[nan\]"),
+    # A parameter on another device than the scores: the kernels' internal names reached the message.
+    ("temperature on meta", lambda: F.softmax(SCORES, temperature=torch.ones(2, 1, 1, device="meta")),
+     ValueError, r"temperature is on meta but scores are on cpu"),
+    ("alpha on meta", lambda: F.entmax(SCORES, alpha=torch.full((2, 1, 1), 1.5, device="meta")),
+     ValueError, r"alpha is on meta but scores are on cpu"),
+    ("s on meta", lambda: F.scalable_softmax(SCORES, s=torch.full((2, 1, 1), 0.5, device="meta")),
+     ValueError, r"\bs is on meta but scores are on cpu"),
 ]
 
 

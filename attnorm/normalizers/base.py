@@ -89,8 +89,11 @@ def broadcast_param(name: str, value: Tensor, scores: Tensor, dim: int) -> Tenso
     """Reshape a tensor parameter so it broadcasts against scores moved to ``dim=-1``.
 
     Raises:
-        ValueError: if ``value`` does not broadcast to ``scores`` or varies along ``dim``.
+        ValueError: if ``value`` is on another device than ``scores`` (a 0-d CPU tensor excepted, as torch
+            takes one), does not broadcast to ``scores`` or varies along ``dim``.
     """
+    if value.device != scores.device and not (value.ndim == 0 and value.is_cpu):
+        raise ValueError(f"{name} is on {value.device} but scores are on {scores.device}: put them on one device")
     _check_broadcasts(name, value, scores)
     if value.ndim != scores.ndim:
         value = value.reshape((1,) * (scores.ndim - value.ndim) + tuple(value.shape))
