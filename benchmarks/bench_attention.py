@@ -58,6 +58,7 @@ Usage::
     python benchmarks/bench_attention.py --device cpu           # L 256..2048, 1024 tokens, 2 heads, float32
     python benchmarks/bench_attention.py --device cpu --quick   # seconds: L 64 and 128
     python benchmarks/bench_attention.py --check-memory         # CPU, L = 8192
+    python benchmarks/bench_attention.py --device cpu --window 256   # a causal sliding window of 256 keys
     python benchmarks/bench_attention.py --gpt2-step [--device cpu]
     python benchmarks/bench_attention.py --lengths 4096 --specs ssmax sparsemax --providers sdpa attnorm
 
@@ -154,16 +155,27 @@ def make_normalizer(spec: str, device: str) -> attnorm.Normalizer:
 
 
 def providers(specs: Sequence[str], wanted: Sequence[str], device: str, shape: tuple[int, int, int],
-              dtype: torch.dtype) -> list[Provider]:
-    """SDPA, then for each spec every wanted provider that can express it."""
-    found = [Provider(*BASELINE, lambda causal, length: (functools.partial(F.scaled_dot_product_attention,
-                                                                           is_causal=causal), []))]
+              dtype: torch.dtype, window: int | None = None) -> list[Provider]:
+    """SDPA, then for each spec every wanted provider that can express it.
+
+    With a ``window``, SDPA gets the causal sliding window as a bool ``(L, L)`` mask and attnorm as
+    ``attnorm.sliding_window_mask(window)``; AdaSplash, FlexAttention and the radix select are left out.
+    """
+    if window is None:
+        sdpa = lambda causal, length: (functools.partial(F.scaled_dot_product_attention, is_causal=causal), [])
+    else:
+        sdpa = lambda causal, length: (functools.partial(F.scaled_dot_product_attention,
+                                                         attn_mask=window_allowed(length, window, device)), [])
+    found = [Provider(*BASELINE, sdpa)]
+    windowed = {} if window is None else {"window": window}
     for spec in specs:
         if "attnorm" in wanted:
-            found.append(Provider(spec, "attnorm", functools.partial(attnorm_attend, spec, device, False)))
+            found.append(Provider(spec, "attnorm", functools.partial(attnorm_attend, spec, device, False, **windowed)))
         if "materialised" in wanted:
-            build = functools.partial(materialised_attend, spec, device, shape, dtype)
+            build = functools.partial(materialised_attend, spec, device, shape, dtype, **windowed)
             found.append(Provider(spec, "materialised", build))
+        if window is not None:
+            continue
         alpha = entmax_alpha(spec)
         if "adasplash" in wanted and device == "cuda" and alpha and importlib.util.find_spec("adasplash"):
             found.append(Provider(spec, "adasplash", functools.partial(adasplash_attend, alpha)))
@@ -198,17 +210,24 @@ def radix_attend(spec: str, device: str, causal: bool, length: int):
     return call, parameters
 
 
-def attnorm_attend(spec: str, device: str, return_weights: bool, causal: bool, length: int):
+def window_allowed(length: int, window: int, device: str) -> torch.Tensor:
+    """The causal sliding window of ``window`` keys as a bool ``(L, L)`` mask (True = may attend)."""
+    rows, keys = torch.arange(length, device=device)[:, None], torch.arange(length, device=device)
+    return (keys <= rows) & (keys > rows - window)
+
+
+def attnorm_attend(spec: str, device: str, return_weights: bool, causal: bool, length: int,
+                   window: int | None = None):
     normalizer = make_normalizer(spec, device)
-    attend = functools.partial(attnorm.attention, normalizer=normalizer, is_causal=causal,
-                               return_weights=return_weights)
+    masking = dict(is_causal=causal) if window is None else dict(attn_mask=attnorm.sliding_window_mask(window))
+    attend = functools.partial(attnorm.attention, normalizer=normalizer, return_weights=return_weights, **masking)
     if return_weights:
         return (lambda q, k, v: attend(q, k, v)[0]), list(normalizer.parameters())
     return attend, list(normalizer.parameters())
 
 
 def materialised_attend(spec: str, device: str, shape: tuple[int, int, int], dtype: torch.dtype, causal: bool,
-                        length: int):
+                        length: int, window: int | None = None):
     """The materialised route, refused up front when its float32 scores, weights and their
     gradients (about four ``(L x L)`` tensors per head) would not fit in free memory."""
     batch, heads, _ = shape
@@ -217,7 +236,7 @@ def materialised_attend(spec: str, device: str, shape: tuple[int, int, int], dty
     if needed > free // 2:
         raise MemoryError(f"skipped: the materialised route needs ~{needed / 2**30:.1f} GiB, "
                           f"{free / 2**30:.1f} GiB free")
-    return attnorm_attend(spec, device, True, causal, length)
+    return attnorm_attend(spec, device, True, causal, length, window)
 
 
 def available_cpu_bytes() -> int:
@@ -475,8 +494,8 @@ def plot(results: list[dict], path: Path, title: str) -> None:
 def run_grid(args, setting: Setting, specs: list[str], stamp: str) -> int:
     """The attention benchmark over lengths, causal and not; writes CSV, markdown and PNG."""
     dtype = getattr(torch, setting.dtype)
-    cases = providers(specs, args.providers, args.device, (1, setting.heads, setting.head_dim), dtype)
-    causals, modes = CAUSAL[args.causal], args.modes
+    cases = providers(specs, args.providers, args.device, (1, setting.heads, setting.head_dim), dtype, args.window)
+    causals, modes = (CAUSAL["yes"] if args.window else CAUSAL[args.causal]), args.modes
     total = len(cases) * len(setting.lengths) * len(causals) * len(modes)
     done = [0]
 
@@ -491,13 +510,16 @@ def run_grid(args, setting: Setting, specs: list[str], stamp: str) -> int:
     print(file=sys.stderr)
     for row in results:
         row["versions"] = stamp
-    stem = args.out / f"bench_attention_{args.device}"
+    stem = args.out / f"bench_attention_{args.device}{f'_window{args.window}' if args.window else ''}"
     write_csv(stem.with_suffix(".csv"), results, COLUMNS)
     method = ("triton.testing.do_bench (L2 flushed per call); ratio of medians" if args.device == "cuda" else
               f"{setting.repeats} interleaved rounds after a warm-up; ratio = median of within-round ratios")
     note = (f"q, k, v ({args.tokens_note}, {setting.heads}, L, {setting.head_dim}) {setting.dtype} on {args.device}. "
             f"Cells: median time / SDPA's, peak memory / SDPA's; the SDPA row holds its own. Timing: {method}. "
             f"Versions: {stamp.replace(';', ', ')}.")
+    if args.window:
+        note += (f" Causal sliding window of {args.window} keys: attnorm takes `attnorm.sliding_window_mask"
+                 f"({args.window})`, SDPA the same mask as a bool (L, L) tensor.")
     errors = error_lines(results)
     if errors:
         note += "\n\nErrors (the run went on without these):\n\n" + "\n".join(f"- {line}" for line in errors)
@@ -645,6 +667,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS,
                         help="default: all but flex on CPU; sdpa always runs")
     parser.add_argument("--causal", choices=tuple(CAUSAL), default="both", help="causal masks to run (default both)")
+    parser.add_argument("--window", type=int, help="a causal sliding window of this many keys (implies --causal yes)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="default: all three")
     parser.add_argument("--check-memory", action="store_true", help="CPU forward+backward peak memory at L=8192")
     parser.add_argument("--check-length", type=int, default=CHECK_LENGTH, help=argparse.SUPPRESS)

@@ -11,6 +11,7 @@ the materialised route (every other normalizer, ``return_weights=True``).
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -572,3 +573,39 @@ def test_head_dim_zero_takes_the_default_scale_like_sdpa(normalizer):
         expected = v[..., :3, :].mean(-2, keepdim=True).expand(1, 2, 5, 4)  # ties: the lowest indices win
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(attnorm.attention(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("window,route", [(4, "blocked"), (20, "sdpa")])
+@pytest.mark.parametrize("spec", ["softmax:temperature=0.5", "ssmax:s=0.6,bias=0.1,learnable=true,num_heads=3"])
+def test_a_narrow_window_takes_the_blocked_route_on_the_cpu(spec, window, route, force_blocked, monkeypatch):
+    """SDPA takes a sliding window as a dense bool mask and computes every score: on the CPU a logit scaling
+    whose blocks reach at most a quarter of the scores (``BLOCKED_SHARE``) takes the blocked route, a wider
+    window stays on SDPA; both give SDPA's float64 outputs and gradients (``s`` and ``bias`` included)."""
+    attention_module = importlib.import_module("attnorm.attention")  # attnorm.attention is the function
+    taken = []
+    for name in ("scaled_sdpa", "blocked_attention"):
+        original = getattr(attention_module, name)
+        monkeypatch.setattr(attention_module, name,
+                            lambda *args, _f=original, _n=name, **kwargs: taken.append(_n) or _f(*args, **kwargs))
+    lq = lk = 24
+    q, k, v = (t.requires_grad_() for t in qkv(lq, lk))
+    normalizer = attnorm.make(spec).double()
+    mask = attnorm.sliding_window_mask(window) & causal_mask()
+    cotangent = torch.randn(B, H, lq, D + 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=mask)
+    assert taken == [{"blocked": "blocked_attention", "sdpa": "scaled_sdpa"}[route]]
+    params = tuple(normalizer.parameters())
+    got = torch.autograd.grad((out * cotangent).sum(), (q, k, v, *params))
+
+    keys, queries = torch.arange(lk), torch.arange(lq)[:, None]
+    allowed = (keys <= queries) & (keys > queries - window)
+    if params:  # s log n + bias per head and row, n the keys the window allows
+        multiplier = normalizer.s.reshape(H, 1, 1) * allowed.sum(-1, keepdim=True).double().log()
+        multiplier = multiplier + normalizer.bias.reshape(H, 1, 1)
+    else:
+        multiplier = torch.tensor(2.0, dtype=torch.float64)
+    expected = torch.nn.functional.scaled_dot_product_attention(q * multiplier, k, v, attn_mask=allowed)
+    wanted = torch.autograd.grad((expected * cotangent).sum(), (q, k, v, *params))
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    for actual, reference in zip(got, wanted, strict=True):
+        torch.testing.assert_close(actual, reference, rtol=1e-9, atol=1e-11)

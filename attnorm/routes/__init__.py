@@ -4,7 +4,9 @@
 route               when                                         memory beyond q, k, v, out
 =================== ============================================ ===============================
 :mod:`.sdpa`        logit scalings: softmax with temperature,    none: one ``scaled_dot_product_attention``
-                    Scalable-Softmax (fixed or learnable)        call on ``c q``
+                    Scalable-Softmax (fixed or learnable); on    call on ``c q``
+                    the CPU not under a narrow window
+                    (``attention.BLOCKED_SHARE``)
 :mod:`.fused`       sparsemax, alpha-entmax, top-k, Self-        per-row statistics (Triton kernels,
                     Adjusted on CUDA (or ``backend="triton"``)   no ``Lq x Lk`` matrix)
 :mod:`.decoding`    few query rows (decoding) of Self-Adjusted   per-split partials (split-K Triton

@@ -57,7 +57,8 @@ from attnorm.masks import StructuredMask
 from attnorm.routes import decoding
 from attnorm.routes.common import interval, interval_rows
 
-__all__ = ["BLOCKS_PER_INPUTS", "MIN_BLOCK_BYTES", "block_rows", "blocked_attention", "materialised_attention"]
+__all__ = ["BLOCKS_PER_INPUTS", "MIN_BLOCK_BYTES", "block_rows", "blocked_attention", "computed_share",
+           "materialised_attention"]
 
 MIN_BLOCK_BYTES = 1 << 22
 BLOCKS_PER_INPUTS = 8
@@ -70,6 +71,17 @@ def block_rows(q: Tensor, k: Tensor, v: Tensor) -> int:
     budget = max(MIN_BLOCK_BYTES, inputs // BLOCKS_PER_INPUTS)
     row_bytes = 4 * math.prod(q.shape[:-2]) * max(k.shape[-2], 1)  # no indexing op: this runs every step
     return max(1, min(q.shape[-2], budget // row_bytes))
+
+
+def computed_share(mask, lq: int, lk: int, rows: int) -> float:
+    """The share of the ``(Lq, Lk)`` scores the blocked route computes in blocks of ``rows`` query rows: each
+    block's rows times the keys they can reach (:func:`_key_span`: a causal mask's and a sliding window's)."""
+    computed = 0
+    for start in range(0, lq, rows):
+        stop = min(start + rows, lq)
+        lo, hi = _key_span(mask, start, stop, lk)
+        computed += (stop - start) * (hi - lo)
+    return computed / max(lq * lk, 1)
 
 
 _HALF = (torch.float16, torch.bfloat16)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -73,3 +74,19 @@ def test_gpt2_step_compares_patched_models_with_sdpa(tmp_path):
     rows = read_rows(tmp_path / "bench_attention_gpt2_cpu.csv")
     ratios = {row["normalizer"]: float(row["median"]) for row in rows if row["metric"] == "time_ratio_vs_sdpa"}
     assert set(ratios) == {"softmax", "ssmax", "sparsemax"} and ratios["softmax"] == pytest.approx(1.0)
+
+
+def test_a_window_run_gives_sdpa_the_same_window_as_a_dense_mask(tmp_path):
+    """``--window W``: attnorm takes ``sliding_window_mask(W)``, SDPA the same mask as a bool tensor, so the
+    softmax row and SDPA's compute the same attention; the files are named for the window."""
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    sdpa = bench_attention.providers(["softmax"], ["attnorm"], "cpu", (1, 2, 8), torch.float32, window=5)
+    (baseline, _), (ours, _) = (provider.build(True, 40) for provider in sdpa)
+    torch.testing.assert_close(ours(q, k, v), baseline(q, k, v))
+    allowed = bench_attention.window_allowed(40, 5, "cpu")
+    assert allowed.sum(-1).tolist() == [min(i + 1, 5) for i in range(40)]
+    bench_attention.main(["--device", "cpu", "--quick", "--lengths", "64", "--specs", "softmax", "--window", "8",
+                          "--providers", "attnorm", "--out", str(tmp_path)])
+    rows = read_rows(tmp_path / "bench_attention_cpu_window8.csv")
+    assert {row["provider"] for row in rows if row["metric"] == "time"} == {"sdpa", "attnorm"}
+    assert "sliding window of 8 keys" in (tmp_path / "bench_attention_cpu_window8.md").read_text()
