@@ -43,7 +43,7 @@ from attnorm.routes import decoding as decoding_route
 from attnorm.routes import fused
 from attnorm.routes.blocked import block_rows, blocked_attention, computed_share, materialised_attention
 from attnorm.routes.sdpa import logit_multiplier, scaled_sdpa, sdpa_mask_kind
-from attnorm.validation import check_softcap, quiet_shape_checks_while_tracing
+from attnorm.validation import check_bool, check_softcap, quiet_shape_checks_while_tracing
 
 __all__ = ["BLOCKED_SHARE", "DECODING_ROWS", "WINDOW_ROWS", "attention"]
 
@@ -118,7 +118,7 @@ def attention(
             tensor mask together with ``is_causal`` or not broadcastable to the scores,
             ``dropout_p`` outside [0, 1), a ``scale`` that is not finite, ``softcap`` <= 0,
             ``sinks`` not of shape ``(Hq,)``.
-        TypeError: non-tensor inputs, a mask of the wrong type.
+        TypeError: non-tensor inputs, a mask of the wrong type, ``is_causal`` or ``return_weights`` not a bool.
     """
     normalizer = _as_normalizer(normalizer)
     q, k, v, groups = _check_inputs(q, k, v, normalizer)
@@ -132,6 +132,8 @@ def attention(
         return tuple(t.squeeze(0) for t in result) if return_weights else result.squeeze(0)
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    _check_is_causal(is_causal)  # a string was taken as True (SDPA raises a TypeError)
+    _check_return_weights(return_weights)
     # float(): under torch.jit.trace a size is a traced 0-d tensor, whose ** -0.5 was float32 (1e-8 off in float64).
     # Head dim 0: every score is an empty sum, 0 at any scale (1, where 0 ** -0.5 raised ZeroDivisionError).
     scale = (float(q.shape[-1]) ** -0.5 if q.shape[-1] else 1.0) if scale is None else _check_scale(scale)
@@ -188,7 +190,7 @@ def _window_rows(mask, q: Tensor, k: Tensor, v: Tensor) -> int:
     if not q.is_cpu or not isinstance(mask, StructuredMask) or torch.compiler.is_compiling():
         return 0
     lq, lk = q.shape[-2], k.shape[-2]
-    if sdpa_mask_kind(mask, lq, lk) != "dense":
+    if not lq or sdpa_mask_kind(mask, lq, lk) != "dense":
         return 0
     rows = min(block_rows(q, k, v), WINDOW_ROWS)
     return rows if computed_share(mask, lq, lk, rows) <= BLOCKED_SHARE else 0
@@ -301,6 +303,9 @@ def _check_scale(scale: float) -> float:
     if not math.isfinite(value):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
     return value
+
+
+_check_is_causal, _check_return_weights = check_bool("is_causal"), check_bool("return_weights")
 
 
 def _split_mask(attn_mask, is_causal: bool) -> tuple[Tensor | StructuredMask | None, Tensor | None]:

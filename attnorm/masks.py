@@ -97,7 +97,8 @@ class StructuredMask:
             start = torch.maximum(start, edges.gather(-1, document - 1))
             last = bounds.shape[-1]
             stop = torch.minimum(stop, torch.where(document < last, edges.gather(-1, document.clamp(max=last)), lk))
-        start, stop = start.reshape(-1, lq), stop.reshape(-1, lq)
+        rows_of = start.shape[0] if start.ndim == 2 else 1  # not reshape(-1, lq): ambiguous with no query rows
+        start, stop = start.reshape(rows_of, lq), stop.reshape(rows_of, lq)
         if self.key_lengths is not None:
             lengths = self.key_lengths.to(device=device, dtype=torch.int64)
             if lengths.shape[0] not in (1, batch):

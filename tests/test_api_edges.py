@@ -173,3 +173,19 @@ def test_the_blocked_route_backward_takes_batched_gradients(force_blocked):
     expected = torch.autograd.functional.jacobian(lambda q, a: _materialised("sparsemax", q, k, v, a), inputs)
     for got, want in zip(jacobian, expected, strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("spec", ["softmax", "ssmax", "sparsemax", "topk:k=2", "sa_softmax", "entmax:alpha=1.3"])
+@pytest.mark.parametrize("mask", ["is_causal", "padding", "window", "causal_bottom_right"])
+def test_no_query_rows_under_a_structured_mask_give_an_empty_output(spec, mask):
+    """No query rows (an empty chunk of a chunked prefill): SDPA gives an empty output; structured masks raised
+    (``reshape(-1, 0)`` in ``key_range``) for softmax and Scalable-Softmax, and under a window for all."""
+    q = torch.randn(1, 2, 0, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 8, requires_grad=True), torch.randn(1, 2, 5, 8)
+    kwargs = {"is_causal": {"is_causal": True}, "padding": {"attn_mask": attnorm.key_padding_mask(torch.tensor([3]))},
+              "window": {"attn_mask": attnorm.sliding_window_mask(2)},
+              "causal_bottom_right": {"attn_mask": attnorm.causal_mask(5)}}[mask]
+    out = attnorm.attention(q, k, v, spec, **kwargs)
+    assert out.shape == F.scaled_dot_product_attention(q, k, v, is_causal=True).shape == (1, 2, 0, 8)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and torch.equal(k.grad, torch.zeros_like(k))

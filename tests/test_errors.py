@@ -165,3 +165,12 @@ def test_load_state_dict_rejects_invalid_parameters(module, name, value, pattern
     state[f"1.{name}"] = torch.full_like(state[f"1.{name}"], value)
     with pytest.raises(ValueError, match=pattern):
         model.load_state_dict(state)
+
+
+@pytest.mark.parametrize("name,value", [("is_causal", "yes"), ("is_causal", 1), ("return_weights", "no"),
+                                        ("return_weights", None)])
+def test_attention_flags_must_be_bools(name, value):
+    """A string was read as True (``return_weights="no"`` returned the weights); SDPA raises a TypeError too."""
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match=rf"{name} must be a bool, got {value!r}"):
+        attnorm.attention(q, q, q, "softmax", **{name: value})
