@@ -193,7 +193,7 @@ def _window_rows(mask, q: Tensor, k: Tensor, v: Tensor) -> int:
     if not lq or sdpa_mask_kind(mask, lq, lk) != "dense":
         return 0
     rows = min(block_rows(q, k, v), WINDOW_ROWS)
-    return rows if computed_share(mask, lq, lk, rows) <= BLOCKED_SHARE else 0
+    return rows if computed_share(mask, q, lk, rows) <= BLOCKED_SHARE else 0
 
 
 def _check_modifiers(softcap, sinks, q: Tensor) -> tuple[float | None, Tensor | None]:

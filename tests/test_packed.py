@@ -74,11 +74,14 @@ SPECS = {
 GRADIENT_SPECS = ["softmax", "ssmax_learnable_per_head", "sparsemax", "entmax_learnable_per_head", "sa_softmax"]
 
 
-@pytest.fixture(params=["default_routes", "blocked"])
-def route(request):
-    """The default routes, or the blocked route forced with one query row per block."""
+@pytest.fixture(params=["default_routes", "blocked", "blocks_of_4"])
+def route(request, monkeypatch):
+    """The default routes, or the blocked route forced with one query row per block, or with blocks of four
+    rows that straddle documents (on the CPU each block computes the keys of its rows' documents only)."""
     if request.param == "blocked":
         request.getfixturevalue("force_blocked")
+    if request.param == "blocks_of_4":
+        monkeypatch.setattr(attention_module, "block_rows", lambda q, k, v: min(4, q.shape[-2]))
     return request.param
 
 
@@ -240,3 +243,16 @@ def test_one_packing_per_batch_row(spec, route):
         spans = documents(cu_seqlens, length)
         expected = separately(normalizer, q[row : row + 1], k[row : row + 1], v[row : row + 1], spans, True)
         torch.testing.assert_close(packed[row : row + 1], expected, rtol=1e-12, atol=1e-12, msg=f"row {row}")
+
+
+def test_a_block_reaches_only_its_rows_documents_keys():
+    """The blocked route's key span per block of rows (CPU: from the mask's values), against spans worked out by
+    hand: two packings, causal, blocks of 16 rows; and key lengths under a causal mask."""
+    from attnorm.routes import blocked
+
+    q = torch.zeros(2, 1, 64, 4)
+    packings = attnorm.document_mask(torch.tensor([[0, 16, 40, 64], [0, 32, 48, 64]])) & attnorm.causal_mask()
+    assert blocked._spans(packings, q, 64, 16) == [(0, 16), (0, 32), (16, 48), (40, 64)]
+    padded = attnorm.causal_mask() & attnorm.key_padding_mask(torch.tensor([20, 10]))
+    assert blocked._spans(padded, q, 64, 16) == [(0, 16), (0, 20), (0, 20), (0, 20)]
+    assert blocked.computed_share(packings, q, 64, 16) == (16 * 16 + 16 * 32 + 16 * 32 + 16 * 24) / 64**2

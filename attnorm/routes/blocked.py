@@ -9,9 +9,10 @@ every learnable parameter of the normalizer get their gradients.  Dropout is
 replayed exactly: the random state is saved before the forward's first block and
 restored before the backward's.
 
-A block holds ``rows`` query rows of every head and batch element and, under a causal or
-sliding-window mask, only the keys those rows can reach (half the products of a causal
-attention are skipped); it is sized so its
+A block holds ``rows`` query rows of every head and batch element and, under a structured mask,
+only the keys those rows can reach (:func:`_spans`: half the products of a causal attention are
+skipped; on the CPU also the keys outside a packed batch's documents and past its key lengths);
+it is sized so its
 float32 scores take at most ``max(MIN_BLOCK_BYTES, (q + k + v bytes) / BLOCKS_PER_INPUTS)``:
 peak memory stays within a small multiple of the inputs whatever ``Lq x Lk`` is.
 With grouped-query attention the query heads of a group are stacked on the row axis
@@ -73,15 +74,38 @@ def block_rows(q: Tensor, k: Tensor, v: Tensor) -> int:
     return max(1, min(q.shape[-2], budget // row_bytes))
 
 
-def computed_share(mask, lq: int, lk: int, rows: int) -> float:
+def computed_share(mask, q: Tensor, lk: int, rows: int) -> float:
     """The share of the ``(Lq, Lk)`` scores the blocked route computes in blocks of ``rows`` query rows: each
-    block's rows times the keys they can reach (:func:`_key_span`: a causal mask's and a sliding window's)."""
-    computed = 0
-    for start in range(0, lq, rows):
-        stop = min(start + rows, lq)
-        lo, hi = _key_span(mask, start, stop, lk)
-        computed += (stop - start) * (hi - lo)
+    block's rows times the keys they can reach (:func:`_spans`)."""
+    lq = q.shape[-2]
+    computed = sum((min(start + rows, lq) - start) * (hi - lo)
+                   for start, (lo, hi) in zip(range(0, lq, rows), _spans(mask, q, lk, rows), strict=True))
     return computed / max(lq * lk, 1)
+
+
+def _spans(mask, q: Tensor, lk: int, rows: int) -> list[tuple[int, int]]:
+    """Keys ``[lo, hi)`` that each block of ``rows`` query rows can reach, block by block.
+
+    On the CPU, where reading a structured mask's values costs nothing, from its key interval per row
+    (:meth:`attnorm.masks.StructuredMask.key_range`): every structured mask narrows a block, documents and
+    key lengths included (a packed batch's block reaches its own documents' keys only).  Elsewhere, and
+    while ``torch.jit.trace`` records (values would be baked into the trace) or a ``torch.func`` transform
+    runs, from the causal and window diagonals alone (:func:`_key_span`: Python numbers, no device sync).
+    """
+    lq = q.shape[-2]
+    blocks = range(0, lq, rows)
+    if not (isinstance(mask, StructuredMask) and q.is_cpu and lq and lk) or torch._C._get_tracing_state() \
+            or torch._C._are_functorch_transforms_active():
+        return [_key_span(mask, start, min(start + rows, lq), lk) for start in blocks]
+    start, stop = mask.key_range(q.shape[0] if q.ndim >= 3 else 1, lq, lk, q.device)  # (B | 1, Lq)
+    reaches = stop > start  # rows with no allowed key reach nothing
+    first = torch.where(reaches, start, lk).amin(0)  # (Lq,): over the batch
+    last = torch.where(reaches, stop, 0).amax(0)
+    pad = len(blocks) * rows - lq
+    first = F.pad(first, (0, pad), value=lk).reshape(len(blocks), rows).amin(1).tolist()
+    last = F.pad(last, (0, pad), value=0).reshape(len(blocks), rows).amax(1).tolist()
+    # A block that reaches no key keeps one, masked, so its rows give zeros like any fully masked row.
+    return [(lo, hi) if hi > lo else (0, 1) for lo, hi in zip(first, last, strict=True)]
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -109,10 +133,9 @@ def _outputs(setup: tuple, q: Tensor, k: Tensor, v: Tensor, additive: Tensor | N
     """``(start, stop, out)`` for each block of query rows ``start:stop``."""
     normalizer, mask, scale, softcap, dropout_p, groups, rows = setup
     lq, lk, bounds = q.shape[-2], k.shape[-2], _bounds(normalizer, mask, q, k)
-    for start in range(0, lq, rows):
+    for start, (lo, hi) in zip(range(0, lq, rows), _spans(mask, q, lk, rows), strict=True):
         stop = min(start + rows, lq)
         q_rows, additive_rows = q[..., start:stop, :], _rows(additive, start, stop)
-        lo, hi = _key_span(mask, start, stop, lk)
         yield start, stop, _block(normalizer, q, q_rows, k[..., lo:hi, :], v[..., lo:hi, :], mask, bounds,
                                   additive_rows, sinks, scale, softcap, dropout_p, groups, start, stop, lo, lk)[0]
 
@@ -304,9 +327,8 @@ class _BlockedAttention(torch.autograd.Function):
         with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0):
             if ctx.rng is not None:
                 _set_rng_state(ctx.rng, q.device)
-            for start in range(0, lq, rows):
+            for start, (lo, hi) in zip(range(0, lq, rows), _spans(mask, q, lk, rows), strict=True):
                 stop = min(start + rows, lq)
-                lo, hi = _key_span(mask, start, stop, lk)
                 with torch.enable_grad():
                     q_rows = q[..., start:stop, :].detach().requires_grad_(wants_q)
                     # The block's keys as leaves of their own: their gradients are the block's keys only,
