@@ -55,10 +55,11 @@ are small.  :mod:`attnorm.routes.decoding` says which design each family takes a
 
 
 BLOCKED_SHARE = 1 / 4
-"""On the CPU a logit scaling (softmax with temperature, Scalable-Softmax) under a structured mask SDPA has no
-form for (a sliding window, another causal diagonal, causal with key lengths, documents) takes the blocked route
-when that computes at most this share of the ``(Lq, Lk)`` scores (:func:`attnorm.routes.blocked.computed_share`:
-a window's keys only).  SDPA takes such a mask as a dense bool tensor and computes every score.  Blocked over
+"""On the CPU a call under a structured mask (a sliding window, documents, key lengths, another causal diagonal)
+takes the blocked route when that computes at most this share of the ``(Lq, Lk)`` scores
+(:func:`attnorm.routes.blocked.computed_share`: a window's or a document's keys only): a logit scaling (softmax
+with temperature, Scalable-Softmax) instead of SDPA, which takes such a mask as a dense bool tensor (or a key
+padding one) and computes every score, and the other normalizers instead of the materialised route.  Blocked over
 SDPA, forward and backward, causal windows, 2 heads of 64, 2048 keys (this 2-core machine, 1 / 2 threads):
 float32 0.33 / 0.48 at a share of 0.15 (a window of 256), 0.46 / 0.61 at 0.25, 0.65 / 0.81 at 0.40; at 4096
 keys 0.22 / 0.28 at 0.13; bfloat16 (SDPA's CPU kernel is faster there) 0.76 at 0.15 and 1.00 at 0.30,
@@ -166,7 +167,7 @@ def attention(
                                                                              additive, modified):
                 return fused.scaled_softmax(q, k, v, multiplier, mask, scale, additive, softcap, sinks)
             if not modified:  # SDPA has neither softcap nor sinks
-                rows = _window_rows(mask, q, k, v)
+                rows = _narrow_rows(mask, q, k, v)
                 if not rows:
                     return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
                 return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows)
@@ -175,7 +176,7 @@ def attention(
         elif kernels_ok and decoding and decoding_route.supports(normalizer, q, k, v, mask, additive, dropout_p,
                                                                  softcap, sinks):
             return decoding_route.attention(normalizer, q, k, v, mask, additive, scale)
-        rows = block_rows(q, k, v)
+        rows = _narrow_rows(mask, q, k, v) or block_rows(q, k, v)
         if rows < q.shape[-2] and not torch.compiler.is_compiling():
             return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows, softcap,
                                      sinks)
@@ -183,14 +184,13 @@ def attention(
     return (out, weights) if return_weights else out
 
 
-def _window_rows(mask, q: Tensor, k: Tensor, v: Tensor) -> int:
-    """Query rows per block when a logit scaling's call takes the blocked route rather than SDPA, else 0
-    (:data:`BLOCKED_SHARE`): CPU tensors, a structured mask SDPA would get as a dense bool tensor, and blocks
-    of at most :data:`WINDOW_ROWS` rows that skip most of the scores."""
-    if not q.is_cpu or not isinstance(mask, StructuredMask) or torch.compiler.is_compiling():
-        return 0
+def _narrow_rows(mask, q: Tensor, k: Tensor, v: Tensor) -> int:
+    """Query rows per block when a call takes the blocked route because its blocks skip most of the scores,
+    else 0 (:data:`BLOCKED_SHARE`): CPU tensors, a structured mask, and blocks of at most :data:`WINDOW_ROWS`
+    rows that reach at most that share (a logit scaling then leaves SDPA, the others the materialised
+    route where the whole score matrix would fit)."""
     lq, lk = q.shape[-2], k.shape[-2]
-    if not lq or sdpa_mask_kind(mask, lq, lk) != "dense":
+    if lq <= WINDOW_ROWS or not q.is_cpu or not isinstance(mask, StructuredMask) or torch.compiler.is_compiling():
         return 0
     rows = min(block_rows(q, k, v), WINDOW_ROWS)
     return rows if computed_share(mask, q, lk, rows) <= BLOCKED_SHARE else 0

@@ -575,7 +575,7 @@ def test_head_dim_zero_takes_the_default_scale_like_sdpa(normalizer):
     torch.testing.assert_close(attnorm.attention(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v))
 
 
-@pytest.mark.parametrize("window,route", [(4, "blocked"), (20, "sdpa")])
+@pytest.mark.parametrize("window,route", [(4, "blocked"), (48, "sdpa")])
 @pytest.mark.parametrize("spec", ["softmax:temperature=0.5", "ssmax:s=0.6,bias=0.1,learnable=true,num_heads=3"])
 def test_a_narrow_window_takes_the_blocked_route_on_the_cpu(spec, window, route, force_blocked, monkeypatch):
     """SDPA takes a sliding window as a dense bool mask and computes every score: on the CPU a logit scaling
@@ -587,7 +587,7 @@ def test_a_narrow_window_takes_the_blocked_route_on_the_cpu(spec, window, route,
         original = getattr(attention_module, name)
         monkeypatch.setattr(attention_module, name,
                             lambda *args, _f=original, _n=name, **kwargs: taken.append(_n) or _f(*args, **kwargs))
-    lq = lk = 24
+    lq = lk = 96  # more than WINDOW_ROWS: a single block reaches every key
     q, k, v = (t.requires_grad_() for t in qkv(lq, lk))
     normalizer = attnorm.make(spec).double()
     mask = attnorm.sliding_window_mask(window) & causal_mask()

@@ -5,7 +5,8 @@ route               when                                         memory beyond q
 =================== ============================================ ===============================
 :mod:`.sdpa`        logit scalings: softmax with temperature,    none: one ``scaled_dot_product_attention``
                     Scalable-Softmax (fixed or learnable); on    call on ``c q``
-                    the CPU not under a narrow window
+                    the CPU not under a structured mask whose
+                    blocks skip most scores
                     (``attention.BLOCKED_SHARE``)
 :mod:`.fused`       sparsemax, alpha-entmax, top-k, Self-        per-row statistics (Triton kernels,
                     Adjusted on CUDA (or ``backend="triton"``)   no ``Lq x Lk`` matrix)
