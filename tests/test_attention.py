@@ -609,3 +609,99 @@ def test_a_narrow_window_takes_the_blocked_route_on_the_cpu(spec, window, route,
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
     for actual, reference in zip(got, wanted, strict=True):
         torch.testing.assert_close(actual, reference, rtol=1e-9, atol=1e-11)
+
+
+def _window_reference(q, k, v, window: int, multiplier) -> torch.Tensor:
+    """float64 ``softmax(multiplier * q k^T / sqrt(D))`` over a causal window of ``window`` keys, then ``@ v``."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    keys, queries = torch.arange(lk), torch.arange(lq)[:, None]
+    allowed = (keys <= queries) & (keys > queries - window)
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) * multiplier).masked_fill(~allowed, -math.inf)
+    return torch.softmax(scores, -1) @ v
+
+
+def test_the_blocked_route_differentiates_tensor_parameters_that_are_not_module_parameters(force_blocked):
+    """``Softmax(temperature=T)`` with ``T`` requiring grad, and a tensor assigned to ``ScalableSoftmax.s``: the
+    blocked route passed only ``normalizer.parameters()`` to its Function, so ``T`` and ``s`` got no gradient
+    (None) where SDPA's route gave them theirs."""
+    q, k, v = (t.requires_grad_() for t in qkv(96, 96))
+    window = attnorm.sliding_window_mask(4)
+    temperature = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    out = attnorm.attention(q, k, v, attnorm.Softmax(temperature=temperature), attn_mask=window)
+    got = torch.autograd.grad(out.sum(), (q, temperature))
+    twin = temperature.detach().clone().requires_grad_()
+    want = torch.autograd.grad(_window_reference(q, k, v, 4, 1 / twin).sum(), (q, twin))
+    for actual, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-10)
+
+    # top-k took the blocked route before too: its T got no gradient there; the materialised route's autograd is
+    # the yardstick (the row normalizer itself is checked against references in its own tests)
+    topk = attnorm.TopKSoftmax(3, temperature=temperature)
+    out = attnorm.attention(q, k, v, topk, attn_mask=window)
+    (d_temperature,) = torch.autograd.grad(out.sum(), temperature)
+    materialised, _ = attnorm.attention(q, k, v, topk, attn_mask=window, return_weights=True)
+    torch.testing.assert_close(d_temperature, torch.autograd.grad(materialised.sum(), temperature)[0])
+
+    normalizer = attnorm.ScalableSoftmax(num_heads=H).double()
+    normalizer.s = torch.full((H, 1, 1), 0.8, dtype=torch.float64, requires_grad=True)
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=window)
+    (d_s,) = torch.autograd.grad(out.sum(), normalizer.s)
+    s = normalizer.s.detach().clone().requires_grad_()
+    counts = torch.arange(1, 97, dtype=torch.float64).clamp(max=4).log()[:, None]
+    (want_s,) = torch.autograd.grad(_window_reference(q, k, v, 4, s * counts).sum(), s)
+    torch.testing.assert_close(d_s, want_s, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("spec", ["ssmax:s=0.6,bias=0.1,learnable=true,num_heads=3",
+                                  "entmax:alpha=1.3,learnable=true,num_heads=3"])
+def test_the_blocked_backward_differentiates_the_parameters_its_forward_used(spec, force_blocked):
+    """``torch.func.functional_call`` swaps a module's parameters for one call: the blocked backward read the
+    module's parameters again once they were swapped back, and every gradient came out wrong (dq 1.7 off).  It
+    now differentiates the values its forward used; changing them in place before the backward raises."""
+    q, k, v = (t.requires_grad_() for t in qkv(96, 96))
+    window = attnorm.sliding_window_mask(4)
+    module, twin = attnorm.make(spec).double(), attnorm.make(spec).double()
+    with torch.no_grad():
+        for parameter in twin.parameters():
+            parameter.add_(0.4)
+    swapped = {name: p.detach().clone().requires_grad_() for name, p in twin.named_parameters()}
+    out = torch.func.functional_call(_Attend(module, window), {f"normalizer.{n}": p for n, p in swapped.items()},
+                                     (q, k, v))
+    got = torch.autograd.grad(out.sum(), (q, k, *swapped.values()))
+    expected_out = attnorm.attention(q, k, v, twin, attn_mask=window)
+    want = torch.autograd.grad(expected_out.sum(), (q, k, *twin.parameters()))
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
+    for actual, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+    if spec.startswith("ssmax"):  # s and bias are used as they are (entmax's alpha is computed from its logit)
+        out = attnorm.attention(q, k, v, module, attn_mask=window)
+        with torch.no_grad():
+            module.s.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+class _Attend(torch.nn.Module):
+    def __init__(self, normalizer, mask):
+        super().__init__()
+        self.normalizer, self.mask = normalizer, mask
+
+    def forward(self, q, k, v):
+        return attnorm.attention(q, k, v, self.normalizer, attn_mask=self.mask)
+
+
+def test_under_autocast_the_blocked_route_returns_autocast_dtype_like_sdpa(force_blocked):
+    """A narrow window (blocked route) returned float32 under CPU autocast where a wide one (SDPA) returned
+    bfloat16; its backward recomputes the blocks under the forward's autocast."""
+    q, k, v = (torch.randn(1, 2, 96, 16, requires_grad=True) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        narrow = attnorm.attention(q, k, v, "softmax:temperature=0.5", attn_mask=attnorm.sliding_window_mask(4))
+        wide = attnorm.attention(q, k, v, "softmax:temperature=0.5", attn_mask=attnorm.sliding_window_mask(90))
+        sparse = attnorm.attention(q, k, v, "sparsemax", attn_mask=attnorm.sliding_window_mask(4))
+    assert narrow.dtype == wide.dtype == sparse.dtype == torch.bfloat16
+    (dq,) = torch.autograd.grad(narrow.float().sum(), q)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = _window_reference(q, k, v, 4, 2.0)
+    (want,) = torch.autograd.grad(reference.float().sum(), q)
+    torch.testing.assert_close(dq, want, rtol=0.05, atol=0.05)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd import Function
+from torch.autograd import Function, forward_ad
 
 from attnorm.kernels import backends, ops, reference, rules, shortcut
 from attnorm.kernels.reference import jacobians, sinks
@@ -430,7 +430,10 @@ def _implementation(backend: str | None, x: Tensor) -> str:
     implementation = backends.resolve(backend, "cpu" if x.is_cpu else x.device)
     if implementation == "reference":
         return implementation
-    if torch._C._are_functorch_transforms_active() and torch.compiler.is_compiling():  # the C call: cheaper
+    transforms = torch._C._are_functorch_transforms_active()
+    if not transforms and forward_ad._current_level < 0:  # the common call: no transform, no dual level
+        return implementation
+    if transforms and torch.compiler.is_compiling():  # the C call first: cheaper
         # torch.compile of a torch.func transform (grad, jacrev, vmap): Dynamo traces the kernels' Function
         # there without its gradient (compiled grad came out wrong) or not at all (vmap of a learnable module)
         return "reference"

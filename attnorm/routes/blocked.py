@@ -45,6 +45,7 @@ kernels, which also get the sink as one more score column.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -55,6 +56,7 @@ from torch.autograd.function import once_differentiable
 from attnorm.kernels.decoding_ops import decoding_scores
 from attnorm.kernels.ops import forward_mode
 from attnorm.masks import StructuredMask
+from attnorm.normalizers.base import Normalizer, normalize
 from attnorm.routes import decoding
 from attnorm.routes.common import interval, interval_rows
 
@@ -122,22 +124,63 @@ def blocked_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additiv
     recomputes each block: the blocks' graphs are kept there, as the materialised route keeps
     its weights).
     """
-    setup = (normalizer, mask, scale, softcap, dropout_p, groups, rows)
+    values = _frozen_values(normalizer)
+    setup = (normalizer, values, mask, scale, softcap, dropout_p, groups, rows)
     if forward_mode() or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state():
         return torch.cat([out for _, _, out in _outputs(setup, q, k, v, additive, sinks)], dim=-2)
-    params = tuple(parameter for parameter in normalizer.parameters() if parameter.requires_grad)
-    return _BlockedAttention.apply(setup, q, k, v, additive, sinks, *params)
+    return _BlockedAttention.apply(setup, q, k, v, additive, sinks, *_differentiable(normalizer, values))
+
+
+def _frozen_values(normalizer) -> dict | None:
+    """A row normalizer's parameters as this call reads them, when one is a tensor; else None (the module is called).
+
+    The blocks are weighed with these very values, forward and backward (:func:`_weigh`): the backward used to
+    call the module again, so it differentiated whatever the module held by then (``torch.func.functional_call``
+    had swapped its parameters back: dq 1.7 off), and a tensor that is not a parameter (``Softmax(temperature=T)``
+    with ``T`` requiring grad, or one assigned to ``ScalableSoftmax.s``) got no gradient.  Only for attnorm's row
+    normalizers called as they are (``Normalizer.forward``, no hook): others are called as modules.
+    """
+    if not getattr(normalizer, "kernel", "") or type(normalizer).forward is not Normalizer.forward \
+            or decoding._hooked(normalizer):
+        return None
+    values = normalizer.kernel_params()
+    for value in values.values():
+        if isinstance(value, Tensor):
+            return values
+    return None
+
+
+def _differentiable(normalizer, values: dict | None) -> tuple[Tensor, ...]:
+    """The tensors the Function differentiates besides q, k, v, the additive mask and the sinks: the frozen
+    values that require grad (a learnable alpha as computed from its logit: autograd takes it on from there), or
+    the module's parameters that do."""
+    if values is None:
+        return tuple(parameter for parameter in normalizer.parameters() if parameter.requires_grad)
+    found: dict[int, Tensor] = {}
+    for value in values.values():
+        if isinstance(value, Tensor) and value.requires_grad:
+            found.setdefault(id(value), value)
+    return tuple(found.values())
+
+
+def _weigh(normalizer, values: dict | None, scores: Tensor, mask, sink: Tensor | None, softcap: float | None) -> Tensor:
+    """``normalizer(scores, mask, sink=sink, softcap=softcap)``, with its parameters ``values`` when given
+    (:func:`_frozen_values`: what ``Normalizer.forward`` computes, with these values)."""
+    if values is None:
+        return normalizer(scores, mask, sink=sink, softcap=softcap)
+    return normalize(normalizer.kernel, scores, mask, normalizer.dim, values, normalizer.backend, sink, softcap)
 
 
 def _outputs(setup: tuple, q: Tensor, k: Tensor, v: Tensor, additive: Tensor | None, sinks: Tensor | None):
     """``(start, stop, out)`` for each block of query rows ``start:stop``."""
-    normalizer, mask, scale, softcap, dropout_p, groups, rows = setup
+    normalizer, values, mask, scale, softcap, dropout_p, groups, rows = setup
     lq, lk, bounds = q.shape[-2], k.shape[-2], _bounds(normalizer, mask, q, k)
     for start, (lo, hi) in zip(range(0, lq, rows), _spans(mask, q, lk, rows), strict=True):
         stop = min(start + rows, lq)
         q_rows, additive_rows = q[..., start:stop, :], _rows(additive, start, stop)
         yield start, stop, _block(normalizer, q, q_rows, k[..., lo:hi, :], v[..., lo:hi, :], mask, bounds,
-                                  additive_rows, sinks, scale, softcap, dropout_p, groups, start, stop, lo, lk)[0]
+                                  additive_rows, sinks, scale, softcap, dropout_p, groups, start, stop, lo, lk,
+                                  values)[0]
 
 
 def materialised_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float,
@@ -199,10 +242,11 @@ def _keys(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
 def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bounds: tuple[Tensor, Tensor] | None,
            additive_rows: Tensor | None, sinks: Tensor | None, scale: float, softcap: float | None,
            dropout_p: float, groups: int, start: int, stop: int, lo: int = 0,
-           lk: int | None = None) -> tuple[Tensor, Tensor]:
+           lk: int | None = None, values: dict | None = None) -> tuple[Tensor, Tensor]:
     """Output rows ``start:stop`` and their weights, from the query rows ``q_rows = q[..., start:stop, :]``.
 
-    ``bounds`` are a structured ``mask``'s key intervals (:func:`_bounds`), None for other masks.
+    ``bounds`` are a structured ``mask``'s key intervals (:func:`_bounds`), None for other masks;
+    ``values`` the normalizer's parameters to weigh with (:func:`_frozen_values`), None to call it.
 
     ``k`` and ``v`` are keys ``lo:lo + k.shape[-2]`` of ``lk`` (default: all of them), e.g. only those
     a causal or sliding-window mask lets these rows reach (:func:`_key_span`; the weights then cover
@@ -250,7 +294,7 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
                                                                                             lo, hi)
     if kernel:  # the row kernels take the sink and the cap themselves
         sink = None if sinks is None else sinks.reshape(-1, 1, 1).to(scores.device)  # (Hq, 1, 1): per head
-        weights = normalizer(scores, mask, sink=sink, softcap=softcap)
+        weights = _weigh(normalizer, values, scores, mask, sink, softcap)
     else:
         weights = normalizer(scores, mask) if sinks is None else _with_sinks(normalizer, scores, mask, sinks)
     if half:
@@ -280,6 +324,19 @@ def _with_sinks(normalizer, scores: Tensor, mask: Tensor | None, sinks: Tensor) 
     return normalizer(extended, keep)[..., :-1]
 
 
+def _autocast_state(device: torch.device) -> tuple[torch.dtype, bool] | None:
+    """``(dtype, enabled)`` of autocast on ``device``'s type now, as ``torch.autocast`` takes them (CPU, CUDA)."""
+    kind = device.type
+    if kind not in ("cpu", "cuda"):
+        return None
+    return torch.get_autocast_dtype(kind), torch.is_autocast_enabled(kind)
+
+
+def _autocast(device: torch.device, state: tuple[torch.dtype, bool] | None):
+    """Autocast as :func:`_autocast_state` found it (the backward recomputes the forward's blocks)."""
+    return contextlib.nullcontext() if state is None else torch.autocast(device.type, *state)
+
+
 def _rng_state(device: torch.device) -> Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
@@ -294,20 +351,29 @@ def _set_rng_state(state: Tensor, device: torch.device) -> None:
 class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, setup, q, k, v, additive, sinks, *params):
-        _, _, _, _, dropout_p, _, _ = ctx.setup = setup
+        dropout_p = setup[5]
+        ctx.setup = setup
         ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
-        ctx.save_for_backward(q, k, v, additive, sinks)
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        ctx.autocast = _autocast_state(q.device)
+        ctx.save_for_backward(q, k, v, additive, sinks, *params)  # params: changed in place, the backward raises
+        out = None
         for start, stop, block in _outputs(setup, q, k, v, additive, sinks):
+            if out is None:  # the blocks' dtype: q's, or autocast's (as SDPA's output under autocast)
+                out = block.new_empty(*q.shape[:-1], v.shape[-1])
             out[..., start:stop, :] = block
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        normalizer, mask, scale, softcap, dropout_p, groups, rows = ctx.setup
-        q, k, v, additive, sinks = ctx.saved_tensors
-        params = tuple(parameter for parameter in normalizer.parameters() if parameter.requires_grad)
+        normalizer, values, mask, scale, softcap, dropout_p, groups, rows = ctx.setup
+        q, k, v, additive, sinks, *params = ctx.saved_tensors
+        if values is None:  # a module called as it is: its parameters, as it holds them now
+            params = _differentiable(normalizer, None)
+        else:  # the forward's values, each tensor it differentiates a leaf of its own here
+            leaves = {id(value): value.detach().requires_grad_() for value in _differentiable(normalizer, values)}
+            values = {name: leaves.get(id(value), value) for name, value in values.items()}
+            params = tuple(leaves.values())
         k = k.detach().requires_grad_(ctx.needs_input_grad[2])
         v = v.detach().requires_grad_(ctx.needs_input_grad[3])
         if sinks is not None:
@@ -324,7 +390,8 @@ class _BlockedAttention(torch.autograd.Function):
         if not (inputs or wants_q or wants_additive):
             return (None,) * (6 + len(params))
         lq, lk, bounds = q.shape[-2], k.shape[-2], _bounds(normalizer, mask, q, k)
-        with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0):
+        with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0), \
+                _autocast(q.device, ctx.autocast):  # the forward's autocast: the same blocks
             if ctx.rng is not None:
                 _set_rng_state(ctx.rng, q.device)
             for start, (lo, hi) in zip(range(0, lq, rows), _spans(mask, q, lk, rows), strict=True):
@@ -339,7 +406,7 @@ class _BlockedAttention(torch.autograd.Function):
                     if wants_additive:
                         additive_rows = additive_rows.detach().requires_grad_()
                     out = _block(normalizer, q, q_rows, k_part, v_part, mask, bounds, additive_rows, sinks, scale,
-                                 softcap, dropout_p, groups, start, stop, lo, lk)[0]
+                                 softcap, dropout_p, groups, start, stop, lo, lk, values)[0]
                     leaves = [t for t in (k_part, v_part, sinks) if t is not None and t.requires_grad] + list(params)
                     wanted = leaves + ([q_rows] if wants_q else []) + ([additive_rows] if wants_additive else [])
                     grads = list(torch.autograd.grad(out, wanted, grad_out[..., start:stop, :], allow_unused=True))
