@@ -705,3 +705,26 @@ def test_under_autocast_the_blocked_route_returns_autocast_dtype_like_sdpa(force
         reference = _window_reference(q, k, v, 4, 2.0)
     (want,) = torch.autograd.grad(reference.float().sum(), q)
     torch.testing.assert_close(dq, want, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("spec,mask", [("softmax:temperature=0.7", attnorm.sliding_window_mask(3)),
+                                       ("ssmax:learnable=true,num_heads=3", attnorm.sliding_window_mask(3)),
+                                       ("sparsemax", causal_mask()), ("entmax:alpha=1.5", causal_mask()),
+                                       ("sa_softmax", None)])
+def test_the_blocked_route_differentiates_its_gradients_again(spec, mask, force_blocked):
+    """``create_graph=True`` (a gradient penalty, meta-learning): the blocked backward was ``@once_differentiable``
+    and its gradients came back detached, so a penalty on them had no gradient (or a misleading error).  Its
+    second derivatives now equal the materialised route's (plain autograd of the row ops, whose double backward
+    ``tests/test_rules.py`` checks with gradgradcheck)."""
+    q, k, v = (t.requires_grad_() for t in qkv(70, 70))  # more query rows than WINDOW_ROWS: the window blocks
+    normalizer = attnorm.make(spec).double()
+    wanted = (q, k, v, *normalizer.parameters())
+    results = []
+    for weights in (False, True):
+        out = attnorm.attention(q, k, v, normalizer, attn_mask=mask, return_weights=weights)
+        out = out[0] if weights else out
+        assert (out.grad_fn.name() == "_BlockedAttentionBackward") != weights
+        (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        results.append(torch.autograd.grad(dq.square().sum(), wanted))
+    for blocked, materialised in zip(*results, strict=True):
+        torch.testing.assert_close(blocked, materialised, rtol=1e-9, atol=1e-10)

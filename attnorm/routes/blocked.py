@@ -20,7 +20,8 @@ With grouped-query attention the query heads of a group are stacked on the row a
 
 The same block function with one block of every row is the **materialised** route
 (:func:`materialised_attention`), which also returns the weights and, being plain
-autograd, supports double backward; the blocked backward is not differentiable again.
+autograd, supports double backward; so does the blocked route, whose backward under ``create_graph=True``
+recomputes the blocks as plain autograd (holding their graphs, as the materialised route does).
 
 Both routes take the two score modifiers, which rule out SDPA (the fused kernels compute
 them too, :mod:`attnorm.routes.fused`; these routes serve the calls that stay off it):
@@ -51,7 +52,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from attnorm.kernels.decoding_ops import decoding_scores
 from attnorm.kernels.ops import forward_mode
@@ -364,8 +364,9 @@ class _BlockedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: gradients to differentiate again
+            return _differentiable_backward(ctx, grad_out)
         normalizer, values, mask, scale, softcap, dropout_p, groups, rows = ctx.setup
         q, k, v, additive, sinks, *params = ctx.saved_tensors
         if values is None:  # a module called as it is: its parameters, as it holds them now
@@ -430,6 +431,32 @@ class _BlockedAttention(torch.autograd.Function):
         if dadditive_blocks:
             dadditive = torch.cat(dadditive_blocks, dim=-2)
         return (None, dq, dk, dv, dadditive, dsinks, *dparams)
+
+
+def _differentiable_backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+    """The gradients with a graph of their own (``create_graph=True``: double backward, gradient penalties,
+    meta-learning): the forward's blocks recomputed as plain autograd on the saved inputs (every block's graph
+    held at once, as the materialised route holds its weights) and differentiated with ``create_graph``.
+
+    The first-order backward computes each block's gradients apart and keeps none of their graphs; under
+    ``@once_differentiable`` its results came back detached and a second derivative through them was
+    silently missing (or a misleading "not used in the graph" error).
+    """
+    normalizer, values, _, _, _, dropout_p, _, _ = ctx.setup
+    q, k, v, additive, sinks, *_ = ctx.saved_tensors  # unpacked: parameters changed in place raise here too
+    params = _differentiable(normalizer, values)  # the forward's own tensors (frozen values or the parameters)
+    with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0), \
+            _autocast(q.device, ctx.autocast):
+        if ctx.rng is not None:
+            _set_rng_state(ctx.rng, q.device)
+        out = torch.cat([block for _, _, block in _outputs(ctx.setup, q, k, v, additive, sinks)], dim=-2)
+    inputs = (q, k, v, additive, sinks, *params)
+    wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[1 + i]]
+    grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad_out, create_graph=True, allow_unused=True)
+    result: list[Tensor | None] = [None] * len(inputs)
+    for i, grad in zip(wanted, grads, strict=True):
+        result[i] = grad
+    return (None, *result)
 
 
 def _add_keys(total: Tensor | None, grad: Tensor | None, lo: int, hi: int, lk: int) -> Tensor | None:
