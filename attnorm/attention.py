@@ -167,7 +167,7 @@ def attention(
                                                                              additive, modified):
                 return fused.scaled_softmax(q, k, v, multiplier, mask, scale, additive, softcap, sinks)
             if not modified:  # SDPA has neither softcap nor sinks
-                rows = _narrow_rows(mask, q, k, v)
+                rows = _narrow_rows(normalizer, mask, q, k, v)
                 if not rows:
                     return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
                 return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows)
@@ -176,7 +176,7 @@ def attention(
         elif kernels_ok and decoding and decoding_route.supports(normalizer, q, k, v, mask, additive, dropout_p,
                                                                  softcap, sinks):
             return decoding_route.attention(normalizer, q, k, v, mask, additive, scale)
-        rows = _narrow_rows(mask, q, k, v) or block_rows(q, k, v)
+        rows = _narrow_rows(normalizer, mask, q, k, v) or block_rows(q, k, v)
         if rows < q.shape[-2] and not torch.compiler.is_compiling():
             return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows, softcap,
                                      sinks)
@@ -184,13 +184,15 @@ def attention(
     return (out, weights) if return_weights else out
 
 
-def _narrow_rows(mask, q: Tensor, k: Tensor, v: Tensor) -> int:
+def _narrow_rows(normalizer, mask, q: Tensor, k: Tensor, v: Tensor) -> int:
     """Query rows per block when a call takes the blocked route because its blocks skip most of the scores,
-    else 0 (:data:`BLOCKED_SHARE`): CPU tensors, a structured mask, and blocks of at most :data:`WINDOW_ROWS`
-    rows that reach at most that share (a logit scaling then leaves SDPA, the others the materialised
-    route where the whole score matrix would fit)."""
+    else 0 (:data:`BLOCKED_SHARE`): one of the six row normalizers, CPU tensors, a structured mask, and blocks
+    of at most :data:`WINDOW_ROWS` rows that reach at most that share (a logit scaling then leaves SDPA, the
+    others the materialised route where the whole score matrix would fit).  Not the F/sum F normalizers: a
+    tensor their function closes over is differentiated by plain autograd only (the materialised route)."""
     lq, lk = q.shape[-2], k.shape[-2]
-    if lq <= WINDOW_ROWS or not q.is_cpu or not isinstance(mask, StructuredMask) or torch.compiler.is_compiling():
+    if lq <= WINDOW_ROWS or not q.is_cpu or not isinstance(mask, StructuredMask) or torch.compiler.is_compiling() \
+            or not getattr(normalizer, "kernel", ""):
         return 0
     rows = min(block_rows(q, k, v), WINDOW_ROWS)
     return rows if computed_share(mask, q, lk, rows) <= BLOCKED_SHARE else 0

@@ -728,3 +728,71 @@ def test_the_blocked_route_differentiates_its_gradients_again(spec, mask, force_
         results.append(torch.autograd.grad(dq.square().sum(), wanted))
     for blocked, materialised in zip(*results, strict=True):
         torch.testing.assert_close(blocked, materialised, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("make,change", [
+    (lambda: attnorm.Entmax(alpha=1.5), lambda n: setattr(n, "alpha", 1.9)),
+    (lambda: attnorm.TopKSoftmax(k=4), lambda n: setattr(n, "k", 12)),
+    (lambda: attnorm.Softmax(temperature=0.5), lambda n: setattr(n, "temperature", 2.0)),
+], ids=["entmax alpha", "topk k", "softmax T"])
+def test_the_blocked_backward_differentiates_the_forward_even_after_a_hyperparameter_changes(make, change,
+                                                                                            force_blocked):
+    """A hyperparameter set between forward and backward (a schedule, or two forwards then one backward): the
+    blocked backward called the module again and differentiated the new setting (dq 0.5-0.9 off, no error)."""
+    q, k, v = (t.requires_grad_() for t in qkv(96, 96))
+    window = attnorm.sliding_window_mask(4)
+    normalizer = make()
+    out = attnorm.attention(q, k, v, normalizer, attn_mask=window)
+    change(normalizer)
+    (got,) = torch.autograd.grad(out.sum(), q)
+    reference, _ = attnorm.attention(q, k, v, make(), attn_mask=window, return_weights=True)  # plain autograd
+    torch.testing.assert_close(got, torch.autograd.grad(reference.sum(), q)[0], rtol=1e-10, atol=1e-12)
+
+
+def test_the_blocked_backward_takes_hooked_modules_as_their_forward_saw_them(force_blocked):
+    """A hooked normalizer is called as a module: a tensor temperature that is not a parameter got no gradient,
+    and under ``functional_call`` the backward differentiated the swapped-back parameters; a buffer changed in
+    place before the backward now raises."""
+    q, k, v = (t.requires_grad_() for t in qkv(96, 96))
+    window = attnorm.sliding_window_mask(4)
+    calls = []
+    temperature = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    hooked = attnorm.Softmax(temperature=temperature)
+    hooked.register_forward_hook(lambda module, inputs, output: calls.append(1))
+    out = attnorm.attention(q, k, v, hooked, attn_mask=window)
+    assert calls, "the hook runs"
+    (got,) = torch.autograd.grad(out.sum(), temperature)
+    twin = temperature.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad(_window_reference(q, k, v, 4, 1 / twin).sum(), twin)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+    module = attnorm.ScalableSoftmax(s=0.5, learnable=True, num_heads=H).double()
+    module.register_forward_pre_hook(lambda module, inputs: None)
+    swapped = {"normalizer.s": torch.full((H, 1, 1), 0.9, dtype=torch.float64, requires_grad=True),
+               "normalizer.bias": torch.full((H, 1, 1), 0.2, dtype=torch.float64, requires_grad=True)}
+    out = torch.func.functional_call(_Attend(module, window), swapped, (q, k, v))
+    got = torch.autograd.grad(out.sum(), (q, swapped["normalizer.s"]))
+    s = swapped["normalizer.s"].detach().clone().requires_grad_()
+    counts = torch.arange(1, 97, dtype=torch.float64).clamp(max=4).log()[:, None]
+    want = torch.autograd.grad(_window_reference(q, k, v, 4, s * counts + 0.2).sum(), (q, s))
+    for actual, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-10)
+
+    fixed = attnorm.ScalableSoftmax(num_heads=H).double()  # s and bias are buffers
+    out = attnorm.attention(q, k, v, fixed, attn_mask=window)
+    fixed.s.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_a_function_normalizer_keeps_the_materialised_route_under_a_narrow_window():
+    """``Normalized(f)`` may close over a tensor that requires grad, which only plain autograd sees: a narrow
+    window does not send it to the blocked route (whose Function would not differentiate it)."""
+    q, k, v = (t.requires_grad_() for t in qkv(96, 96))
+    a = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+    out = attnorm.attention(q, k, v, attnorm.Normalized(lambda x: torch.exp(a * x)),
+                            attn_mask=attnorm.sliding_window_mask(4))
+    (got,) = torch.autograd.grad(out.sum(), a)
+    twin = a.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad(_window_reference(q, k, v, 4, twin).sum(), twin)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)

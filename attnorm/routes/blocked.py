@@ -124,63 +124,96 @@ def blocked_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additiv
     recomputes each block: the blocks' graphs are kept there, as the materialised route keeps
     its weights).
     """
-    values = _frozen_values(normalizer)
-    setup = (normalizer, values, mask, scale, softcap, dropout_p, groups, rows)
+    frozen = _Frozen.capture(normalizer)
+    setup = (normalizer, frozen, mask, scale, softcap, dropout_p, groups, rows)
     if forward_mode() or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state():
         return torch.cat([out for _, _, out in _outputs(setup, q, k, v, additive, sinks)], dim=-2)
-    return _BlockedAttention.apply(setup, q, k, v, additive, sinks, *_differentiable(normalizer, values))
+    return _BlockedAttention.apply(setup, q, k, v, additive, sinks, *frozen.differentiable())
 
 
-def _frozen_values(normalizer) -> dict | None:
-    """A row normalizer's parameters as this call reads them, when one is a tensor; else None (the module is called).
+class _Frozen:
+    """The normalizer as this call's forward read it; the blocks weigh their scores with it, forward and backward.
 
-    The blocks are weighed with these very values, forward and backward (:func:`_weigh`): the backward used to
-    call the module again, so it differentiated whatever the module held by then (``torch.func.functional_call``
-    had swapped its parameters back: dq 1.7 off), and a tensor that is not a parameter (``Softmax(temperature=T)``
-    with ``T`` requiring grad, or one assigned to ``ScalableSoftmax.s``) got no gradient.  Only for attnorm's row
-    normalizers called as they are (``Normalizer.forward``, no hook): others are called as modules.
+    The backward used to call the module again, so it differentiated whatever the module held by then:
+    ``torch.func.functional_call`` had swapped its parameters back (dq 1.7 off), a hyperparameter set between
+    forward and backward (``entmax.alpha = 1.9``) was the backward's, and a tensor that is not a parameter
+    (``Softmax(temperature=T)`` with ``T`` requiring grad) got no gradient.  Two kinds:
+
+    * ``values``: attnorm's row normalizers called as they are (``Normalizer.forward``, no hook): their
+      :meth:`~attnorm.normalizers.Normalizer.kernel_params` (numbers and tensors, a learnable alpha as
+      computed from its logit), applied by :func:`attnorm.normalizers.base.normalize` as the module would;
+    * ``state``: any other module (a hook to run, its own ``forward``, the F/sum F normalizers): called through
+      ``torch.func.functional_call`` with its parameters and buffers as they were (a plain call without any),
+      and ``extra``, the tensors its ``kernel_params`` holds besides them (read from the module, as it holds
+      them then).
+
+    Every tensor is saved for the backward, so one changed in place before it raises.
     """
-    if not getattr(normalizer, "kernel", "") or type(normalizer).forward is not Normalizer.forward \
-            or decoding._hooked(normalizer):
-        return None
-    values = normalizer.kernel_params()
-    for value in values.values():
-        if isinstance(value, Tensor):
-            return values
-    return None
+
+    def __init__(self, normalizer, values: dict | None, state: dict | None, extra: tuple[Tensor, ...] = ()) -> None:
+        self.normalizer, self.values, self.state, self.extra = normalizer, values, state, extra
+
+    @classmethod
+    def capture(cls, normalizer) -> _Frozen:
+        if getattr(normalizer, "kernel", "") and type(normalizer).forward is Normalizer.forward \
+                and not decoding._hooked(normalizer):
+            return cls(normalizer, normalizer.kernel_params(), None)
+        state = {**dict(normalizer.named_parameters()), **dict(normalizer.named_buffers())}
+        held = {id(tensor) for tensor in state.values()}
+        params = normalizer.kernel_params() if hasattr(normalizer, "kernel_params") else {}
+        extra = _unique(value for value in params.values()
+                        if isinstance(value, Tensor) and value.requires_grad and id(value) not in held)
+        return cls(normalizer, None, state or None, extra)
+
+    def _held(self) -> list[Tensor]:
+        return [value for value in (self.values or self.state or {}).values() if isinstance(value, Tensor)]
+
+    def differentiable(self) -> tuple[Tensor, ...]:
+        """The tensors the Function differentiates besides q, k, v, the additive mask and the sinks."""
+        return _unique([*(tensor for tensor in self._held() if tensor.requires_grad), *self.extra])
+
+    def others(self) -> tuple[Tensor, ...]:
+        """The tensors it reads without differentiating them (saved all the same: in-place changes raise)."""
+        return _unique(tensor for tensor in self._held() if not tensor.requires_grad)
+
+    def with_leaves(self) -> tuple[_Frozen, tuple[Tensor, ...]]:
+        """A copy whose differentiable tensors are detached leaves (the first-order backward's blocks), and the
+        tensors to differentiate, in :meth:`differentiable`'s order (``extra`` as the module holds them)."""
+        leaves = {id(tensor): tensor.detach().requires_grad_() for tensor in self.differentiable()
+                  if not any(tensor is other for other in self.extra)}
+        swap = lambda held: None if held is None else {name: leaves.get(id(value), value) if isinstance(value, Tensor)
+                                                       else value for name, value in held.items()}
+        copy = _Frozen(self.normalizer, swap(self.values), swap(self.state), self.extra)
+        return copy, tuple(leaves.get(id(tensor), tensor) for tensor in self.differentiable())
+
+    def __call__(self, scores: Tensor, mask, **options) -> Tensor:
+        """``normalizer(scores, mask, **options)`` with the captured state."""
+        normalizer = self.normalizer
+        if self.values is not None:
+            return normalize(normalizer.kernel, scores, mask, normalizer.dim, self.values, normalizer.backend,
+                             options.get("sink"), options.get("softcap"))
+        if self.state is not None:
+            return torch.func.functional_call(normalizer, self.state, (scores, mask), options)
+        return normalizer(scores, mask, **options)
 
 
-def _differentiable(normalizer, values: dict | None) -> tuple[Tensor, ...]:
-    """The tensors the Function differentiates besides q, k, v, the additive mask and the sinks: the frozen
-    values that require grad (a learnable alpha as computed from its logit: autograd takes it on from there), or
-    the module's parameters that do."""
-    if values is None:
-        return tuple(parameter for parameter in normalizer.parameters() if parameter.requires_grad)
+def _unique(tensors) -> tuple[Tensor, ...]:
     found: dict[int, Tensor] = {}
-    for value in values.values():
-        if isinstance(value, Tensor) and value.requires_grad:
-            found.setdefault(id(value), value)
+    for tensor in tensors:
+        found.setdefault(id(tensor), tensor)
     return tuple(found.values())
-
-
-def _weigh(normalizer, values: dict | None, scores: Tensor, mask, sink: Tensor | None, softcap: float | None) -> Tensor:
-    """``normalizer(scores, mask, sink=sink, softcap=softcap)``, with its parameters ``values`` when given
-    (:func:`_frozen_values`: what ``Normalizer.forward`` computes, with these values)."""
-    if values is None:
-        return normalizer(scores, mask, sink=sink, softcap=softcap)
-    return normalize(normalizer.kernel, scores, mask, normalizer.dim, values, normalizer.backend, sink, softcap)
 
 
 def _outputs(setup: tuple, q: Tensor, k: Tensor, v: Tensor, additive: Tensor | None, sinks: Tensor | None):
     """``(start, stop, out)`` for each block of query rows ``start:stop``."""
-    normalizer, values, mask, scale, softcap, dropout_p, groups, rows = setup
+    normalizer, frozen, mask, scale, softcap, dropout_p, groups, rows = setup
     lq, lk, bounds = q.shape[-2], k.shape[-2], _bounds(normalizer, mask, q, k)
     for start, (lo, hi) in zip(range(0, lq, rows), _spans(mask, q, lk, rows), strict=True):
         stop = min(start + rows, lq)
         q_rows, additive_rows = q[..., start:stop, :], _rows(additive, start, stop)
         yield start, stop, _block(normalizer, q, q_rows, k[..., lo:hi, :], v[..., lo:hi, :], mask, bounds,
                                   additive_rows, sinks, scale, softcap, dropout_p, groups, start, stop, lo, lk,
-                                  values)[0]
+                                  frozen)[0]
 
 
 def materialised_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additive: Tensor | None, scale: float,
@@ -242,11 +275,11 @@ def _keys(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
 def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bounds: tuple[Tensor, Tensor] | None,
            additive_rows: Tensor | None, sinks: Tensor | None, scale: float, softcap: float | None,
            dropout_p: float, groups: int, start: int, stop: int, lo: int = 0,
-           lk: int | None = None, values: dict | None = None) -> tuple[Tensor, Tensor]:
+           lk: int | None = None, frozen: _Frozen | None = None) -> tuple[Tensor, Tensor]:
     """Output rows ``start:stop`` and their weights, from the query rows ``q_rows = q[..., start:stop, :]``.
 
     ``bounds`` are a structured ``mask``'s key intervals (:func:`_bounds`), None for other masks;
-    ``values`` the normalizer's parameters to weigh with (:func:`_frozen_values`), None to call it.
+    ``frozen`` the normalizer as the call's forward read it (:class:`_Frozen`), None to call it as it is.
 
     ``k`` and ``v`` are keys ``lo:lo + k.shape[-2]`` of ``lk`` (default: all of them), e.g. only those
     a causal or sliding-window mask lets these rows reach (:func:`_key_span`; the weights then cover
@@ -292,11 +325,12 @@ def _block(normalizer, q: Tensor, q_rows: Tensor, k: Tensor, v: Tensor, mask, bo
     else:
         mask = interval_rows(bounds, start, stop, lo, hi) if bounds is not None else _keys(_rows(mask, start, stop),
                                                                                             lo, hi)
+    weigh = normalizer if frozen is None else frozen
     if kernel:  # the row kernels take the sink and the cap themselves
         sink = None if sinks is None else sinks.reshape(-1, 1, 1).to(scores.device)  # (Hq, 1, 1): per head
-        weights = _weigh(normalizer, values, scores, mask, sink, softcap)
+        weights = weigh(scores, mask, sink=sink, softcap=softcap)
     else:
-        weights = normalizer(scores, mask) if sinks is None else _with_sinks(normalizer, scores, mask, sinks)
+        weights = weigh(scores, mask) if sinks is None else _with_sinks(weigh, scores, mask, sinks)
     if half:
         weights = weights.to(q_rows.dtype)  # the weights a half-precision call returns and multiplies v with
     return _attend(weights, v, dropout_p, groups, q.shape[-3], stop - start)
@@ -355,7 +389,8 @@ class _BlockedAttention(torch.autograd.Function):
         ctx.setup = setup
         ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
         ctx.autocast = _autocast_state(q.device)
-        ctx.save_for_backward(q, k, v, additive, sinks, *params)  # params: changed in place, the backward raises
+        # The normalizer's tensors too: one changed in place before the backward raises there.
+        ctx.save_for_backward(q, k, v, additive, sinks, *params, *setup[1].others())
         out = None
         for start, stop, block in _outputs(setup, q, k, v, additive, sinks):
             if out is None:  # the blocks' dtype: q's, or autocast's (as SDPA's output under autocast)
@@ -367,14 +402,9 @@ class _BlockedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():  # create_graph=True: gradients to differentiate again
             return _differentiable_backward(ctx, grad_out)
-        normalizer, values, mask, scale, softcap, dropout_p, groups, rows = ctx.setup
-        q, k, v, additive, sinks, *params = ctx.saved_tensors
-        if values is None:  # a module called as it is: its parameters, as it holds them now
-            params = _differentiable(normalizer, None)
-        else:  # the forward's values, each tensor it differentiates a leaf of its own here
-            leaves = {id(value): value.detach().requires_grad_() for value in _differentiable(normalizer, values)}
-            values = {name: leaves.get(id(value), value) for name, value in values.items()}
-            params = tuple(leaves.values())
+        normalizer, frozen, mask, scale, softcap, dropout_p, groups, rows = ctx.setup
+        q, k, v, additive, sinks, *_ = ctx.saved_tensors  # unpacked: tensors changed in place raise here
+        frozen, params = frozen.with_leaves()  # the forward's state, each tensor to differentiate a leaf here
         k = k.detach().requires_grad_(ctx.needs_input_grad[2])
         v = v.detach().requires_grad_(ctx.needs_input_grad[3])
         if sinks is not None:
@@ -407,7 +437,7 @@ class _BlockedAttention(torch.autograd.Function):
                     if wants_additive:
                         additive_rows = additive_rows.detach().requires_grad_()
                     out = _block(normalizer, q, q_rows, k_part, v_part, mask, bounds, additive_rows, sinks, scale,
-                                 softcap, dropout_p, groups, start, stop, lo, lk, values)[0]
+                                 softcap, dropout_p, groups, start, stop, lo, lk, frozen)[0]
                     leaves = [t for t in (k_part, v_part, sinks) if t is not None and t.requires_grad] + list(params)
                     wanted = leaves + ([q_rows] if wants_q else []) + ([additive_rows] if wants_additive else [])
                     grads = list(torch.autograd.grad(out, wanted, grad_out[..., start:stop, :], allow_unused=True))
@@ -442,9 +472,9 @@ def _differentiable_backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]
     ``@once_differentiable`` its results came back detached and a second derivative through them was
     silently missing (or a misleading "not used in the graph" error).
     """
-    normalizer, values, _, _, _, dropout_p, _, _ = ctx.setup
-    q, k, v, additive, sinks, *_ = ctx.saved_tensors  # unpacked: parameters changed in place raise here too
-    params = _differentiable(normalizer, values)  # the forward's own tensors (frozen values or the parameters)
+    frozen, dropout_p = ctx.setup[1], ctx.setup[5]
+    q, k, v, additive, sinks, *_ = ctx.saved_tensors  # unpacked: tensors changed in place raise here too
+    params = frozen.differentiable()  # the forward's own tensors
     with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0), \
             _autocast(q.device, ctx.autocast):
         if ctx.rng is not None:
