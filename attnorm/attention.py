@@ -152,7 +152,15 @@ def attention(
                            groups=groups, return_weights=return_weights)
         if result is not NotImplemented:
             return result
-    if not return_weights:
+    # A row normalizer whose class overrides forward is called as a module (blocked or materialised route): the
+    # SDPA, fused and decoding kernels compute the class's own normalizer, and ignored the override.
+    overridden = type(normalizer).forward is not Normalizer.forward and bool(getattr(normalizer, "kernel", ""))
+    if not return_weights and overridden:
+        rows = _narrow_rows(normalizer, mask, q, k, v) or block_rows(q, k, v)
+        if rows < q.shape[-2] and not torch.compiler.is_compiling():
+            return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows, softcap,
+                                     sinks)
+    elif not return_weights:
         decoding = q.shape[-2] <= DECODING_ROWS
         if decoding and not modified:
             out = decoding_route.ssmax_masked(normalizer, q, k, v, mask, additive, scale, dropout_p, groups)

@@ -796,3 +796,52 @@ def test_a_function_normalizer_keeps_the_materialised_route_under_a_narrow_windo
     twin = a.detach().clone().requires_grad_()
     (want,) = torch.autograd.grad(_window_reference(q, k, v, 4, twin).sum(), twin)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+class _DoubledSoftmax(attnorm.Softmax):
+    """A subclass whose forward changes what it computes."""
+
+    def forward(self, scores, mask=None, **options):
+        return super().forward(2 * scores, mask, **options)
+
+
+@pytest.mark.parametrize("mask", [{"is_causal": True}, {"attn_mask": attnorm.sliding_window_mask(4)}, {}])
+def test_a_subclass_overriding_forward_is_called_as_a_module(mask):
+    """The SDPA route computed the class's own softmax and ignored an overriding forward (here: scores doubled)."""
+    q, k, v = (t.requires_grad_() for t in qkv(80, 80))
+    out = attnorm.attention(q, k, v, _DoubledSoftmax(), **mask)
+    reference = attnorm.attention(q, k, v, attnorm.Softmax(temperature=0.5), **mask)
+    torch.testing.assert_close(out, reference, rtol=1e-10, atol=1e-12)
+
+
+def test_a_function_normalizer_on_the_blocked_route_differentiates_what_its_function_closes_over(force_blocked):
+    """``Normalized(lambda x: exp(w x))``: ``w`` is read by the function, not held by the module; the blocked
+    route's Function did not know it, and ``w`` got no gradient at long sequences (None)."""
+    q, k, v = (t.requires_grad_() for t in qkv(12, 12))
+    w = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+    normalizer = attnorm.Normalized(lambda x: torch.exp(w * x))
+    out = attnorm.attention(q, k, v, normalizer, is_causal=True)
+    assert out.grad_fn.name() == "_BlockedAttentionBackward"
+    (got,) = torch.autograd.grad(out.sum(), w)
+    twin = w.detach().clone().requires_grad_()
+    allowed = torch.ones(12, 12, dtype=torch.bool).tril()
+    scores = torch.exp(twin * (q @ k.transpose(-2, -1)) / math.sqrt(D)).masked_fill(~allowed, 0.0)
+    (want,) = torch.autograd.grad(((scores / scores.sum(-1, keepdim=True)) @ v).sum(), twin)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_a_module_attribute_set_between_forward_and_backward_raises_on_the_blocked_route(force_blocked):
+    """A module called as such (an F/sum F normalizer, a hooked one) is recomputed in the backward from its
+    attributes as they are then: one set after the forward gave the gradient of another function (dq 276 off)."""
+    q, k, v = (t.requires_grad_() for t in qkv(12, 12))
+    relu = attnorm.ReLUNormalized(power=1.0)
+    out = attnorm.attention(q, k, v, relu, is_causal=True)
+    relu.power = 3.0
+    with pytest.raises(RuntimeError, match="power changed after the forward"):
+        out.sum().backward()
+    hooked = attnorm.TopKSoftmax(k=2, temperature=0.5)
+    hooked.register_forward_hook(lambda module, inputs, output: output)
+    out = attnorm.attention(q, k, v, hooked, is_causal=True)
+    hooked.temperature = 3.0
+    with pytest.raises(RuntimeError, match="temperature changed after the forward"):
+        out.sum().backward()

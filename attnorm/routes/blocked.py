@@ -47,6 +47,7 @@ kernels, which also get the sink as one more score column.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -144,14 +145,18 @@ class _Frozen:
       computed from its logit), applied by :func:`attnorm.normalizers.base.normalize` as the module would;
     * ``state``: any other module (a hook to run, its own ``forward``, the F/sum F normalizers): called through
       ``torch.func.functional_call`` with its parameters and buffers as they were (a plain call without any),
-      and ``extra``, the tensors its ``kernel_params`` holds besides them (read from the module, as it holds
-      them then).
+      and ``extra``, the tensors that require grad it reads besides them: those its ``kernel_params`` holds,
+      and those a function it holds (``Normalized(f)``'s ``f``) reads through its closure, its globals or the
+      module it is bound to.  Its other attributes are read from the module again in the backward, so a
+      change to one between forward and backward raises there (:meth:`check`).
 
     Every tensor is saved for the backward, so one changed in place before it raises.
     """
 
-    def __init__(self, normalizer, values: dict | None, state: dict | None, extra: tuple[Tensor, ...] = ()) -> None:
+    def __init__(self, normalizer, values: dict | None, state: dict | None, extra: tuple[Tensor, ...] = (),
+                 attributes: dict | None = None) -> None:
         self.normalizer, self.values, self.state, self.extra = normalizer, values, state, extra
+        self.attributes = attributes
 
     @classmethod
     def capture(cls, normalizer) -> _Frozen:
@@ -161,9 +166,23 @@ class _Frozen:
         state = {**dict(normalizer.named_parameters()), **dict(normalizer.named_buffers())}
         held = {id(tensor) for tensor in state.values()}
         params = normalizer.kernel_params() if hasattr(normalizer, "kernel_params") else {}
-        extra = _unique(value for value in params.values()
+        attributes = {name: value for name, value in vars(normalizer).items() if name not in _UNWATCHED}
+        read = [*params.values(), *(tensor for value in attributes.values() for tensor in _closure_tensors(value))]
+        extra = _unique(value for value in read
                         if isinstance(value, Tensor) and value.requires_grad and id(value) not in held)
-        return cls(normalizer, None, state or None, extra)
+        return cls(normalizer, None, state or None, extra, attributes)
+
+    def check(self) -> None:
+        """Raise if a module called as such had an attribute set since the forward (its backward would differ)."""
+        if self.attributes is None:
+            return
+        now = vars(self.normalizer)
+        changed = [name.lstrip("_") for name, value in self.attributes.items() if now.get(name, _MISSING) is not value]
+        if changed:
+            raise RuntimeError(
+                f"attention's blocked route recomputes {type(self.normalizer).__name__} in the backward, and its "
+                f"{', '.join(changed)} changed after the forward: set attributes after the backward (or take the "
+                f"materialised route, attention(..., return_weights=True))")
 
     def _held(self) -> list[Tensor]:
         return [value for value in (self.values or self.state or {}).values() if isinstance(value, Tensor)]
@@ -183,7 +202,7 @@ class _Frozen:
                   if not any(tensor is other for other in self.extra)}
         swap = lambda held: None if held is None else {name: leaves.get(id(value), value) if isinstance(value, Tensor)
                                                        else value for name, value in held.items()}
-        copy = _Frozen(self.normalizer, swap(self.values), swap(self.state), self.extra)
+        copy = _Frozen(self.normalizer, swap(self.values), swap(self.state), self.extra, self.attributes)
         return copy, tuple(leaves.get(id(tensor), tensor) for tensor in self.differentiable())
 
     def __call__(self, scores: Tensor, mask, **options) -> Tensor:
@@ -195,6 +214,37 @@ class _Frozen:
         if self.state is not None:
             return torch.func.functional_call(normalizer, self.state, (scores, mask), options)
         return normalizer(scores, mask, **options)
+
+
+_UNWATCHED = frozenset({"training", "_shortcut_token"})
+"""Module attributes :meth:`_Frozen.check` does not compare (the mode, and the shortcut's lazily set token)."""
+_MISSING = object()
+
+
+def _closure_tensors(value, depth: int = 0) -> list[Tensor]:
+    """The tensors a function attribute reads that autograd could differentiate: its closure cells and the
+    globals it names, a ``functools.partial``'s arguments, the parameters of a module it is bound to or is."""
+    if depth > 2 or isinstance(value, (Tensor, type)) or not callable(value):
+        return []
+    if isinstance(value, torch.nn.Module):
+        return list(value.parameters())
+    if isinstance(value, functools.partial):
+        found = [*_closure_tensors(value.func, depth + 1), *value.args, *value.keywords.values()]
+        return [item for item in found if isinstance(item, Tensor)]
+    found = []
+    owner = getattr(value, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        found += owner.parameters()
+    code = getattr(value, "__code__", None)
+    if code is not None:
+        for cell in getattr(value, "__closure__", None) or ():
+            try:
+                found.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        scope = getattr(value, "__globals__", {})
+        found += (scope.get(name) for name in code.co_names)
+    return [item for item in found if isinstance(item, Tensor)]
 
 
 def _unique(tensors) -> tuple[Tensor, ...]:
@@ -404,6 +454,7 @@ class _BlockedAttention(torch.autograd.Function):
             return _differentiable_backward(ctx, grad_out)
         normalizer, frozen, mask, scale, softcap, dropout_p, groups, rows = ctx.setup
         q, k, v, additive, sinks, *_ = ctx.saved_tensors  # unpacked: tensors changed in place raise here
+        frozen.check()
         frozen, params = frozen.with_leaves()  # the forward's state, each tensor to differentiate a leaf here
         k = k.detach().requires_grad_(ctx.needs_input_grad[2])
         v = v.detach().requires_grad_(ctx.needs_input_grad[3])
@@ -474,6 +525,7 @@ def _differentiable_backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]
     """
     frozen, dropout_p = ctx.setup[1], ctx.setup[5]
     q, k, v, additive, sinks, *_ = ctx.saved_tensors  # unpacked: tensors changed in place raise here too
+    frozen.check()
     params = frozen.differentiable()  # the forward's own tensors
     with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0), \
             _autocast(q.device, ctx.autocast):
