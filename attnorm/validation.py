@@ -40,10 +40,11 @@ def _check_number(name: str, value) -> None:
 
 def values_readable(value: Tensor) -> bool:
     """Whether an eager check may read ``value``'s values: on the CPU (elsewhere a device sync), not while
-    compiling (a graph break) nor under a ``torch.func`` transform (values batched per example: a Python bool
-    of them is data-dependent control flow)."""
+    compiling (a graph break), under a ``torch.func`` transform (values batched per example: a Python bool
+    of them is data-dependent control flow) nor while ``torch.jit.trace`` records (a TracerWarning: the
+    trace would keep the check's outcome)."""
     return (value.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active())
+            and not torch._C._are_functorch_transforms_active() and not torch._C._get_tracing_state())
 
 
 def _values_checkable(value) -> bool:

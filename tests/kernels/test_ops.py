@@ -405,6 +405,31 @@ def test_jit_trace_reproduces_eager(name):
         torch.testing.assert_close(traced(scores(2, 2, 4, 6, seed=7)), module(scores(2, 2, 4, 6, seed=7)))
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "error::torch.jit.TracerWarning")
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_jit_trace_of_functions_with_tensor_parameters_reads_no_values(requires_grad):
+    """The functions' value checks of tensor parameters (T > 0, alpha >= 1, finite s) are skipped while tracing:
+    a traced check gave a TracerWarning (and would keep its outcome); since parameters that require grad are
+    checked too, every trainable temperature warned."""
+    class Caller(torch.nn.Module):  # parameters that require grad, or buffers
+        def __init__(self):
+            super().__init__()
+            for name, value in (("temperature", 0.7), ("s", 0.5), ("alpha", 1.5)):
+                tensor = torch.tensor(value, device=DEVICE)
+                if requires_grad:
+                    self.register_parameter(name, torch.nn.Parameter(tensor))
+                else:
+                    self.register_buffer(name, tensor)
+
+        def forward(self, x):
+            return (attnorm.functional.softmax(x, temperature=self.temperature)
+                    + attnorm.functional.scalable_softmax(x, s=self.s) + attnorm.functional.entmax(x, self.alpha))
+
+    caller = Caller()
+    traced = torch.jit.trace(caller, scores(2, 2, 4, 6), check_trace=False)
+    torch.testing.assert_close(traced(scores(2, 2, 4, 6, seed=7)), caller(scores(2, 2, 4, 6, seed=7)))
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_jit_trace_keeps_the_callers_own_tracer_warnings():
     """attnorm quiets only its own shape checks while tracing: a data-dependent branch of the
