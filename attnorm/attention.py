@@ -196,8 +196,10 @@ def _narrow_rows(normalizer, mask, q: Tensor, k: Tensor, v: Tensor) -> int:
     """Query rows per block when a call takes the blocked route because its blocks skip most of the scores,
     else 0 (:data:`BLOCKED_SHARE`): one of the six row normalizers, CPU tensors, a structured mask, and blocks
     of at most :data:`WINDOW_ROWS` rows that reach at most that share (a logit scaling then leaves SDPA, the
-    others the materialised route where the whole score matrix would fit).  Not the F/sum F normalizers: a
-    tensor their function closes over is differentiated by plain autograd only (the materialised route)."""
+    others the materialised route where the whole score matrix would fit).  Not the F/sum F normalizers: their
+    function may read a tensor the blocked route cannot find (it looks in closures, the globals a function names
+    and the module a method is bound to), which plain autograd differentiates: they keep the materialised route
+    where it fits."""
     lq, lk = q.shape[-2], k.shape[-2]
     if lq <= WINDOW_ROWS or not q.is_cpu or not isinstance(mask, StructuredMask) or torch.compiler.is_compiling() \
             or not getattr(normalizer, "kernel", ""):

@@ -836,6 +836,10 @@ def test_a_module_attribute_set_between_forward_and_backward_raises_on_the_block
     q, k, v = (t.requires_grad_() for t in qkv(12, 12))
     relu = attnorm.ReLUNormalized(power=1.0)
     out = attnorm.attention(q, k, v, relu, is_causal=True)
+    relu.power = 1.0  # set again to the same value: not a change
+    relu.train(False)
+    out.sum().backward()
+    out = attnorm.attention(q, k, v, relu, is_causal=True)
     relu.power = 3.0
     with pytest.raises(RuntimeError, match="power changed after the forward"):
         out.sum().backward()

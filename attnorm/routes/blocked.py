@@ -177,7 +177,8 @@ class _Frozen:
         if self.attributes is None:
             return
         now = vars(self.normalizer)
-        changed = [name.lstrip("_") for name, value in self.attributes.items() if now.get(name, _MISSING) is not value]
+        changed = [name.lstrip("_") for name, value in self.attributes.items()
+                   if not _same(now.get(name, _MISSING), value)]
         if changed:
             raise RuntimeError(
                 f"attention's blocked route recomputes {type(self.normalizer).__name__} in the backward, and its "
@@ -219,6 +220,14 @@ class _Frozen:
 _UNWATCHED = frozenset({"training", "_shortcut_token"})
 """Module attributes :meth:`_Frozen.check` does not compare (the mode, and the shortcut's lazily set token)."""
 _MISSING = object()
+
+
+def _same(now: object, then: object) -> bool:
+    """The same attribute value: the same object, or an equal number or string (``module.k = 4`` again)."""
+    if now is then:
+        return True
+    plain = (bool, int, float, str)
+    return type(now) is type(then) and isinstance(then, plain) and now == then
 
 
 def _closure_tensors(value, depth: int = 0) -> list[Tensor]:
