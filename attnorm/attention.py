@@ -152,39 +152,32 @@ def attention(
                            groups=groups, return_weights=return_weights)
         if result is not NotImplemented:
             return result
-    # A row normalizer whose class overrides forward is called as a module (blocked or materialised route): the
-    # SDPA, fused and decoding kernels compute the class's own normalizer, and ignored the override.
-    overridden = type(normalizer).forward is not Normalizer.forward and bool(getattr(normalizer, "kernel", ""))
-    if not return_weights and overridden:
-        rows = _narrow_rows(normalizer, mask, q, k, v) or block_rows(q, k, v)
-        if rows < q.shape[-2] and not torch.compiler.is_compiling():
-            return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows, softcap,
-                                     sinks)
-    elif not return_weights:
-        decoding = q.shape[-2] <= DECODING_ROWS
-        if decoding and not modified:
-            out = decoding_route.ssmax_masked(normalizer, q, k, v, mask, additive, scale, dropout_p, groups)
-            if out is not None:
-                return out
-        multiplier = logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
-        # The fused and split-K kernels have no forward-mode derivative: while one may be
-        # taken, the row routes (differentiated on the reference) and SDPA's math kernel run.
-        kernels_ok = not forward_mode()
-        if multiplier is not None:
-            if kernels_ok and not decoding and fused.supports_scaled_softmax(normalizer, mask, q, k, v, dropout_p,
-                                                                             additive, modified):
-                return fused.scaled_softmax(q, k, v, multiplier, mask, scale, additive, softcap, sinks)
-            if not modified:  # SDPA has neither softcap nor sinks
-                rows = _narrow_rows(normalizer, mask, q, k, v)
-                if not rows:
+    if not return_weights:
+        rows = _narrow_rows(normalizer, mask, q, k, v)  # > 0: blocks that skip most scores, on the blocked route
+        # A row normalizer whose class overrides forward is called as a module (blocked or materialised route):
+        # the SDPA, fused and decoding kernels compute the class's own normalizer, and ignored the override.
+        if type(normalizer).forward is Normalizer.forward or not getattr(normalizer, "kernel", ""):
+            decoding = q.shape[-2] <= DECODING_ROWS
+            if decoding and not modified:
+                out = decoding_route.ssmax_masked(normalizer, q, k, v, mask, additive, scale, dropout_p, groups)
+                if out is not None:
+                    return out
+            multiplier = logit_multiplier(normalizer, mask, additive, q, k.shape[-2])
+            # The fused and split-K kernels have no forward-mode derivative: while one may be
+            # taken, the row routes (differentiated on the reference) and SDPA's math kernel run.
+            kernels_ok = not forward_mode()
+            if multiplier is not None:
+                if kernels_ok and not decoding and fused.supports_scaled_softmax(normalizer, mask, q, k, v, dropout_p,
+                                                                                 additive, modified):
+                    return fused.scaled_softmax(q, k, v, multiplier, mask, scale, additive, softcap, sinks)
+                if not modified and not rows:  # SDPA has neither softcap nor sinks
                     return scaled_sdpa(q, k, v, multiplier, mask, additive, scale, dropout_p, groups)
-                return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows)
-        elif kernels_ok and not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive):
-            return fused.attention(normalizer, q, k, v, mask, additive, scale, softcap, sinks)
-        elif kernels_ok and decoding and decoding_route.supports(normalizer, q, k, v, mask, additive, dropout_p,
-                                                                 softcap, sinks):
-            return decoding_route.attention(normalizer, q, k, v, mask, additive, scale)
-        rows = _narrow_rows(normalizer, mask, q, k, v) or block_rows(q, k, v)
+            elif kernels_ok and not decoding and fused.supports(normalizer, q, k, v, dropout_p, additive):
+                return fused.attention(normalizer, q, k, v, mask, additive, scale, softcap, sinks)
+            elif kernels_ok and decoding and decoding_route.supports(normalizer, q, k, v, mask, additive, dropout_p,
+                                                                     softcap, sinks):
+                return decoding_route.attention(normalizer, q, k, v, mask, additive, scale)
+        rows = rows or block_rows(q, k, v)
         if rows < q.shape[-2] and not torch.compiler.is_compiling():
             return blocked_attention(normalizer, q, k, v, mask, additive, scale, dropout_p, groups, rows, softcap,
                                      sinks)

@@ -156,9 +156,9 @@ def key_padding_mask(lengths: Tensor) -> StructuredMask:
         raise TypeError(
             f"lengths must be a 1-D integer tensor, got dtype {lengths.dtype} and shape {tuple(lengths.shape)}"
         )
-    # The values are checked where reading them is free and allowed (validation.values_readable), and not
-    # while jit.trace records (it would warn that the trace may not generalise).
-    if values_readable(lengths) and not _C._get_tracing_state() and bool((lengths < 0).any()):
+    # The values are checked where reading them is free and allowed (validation.values_readable: not while
+    # jit.trace records, which would warn that the trace may not generalise).
+    if values_readable(lengths) and bool((lengths < 0).any()):
         raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
     return StructuredMask(key_lengths=lengths)
 

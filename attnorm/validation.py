@@ -47,20 +47,13 @@ def values_readable(value: Tensor) -> bool:
             and not torch._C._are_functorch_transforms_active() and not torch._C._get_tracing_state())
 
 
-def _values_checkable(value) -> bool:
-    # A tensor's values are read where values_readable allows, whether it requires grad or not: a user's tensor
-    # that requires grad (functional calls) was not read, and T = 0 gave NaN, T = -1 softmax(-x) with no error.
-    if isinstance(value, Real):
-        return True
-    return values_readable(value)
-
-
 def _holds(value: Scalar, condition) -> bool:
     """``condition`` (True for valid values) of a number, or of all a tensor's values;
-    True for tensors whose values are not read (see :func:`_values_checkable`)."""
+    True for tensors whose values are not read (:func:`values_readable`; a tensor that requires grad is read
+    too: not reading one let T = 0 give NaN and T = -1 softmax(-x) with no error)."""
     if isinstance(value, Real):  # no tensor round trip: these checks run on every call
         return condition(float(value))
-    return not _values_checkable(value) or bool(condition(value.detach()).all())
+    return not values_readable(value) or bool(condition(value.detach()).all())
 
 
 # The smallest temperature whose reciprocal (the logit multiplier) is finite in float32.
