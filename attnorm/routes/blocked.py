@@ -79,11 +79,18 @@ def block_rows(q: Tensor, k: Tensor, v: Tensor) -> int:
 
 def computed_share(mask, q: Tensor, lk: int, rows: int) -> float:
     """The share of the ``(Lq, Lk)`` scores the blocked route computes in blocks of ``rows`` query rows: each
-    block's rows times the keys they can reach (:func:`_spans`)."""
+    block's rows times the keys they can reach (:func:`_blocks`)."""
+    computed = sum((stop - start) * (hi - lo) for start, stop, lo, hi in _blocks(mask, q, lk, rows))
+    return computed / max(q.shape[-2] * lk, 1)
+
+
+def _blocks(mask, q: Tensor, lk: int, rows: int) -> list[tuple[int, int, int, int]]:
+    """``(start, stop, lo, hi)`` of each block: query rows ``start:stop`` (``rows`` of them, fewer in the last)
+    and the keys ``lo:hi`` they can reach (:func:`_spans`).  A call computes them once, for its forward and
+    its backward alike."""
     lq = q.shape[-2]
-    computed = sum((min(start + rows, lq) - start) * (hi - lo)
-                   for start, (lo, hi) in zip(range(0, lq, rows), _spans(mask, q, lk, rows), strict=True))
-    return computed / max(lq * lk, 1)
+    return [(start, min(start + rows, lq), lo, hi)
+            for start, (lo, hi) in zip(range(0, lq, rows), _spans(mask, q, lk, rows), strict=True)]
 
 
 def _spans(mask, q: Tensor, lk: int, rows: int) -> list[tuple[int, int]]:
@@ -126,7 +133,7 @@ def blocked_attention(normalizer, q: Tensor, k: Tensor, v: Tensor, mask, additiv
     its weights).
     """
     frozen = _Frozen.capture(normalizer)
-    setup = (normalizer, frozen, mask, scale, softcap, dropout_p, groups, rows)
+    setup = (normalizer, frozen, mask, scale, softcap, dropout_p, groups, _blocks(mask, q, k.shape[-2], rows))
     if forward_mode() or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state():
         return torch.cat([out for _, _, out in _outputs(setup, q, k, v, additive, sinks)], dim=-2)
     return _BlockedAttention.apply(setup, q, k, v, additive, sinks, *frozen.differentiable())
@@ -265,10 +272,9 @@ def _unique(tensors) -> tuple[Tensor, ...]:
 
 def _outputs(setup: tuple, q: Tensor, k: Tensor, v: Tensor, additive: Tensor | None, sinks: Tensor | None):
     """``(start, stop, out)`` for each block of query rows ``start:stop``."""
-    normalizer, frozen, mask, scale, softcap, dropout_p, groups, rows = setup
-    lq, lk, bounds = q.shape[-2], k.shape[-2], _bounds(normalizer, mask, q, k)
-    for start, (lo, hi) in zip(range(0, lq, rows), _spans(mask, q, lk, rows), strict=True):
-        stop = min(start + rows, lq)
+    normalizer, frozen, mask, scale, softcap, dropout_p, groups, blocks = setup
+    lk, bounds = k.shape[-2], _bounds(normalizer, mask, q, k)
+    for start, stop, lo, hi in blocks:
         q_rows, additive_rows = q[..., start:stop, :], _rows(additive, start, stop)
         yield start, stop, _block(normalizer, q, q_rows, k[..., lo:hi, :], v[..., lo:hi, :], mask, bounds,
                                   additive_rows, sinks, scale, softcap, dropout_p, groups, start, stop, lo, lk,
@@ -425,9 +431,16 @@ def _autocast_state(device: torch.device) -> tuple[torch.dtype, bool] | None:
     return torch.get_autocast_dtype(kind), torch.is_autocast_enabled(kind)
 
 
-def _autocast(device: torch.device, state: tuple[torch.dtype, bool] | None):
-    """Autocast as :func:`_autocast_state` found it (the backward recomputes the forward's blocks)."""
-    return contextlib.nullcontext() if state is None else torch.autocast(device.type, *state)
+@contextlib.contextmanager
+def _replaying(ctx, device: torch.device):
+    """The forward's random state (its dropout masks, when it had dropout) and autocast
+    (:func:`_autocast_state`), for the backward's recomputed blocks; the caller's random state after."""
+    autocast = contextlib.nullcontext() if ctx.autocast is None else torch.autocast(device.type, *ctx.autocast)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], enabled=ctx.rng is not None), \
+            autocast:
+        if ctx.rng is not None:
+            _set_rng_state(ctx.rng, device)
+        yield
 
 
 def _rng_state(device: torch.device) -> Tensor:
@@ -461,7 +474,7 @@ class _BlockedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():  # create_graph=True: gradients to differentiate again
             return _differentiable_backward(ctx, grad_out)
-        normalizer, frozen, mask, scale, softcap, dropout_p, groups, rows = ctx.setup
+        normalizer, frozen, mask, scale, softcap, dropout_p, groups, blocks = ctx.setup
         q, k, v, additive, sinks, *_ = ctx.saved_tensors  # unpacked: tensors changed in place raise here
         frozen.check()
         frozen, params = frozen.with_leaves()  # the forward's state, each tensor to differentiate a leaf here
@@ -480,13 +493,9 @@ class _BlockedAttention(torch.autograd.Function):
         inputs = [t for t in (k, v, sinks) if t is not None and t.requires_grad] + list(params)
         if not (inputs or wants_q or wants_additive):
             return (None,) * (6 + len(params))
-        lq, lk, bounds = q.shape[-2], k.shape[-2], _bounds(normalizer, mask, q, k)
-        with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0), \
-                _autocast(q.device, ctx.autocast):  # the forward's autocast: the same blocks
-            if ctx.rng is not None:
-                _set_rng_state(ctx.rng, q.device)
-            for start, (lo, hi) in zip(range(0, lq, rows), _spans(mask, q, lk, rows), strict=True):
-                stop = min(start + rows, lq)
+        lk, bounds = k.shape[-2], _bounds(normalizer, mask, q, k)
+        with _replaying(ctx, q.device):
+            for start, stop, lo, hi in blocks:
                 with torch.enable_grad():
                     q_rows = q[..., start:stop, :].detach().requires_grad_(wants_q)
                     # The block's keys as leaves of their own: their gradients are the block's keys only,
@@ -532,14 +541,11 @@ def _differentiable_backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]
     ``@once_differentiable`` its results came back detached and a second derivative through them was
     silently missing (or a misleading "not used in the graph" error).
     """
-    frozen, dropout_p = ctx.setup[1], ctx.setup[5]
+    frozen = ctx.setup[1]
     q, k, v, additive, sinks, *_ = ctx.saved_tensors  # unpacked: tensors changed in place raise here too
     frozen.check()
     params = frozen.differentiable()  # the forward's own tensors
-    with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [], enabled=dropout_p > 0), \
-            _autocast(q.device, ctx.autocast):
-        if ctx.rng is not None:
-            _set_rng_state(ctx.rng, q.device)
+    with _replaying(ctx, q.device):
         out = torch.cat([block for _, _, block in _outputs(ctx.setup, q, k, v, additive, sinks)], dim=-2)
     inputs = (q, k, v, additive, sinks, *params)
     wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[1 + i]]
